@@ -1,0 +1,179 @@
+"""Shared `--NAME=value` overrides for every script's module-level constants.
+
+Each script keeps its settings as UPPER_CASE constants at the top (nanoGPT style) and ends its
+constant block with `configure(globals())`. Then, for any constant `FOO_BAR`:
+
+    python script.py --FOO_BAR=3        # exact name
+    python script.py --foo-bar 3        # the same, argparse style
+    python script.py --overwrite        # a bare flag sets a bool constant to True
+    python script.py a.csv b.csv        # positional words go to the constant named by `positional`
+    python script.py --help             # lists every constant with its default and comment
+
+An unknown name or a value of the wrong type is an error that lists the valid names (exit 2).
+The value's type comes from the constant's default (or its annotation when the default is None).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import types
+import typing
+from pathlib import Path
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+_NONE = {"none", "null"}
+_SIMPLE = (bool, int, float, str, Path, list, tuple, type(None))
+
+
+class ConfigError(ValueError):
+    """A bad override: unknown name or a value that does not fit the constant's type."""
+
+
+def constants_of(namespace: dict) -> dict:
+    """The overridable constants of a module namespace: UPPER_CASE names with simple values."""
+    return {
+        name: value
+        for name, value in namespace.items()
+        if re.fullmatch(r"[A-Z][A-Z0-9_]*", name) and isinstance(value, _SIMPLE)
+    }
+
+
+def _annotation_types(annotation) -> tuple:
+    if isinstance(annotation, str):  # `from __future__ import annotations` keeps them as text
+        names = {"int": int, "float": float, "str": str, "bool": bool, "Path": Path}
+        return tuple(t for key, t in names.items() if re.search(rf"\b{key}\b", annotation))
+    args = typing.get_args(annotation)
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return tuple(a for a in args if a is not type(None))
+    return (annotation,) if isinstance(annotation, type) else ()
+
+
+def convert_value(name: str, text: str, default, annotation=None):
+    """Turns the override text into the type of `default` (or of `annotation` when default is None)."""
+    kind = type(default)
+    if default is None:
+        if text.strip().lower() in _NONE:
+            return None
+        candidates = _annotation_types(annotation) if annotation is not None else (str,)
+        kind = candidates[0] if candidates else str
+    try:
+        if kind is bool:
+            low = text.strip().lower()
+            if low in _TRUE:
+                return True
+            if low in _FALSE:
+                return False
+            raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
+        if kind is int:
+            return int(text)
+        if kind is float:
+            return float(text)
+        if kind is Path:
+            return Path(text)
+        if kind in (list, tuple):
+            items = [item for item in text.split(",") if item != ""]
+            inner = type(default[0]) if default else str
+            converted = [convert_value(name, item, inner()) if inner in (int, float) else item for item in items]
+            return kind(converted)
+        return kind(text)
+    except ValueError as err:
+        raise ConfigError(f"--{name}={text!r}: not a valid {kind.__name__} ({err})") from None
+
+
+def _doc_lines(namespace: dict) -> dict:
+    """NAME -> its trailing comment in the script's source, for --help."""
+    path = namespace.get("__file__")
+    if not path or not os.path.exists(path):
+        return {}
+    comments = {}
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        match = re.match(r"^([A-Z][A-Z0-9_]*)\s*(?::[^=]+)?=.*?#\s*(.+)$", line)
+        if match:
+            comments.setdefault(match.group(1), match.group(2).strip())
+    return comments
+
+
+def usage(namespace: dict, positional: str | None = None) -> str:
+    script = Path(namespace.get("__file__", "script.py")).name
+    doc = (namespace.get("__doc__") or "").strip()
+    comments = _doc_lines(namespace)
+    lines = [doc, "", f"usage: python {script} [--NAME=value ...]" + (f" [{positional} ...]" if positional else ""), ""]
+    for name, value in constants_of(namespace).items():
+        lines.append(f"  --{name}={value!s:<24} {comments.get(name, '')}".rstrip())
+    return "\n".join(lines)
+
+
+def parse_overrides(argv: list[str], defaults: dict, annotations: dict | None = None,
+                    positional: str | None = None) -> dict:
+    """Returns {NAME: converted value} for the overrides in argv; raises ConfigError on bad input."""
+    annotations = annotations or {}
+    valid = sorted(defaults)
+    lookup = {name.lower().replace("_", "-"): name for name in defaults}
+    result: dict = {}
+    words: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if not arg.startswith("--") or arg == "--":
+            words.append(arg)
+            continue
+        key, has_value, text = arg[2:].partition("=")
+        name = key if key in defaults else lookup.get(key.lower().replace("_", "-"))
+        if name is None:
+            raise ConfigError(f"unknown setting --{key}. Valid names: {', '.join(valid)}")
+        default = defaults[name]
+        if not has_value:
+            if isinstance(default, bool):
+                result[name] = True
+                continue
+            if i >= len(argv):
+                raise ConfigError(f"--{key} needs a value (--{name}=value)")
+            text = argv[i]
+            i += 1
+        result[name] = convert_value(name, text, default, annotations.get(name))
+    if words:
+        if positional is None:
+            raise ConfigError(f"unexpected argument {words[0]!r}: settings take the form --NAME=value. "
+                              f"Valid names: {', '.join(valid)}")
+        default = defaults[positional]
+        result[positional] = type(default)(words) if isinstance(default, (list, tuple)) else words[0]
+    return result
+
+
+def configure(namespace: dict, argv: list[str] | None = None, positional: str | None = None) -> dict:
+    """Applies command-line overrides to a script's constants in place; returns the resolved config.
+
+    Call it as `configure(globals())` right after the constant block. Exits with status 2 and the list of
+    valid names on a bad override; prints the constants and exits 0 on --help.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    defaults = constants_of(namespace)
+    if positional is not None and positional not in defaults:
+        raise KeyError(f"positional constant {positional} is not defined")
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(usage(namespace, positional))
+        raise SystemExit(0)
+    try:
+        overrides = parse_overrides(argv, defaults, namespace.get("__annotations__", {}), positional)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    namespace.update(overrides)
+    return constants_of(namespace)
+
+
+def save_config(config: dict, path: str | os.PathLike) -> Path:
+    """Writes the resolved constants as JSON (atomically) so a run folder records how it was made."""
+    from fileio import atomic_write_text
+
+    serialisable = {k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v)
+                    for k, v in config.items()}
+    return atomic_write_text(path, json.dumps(serialisable, indent=2, sort_keys=True) + "\n")
+
+
+__all__ = ["ConfigError", "configure", "constants_of", "convert_value", "parse_overrides", "save_config", "usage"]
