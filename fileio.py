@@ -36,10 +36,18 @@ def atomic_output(path: str | os.PathLike, suffix: str | None = None):
     os.close(fd)
     try:
         yield Path(tmp)
+        # mkstemp makes the file 0600; give the output the mode a plain open() would (or the old file's).
+        os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~_umask())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:

@@ -1,0 +1,147 @@
+"""Checks the CSVs that training and evaluation read; lists every problem and exits 1 if there is any.
+
+    python check_data.py [data ...]
+
+A folder means every *_harmony.csv below it (training reads data/**/*_harmony.csv outside data/eval/;
+evaluation reads those under data/eval/); a file is checked whatever its name. Each file needs the columns
+timestep,timestamp,prompt,optimal_action,q_action_0..3,reward_action_0..3 and at least one row; each row
+needs a prompt in Harmony format (starts with <|start|>, ends with the generation prompt
+<|start|>assistant), four finite Q-values, four finite rewards in [0, 1] summing to 1 (within 1e-6),
+and an optimal_action in 0..3 that is an argmax of the Q-values.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import tes_env
+
+PATHS: list = ["data"]  # files or folders to check (positional arguments)
+SUM_TOLERANCE = 1e-6  # allowed |sum of rewards - 1|
+ARGMAX_TOLERANCE = 1e-6  # optimal_action's Q may be this far below the row's max Q (6-decimal rounding)
+
+_N_ACTIONS = tes_env.N_ACTIONS
+_Q_COLUMNS = list(tes_env.Q_COLUMNS)
+_REWARD_COLUMNS = list(tes_env.REWARD_COLUMNS)
+_REQUIRED_COLUMNS = ["timestep", "timestamp", "prompt", "optimal_action", *_Q_COLUMNS, *_REWARD_COLUMNS]
+_HARMONY_START = "<|start|>"
+_GENERATION_PROMPT = "<|start|>assistant"
+
+
+def problem(path, message: str, row: int | None = None, column: str | None = None) -> str:
+    where = str(path)
+    if row is not None:
+        where += f", row {row}"
+    if column is not None:
+        where += f", column {column!r}"
+    return f"{where}: {message}"
+
+
+def finite_cell(path, row: int, column: str, text: str, problems: list[str]) -> float | None:
+    if text.strip() == "":
+        problems.append(problem(path, "missing value", row, column))
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        problems.append(problem(path, f"not a number: {text!r}", row, column))
+        return None
+    if not math.isfinite(value):
+        problems.append(problem(path, f"not finite: {text!r}", row, column))
+        return None
+    return value
+
+
+def check_row(path, row: int, cells: dict, problems: list[str]) -> None:
+    prompt = cells["prompt"]
+    if not prompt.strip():
+        problems.append(problem(path, "empty prompt", row, "prompt"))
+    elif not prompt.startswith(_HARMONY_START):
+        problems.append(problem(path, "prompt is not in Harmony format (does not start with <|start|>)", row,
+                                "prompt"))
+    elif not prompt.endswith(_GENERATION_PROMPT):
+        problems.append(problem(path, "prompt does not end with the generation prompt <|start|>assistant", row,
+                                "prompt"))
+    try:
+        int(cells["timestep"])
+    except ValueError:
+        problems.append(problem(path, f"not an integer: {cells['timestep']!r}", row, "timestep"))
+    q = [finite_cell(path, row, c, cells[c], problems) for c in _Q_COLUMNS]
+    rewards = [finite_cell(path, row, c, cells[c], problems) for c in _REWARD_COLUMNS]
+    for column, value in zip(_REWARD_COLUMNS, rewards):
+        if value is not None and not 0.0 <= value <= 1.0:
+            problems.append(problem(path, f"reward {value!r} is outside [0, 1]", row, column))
+    if all(value is not None for value in rewards) and abs(math.fsum(rewards) - 1.0) > SUM_TOLERANCE:
+        problems.append(problem(path, f"rewards sum to {math.fsum(rewards)!r}, not 1", row, "reward_action_0..3"))
+    action_text = cells["optimal_action"].strip()
+    if action_text not in {str(a) for a in range(_N_ACTIONS)}:
+        problems.append(problem(path, f"not an action 0..{_N_ACTIONS - 1}: {action_text!r}", row, "optimal_action"))
+    elif all(value is not None for value in q) and q[int(action_text)] < max(q) - ARGMAX_TOLERANCE:
+        problems.append(problem(path, f"action {action_text} is not an argmax of the Q-values", row,
+                                "optimal_action"))
+
+
+def check_file(path: Path) -> tuple[int, list[str]]:
+    """(rows checked, problems) for one CSV."""
+    import pandas as pd
+
+    try:
+        frame = pd.read_csv(path, dtype=str, keep_default_na=False, na_filter=False)
+    except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as err:
+        return 0, [problem(path, f"cannot read as CSV: {err}")]
+    missing = [c for c in _REQUIRED_COLUMNS if c not in frame.columns]
+    if missing:
+        return 0, [problem(path, f"missing column(s) {', '.join(missing)}")]
+    if len(frame) == 0:
+        return 0, [problem(path, "no data rows")]
+    problems: list[str] = []
+    for index, cells in enumerate(frame[_REQUIRED_COLUMNS].to_dict("records")):
+        check_row(path, index + 1, cells, problems)
+    return len(frame), problems
+
+
+def files_to_check(paths: Sequence) -> tuple[list[Path], list[str]]:
+    files, problems = [], []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            found = sorted(path.rglob("*_harmony.csv"))
+            if not found:
+                problems.append(problem(path, "no *_harmony.csv files below this folder"))
+            files += found
+        elif path.is_file():
+            files.append(path)
+        else:
+            problems.append(problem(path, "no such file or folder"))
+    return files, problems
+
+
+def check_paths(paths: Sequence) -> tuple[int, int, list[str]]:
+    """(files, rows, every problem found)."""
+    files, problems = files_to_check(paths)
+    rows = 0
+    for path in files:
+        count, found = check_file(path)
+        rows += count
+        problems += found
+    return len(files), rows, problems
+
+
+def main() -> None:
+    from script_config import configure
+
+    configure(globals(), positional="PATHS")
+    n_files, n_rows, problems = check_paths(PATHS)
+    for line in problems:
+        print(line)
+    if problems:
+        print(f"{len(problems)} problem(s) in {n_files} file(s), {n_rows} row(s)", file=sys.stderr)
+        sys.exit(1)
+    print(f"ok: {n_files} file(s), {n_rows} row(s)")
+
+
+if __name__ == "__main__":
+    main()

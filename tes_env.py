@@ -1,0 +1,573 @@
+"""The TES cooling plant: simulator, exact dynamic programming over Q, simple policies and the prompt.
+
+A library module (no command); the scripts `make_q_dataset.py`, `make_example_data.py` and any evaluator
+import it. Facts of the plant (issue 2, section 1):
+
+- An air-source heat pump (ASHP), rated cooling output 100 kW, constant COP 4.0; a TES of 300 kWh.
+- Actions 0..3 set the ASHP output ratio to 0, 1/3, 2/3, 1: scheduled cooling `Qs = ratio * 100` kWh.
+- Business hours 08:00-17:00 (10 decisions a day). Outside them the load is 0 and only action 0 exists.
+- In an hour with load L: the ASHP serves min(L, Qs); the TES discharges min(L - served, E); the rest is
+  unserved; the surplus Qs - served charges the TES up to its capacity, what does not fit is wasted.
+- Emissions: Qs / COP * co2 kg. Step reward: -(emissions + 10 * unserved_kWh) / 6.
+- An episode is 72 hours from 00:00 of day 1 with E = 150 kWh. After the 17:00 hour of day 3 a terminal
+  credit co2_low5 * E / COP / 6 is added (co2_low5: mean of the 5 lowest CO2 factors among day 4's
+  business hours), so a series covers 4 days (96 hours).
+- Q_t(E, a) = r_t(E, a) + V_{t+1}(E'), undiscounted, V = max over the allowed actions.
+
+Exactness: E' = clip(E + Qs - L, 0, 300), so every energy reachable from a state is "a clip point (0,
+300 or the start) plus k * 100/3 minus the loads since then": a few hundred values per hour. `QSolver`
+evaluates V by memoised recursion on exactly those reachable energies, so Q is exact up to float
+rounding (~1e-12), with no grid and no interpolation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import random
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Callable, Sequence
+
+from fileio import InputError
+
+RATED_KW = 100.0  # ASHP rated cooling output (kW); one hour at ratio 1 schedules 100 kWh
+COP = 4.0  # ASHP coefficient of performance (kWh cooling per kWh electricity), constant
+CAPACITY_KWH = 300.0  # TES capacity (kWh)
+ACTION_RATIOS = (0.0, 1.0 / 3.0, 2.0 / 3.0, 1.0)  # ASHP output ratio of actions 0..3
+N_ACTIONS = len(ACTION_RATIOS)
+FIRST_BUSINESS_HOUR = 8  # 08:00 is the first decision of a day
+LAST_BUSINESS_HOUR = 17  # 17:00 is the last one; the building closes at 18:00
+BUSINESS_HOURS = tuple(range(FIRST_BUSINESS_HOUR, LAST_BUSINESS_HOUR + 1))
+UNSERVED_PENALTY_KG_PER_KWH = 10.0  # an unserved kWh costs as much as 10 kg CO2
+REWARD_SCALE = 6.0  # rewards are -(kg CO2 equivalent) / 6
+EPISODE_DAYS = 3
+EPISODE_HOURS = 24 * EPISODE_DAYS  # timesteps 0..71
+SERIES_DAYS = EPISODE_DAYS + 1  # day 4 prices the energy left at the end
+SERIES_HOURS = 24 * SERIES_DAYS
+TERMINAL_TIMESTEP = 24 * (EPISODE_DAYS - 1) + LAST_BUSINESS_HOUR + 1  # 66: the credit is paid on E_66
+INITIAL_ENERGY_KWH = 150.0
+LOW_CO2_COUNT = 5  # co2_low5 averages this many lowest day-4 business-hour factors
+SERIES_COLUMNS = ("datetime", "co2_kg_per_kwh", "cooling_load_kw")
+ENERGY_KEY_DECIMALS = 9  # float energies equal to 1e-9 kWh share one memo entry (paths differ by ~1e-13)
+TIE_TOLERANCE = 1e-9  # Q-values this close count as a tie; the lowest action wins
+Q_COLUMNS = tuple(f"q_action_{a}" for a in range(N_ACTIONS))
+REWARD_COLUMNS = tuple(f"reward_action_{a}" for a in range(N_ACTIONS))
+# columns of <series>_q_dataset.csv as make_q_dataset.py writes them (calculate_reward.py adds REWARD_COLUMNS
+# after q_action_3)
+DATASET_COLUMNS = ("timestep", "timestamp", "prompt", "optimal_action", *Q_COLUMNS, "series", "tes_energy_kwh",
+                   "on_trajectory")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Input series
+
+
+@dataclasses.dataclass(frozen=True)
+class Series:
+    """Four whole days of hourly inputs starting at 00:00 (96 hours)."""
+
+    name: str
+    datetimes: tuple[datetime, ...]
+    co2: tuple[float, ...]  # kg CO2 per kWh of electricity
+    load: tuple[float, ...]  # cooling load (kW = kWh in the hour); 0 outside business hours
+
+    def __post_init__(self):
+        if not (len(self.datetimes) == len(self.co2) == len(self.load) == SERIES_HOURS):
+            raise ValueError(f"series {self.name!r} needs {SERIES_HOURS} hours, got "
+                             f"{len(self.datetimes)}/{len(self.co2)}/{len(self.load)}")
+
+
+def _parse_float(path, row: int, column: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise InputError(path, "not a number", row=row, column=column, value=text) from None
+    if not math.isfinite(value):
+        raise InputError(path, "not finite", row=row, column=column, value=text)
+    return value
+
+
+def series_from_rows(rows: Sequence[Sequence[str]], name: str, path="<series>") -> Series:
+    """Validates string rows (datetime, co2, load) and builds a Series; rows are numbered from 1.
+
+    Raises InputError naming the file, row, column and value of the first problem.
+    """
+    if len(rows) != SERIES_HOURS:
+        raise InputError(path, f"needs exactly {SERIES_HOURS} hourly rows (4 whole days from 00:00), "
+                               f"found {len(rows)}")
+    datetimes, co2, load = [], [], []
+    for index, row in enumerate(rows):
+        number = index + 1
+        text_time, text_co2, text_load = (str(cell).strip() for cell in row)
+        try:
+            moment = datetime.fromisoformat(text_time)
+        except ValueError:
+            raise InputError(path, "not an ISO date-time", row=number, column="datetime",
+                             value=text_time) from None
+        if moment.tzinfo is not None:
+            moment = moment.replace(tzinfo=None)
+        if index == 0 and (moment.hour, moment.minute, moment.second) != (0, 0, 0):
+            raise InputError(path, "the series must start at 00:00", row=number, column="datetime",
+                             value=text_time)
+        if index > 0 and moment - datetimes[-1] != timedelta(hours=1):
+            raise InputError(path, "rows must be consecutive hours", row=number, column="datetime",
+                             value=text_time)
+        factor = _parse_float(path, number, "co2_kg_per_kwh", text_co2)
+        if factor < 0:
+            raise InputError(path, "CO2 factor must be >= 0", row=number, column="co2_kg_per_kwh",
+                             value=text_co2)
+        kw = _parse_float(path, number, "cooling_load_kw", text_load)
+        if kw < 0:
+            raise InputError(path, "cooling load must be >= 0", row=number, column="cooling_load_kw",
+                             value=text_load)
+        if kw != 0 and moment.hour not in BUSINESS_HOURS:
+            raise InputError(path, "cooling load must be 0 outside business hours 08:00-17:00",
+                             row=number, column="cooling_load_kw", value=text_load)
+        datetimes.append(moment)
+        co2.append(factor)
+        load.append(kw)
+    return Series(name=name, datetimes=tuple(datetimes), co2=tuple(co2), load=tuple(load))
+
+
+def load_series(path: str | Path) -> Series:
+    """Reads a series CSV with exactly the columns datetime,co2_kg_per_kwh,cooling_load_kw (96 rows)."""
+    import csv
+
+    path = Path(path)
+    try:
+        with path.open(newline="", encoding="utf-8") as handle:
+            table = list(csv.reader(handle))
+    except OSError as err:
+        raise InputError(path, f"cannot read: {err.strerror}") from None
+    if not table:
+        raise InputError(path, "empty file")
+    header = [cell.strip() for cell in table[0]]
+    if header != list(SERIES_COLUMNS):
+        raise InputError(path, f"columns must be exactly {','.join(SERIES_COLUMNS)}; found {','.join(header)}")
+    rows = table[1:]
+    for number, row in enumerate(rows, start=1):
+        if len(row) != len(SERIES_COLUMNS):
+            raise InputError(path, f"expected {len(SERIES_COLUMNS)} cells, found {len(row)}", row=number)
+    return series_from_rows(rows, name=path.stem, path=path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Time
+
+
+def day_of(t: int) -> int:
+    """Day index (0-based) of timestep t."""
+    return t // 24
+
+
+def hour_of(t: int) -> int:
+    return t % 24
+
+
+def is_business_hour(t: int) -> bool:
+    return hour_of(t) in BUSINESS_HOURS
+
+
+def business_timesteps(days: int = EPISODE_DAYS) -> list[int]:
+    """Decision timesteps of the episode: 30 for 3 days (8..17, 32..41, 56..65)."""
+    return [t for t in range(24 * days) if is_business_hour(t)]
+
+
+def allowed_actions(t: int) -> tuple[int, ...]:
+    return tuple(range(N_ACTIONS)) if is_business_hour(t) else (0,)
+
+
+# ---------------------------------------------------------------------------------------------------
+# One hour of the plant
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What one hour did; energies in kWh, emissions in kg CO2, reward as the issue defines it."""
+
+    energy: float  # TES energy after the hour
+    scheduled: float  # ASHP output Qs
+    served: float  # load served by the ASHP
+    discharged: float  # load served by the TES
+    unserved: float
+    charged: float  # surplus stored in the TES
+    wasted: float  # surplus that did not fit
+    emissions_kg: float
+    reward: float
+
+
+def scheduled_kwh(action: int) -> float:
+    return RATED_KW * ACTION_RATIOS[action]
+
+
+def transition(energy: float, load: float, co2: float, action: int) -> StepResult:
+    """One hour with TES energy `energy`, cooling load `load` and CO2 factor `co2` under `action`."""
+    if not 0 <= action < N_ACTIONS:
+        raise ValueError(f"action {action} is not in 0..{N_ACTIONS - 1}")
+    if not 0.0 <= energy <= CAPACITY_KWH:
+        raise ValueError(f"TES energy {energy} kWh is outside 0..{CAPACITY_KWH}")
+    scheduled = scheduled_kwh(action)
+    served = min(load, scheduled)
+    discharged = min(load - served, energy)
+    unserved = load - served - discharged
+    surplus = scheduled - served
+    # the new energy is the clip itself (not energy + charged) so that it never leaves [0, capacity]
+    if surplus > 0:
+        new_energy = min(energy + surplus, CAPACITY_KWH)
+        charged = new_energy - energy
+    else:
+        new_energy = energy - discharged
+        charged = 0.0
+    wasted = surplus - charged
+    emissions = scheduled / COP * co2
+    reward = -(emissions + UNSERVED_PENALTY_KG_PER_KWH * unserved) / REWARD_SCALE
+    return StepResult(energy=new_energy, scheduled=scheduled, served=served, discharged=discharged,
+                      unserved=unserved, charged=charged, wasted=wasted, emissions_kg=emissions, reward=reward)
+
+
+def step(series: Series, t: int, energy: float, action: int) -> StepResult:
+    """Hour t of `series`; off business hours only action 0 is allowed (ValueError otherwise)."""
+    if not 0 <= t < EPISODE_HOURS:
+        raise ValueError(f"timestep {t} is outside the episode 0..{EPISODE_HOURS - 1}")
+    if action not in allowed_actions(t):
+        raise ValueError(f"action {action} is not allowed at timestep {t} (hour {hour_of(t):02d}:00)")
+    return transition(energy, series.load[t], series.co2[t], action)
+
+
+def business_values(series: Series, day: int, values: Sequence[float]) -> list[float]:
+    return [values[24 * day + hour] for hour in BUSINESS_HOURS]
+
+
+def co2_low5(series: Series) -> float:
+    """Mean of the 5 lowest CO2 factors among the business hours of day 4 (index 3)."""
+    return low_co2_mean(series, EPISODE_DAYS)
+
+
+def low_co2_mean(series: Series, day: int) -> float:
+    lowest = sorted(business_values(series, day, series.co2))[:LOW_CO2_COUNT]
+    return sum(lowest) / len(lowest)
+
+
+def terminal_credit(series: Series, energy: float) -> float:
+    """Reward added after the 17:00 hour of day 3 for the energy left in the TES."""
+    return co2_low5(series) * energy / COP / REWARD_SCALE
+
+
+# ---------------------------------------------------------------------------------------------------
+# Exact dynamic programming
+
+
+def best_action(q_values: Sequence[float | None]) -> int:
+    """Index of the largest Q (disallowed actions are None); near-ties go to the lowest index."""
+    allowed = [q for q in q_values if q is not None]
+    top = max(allowed)
+    return next(a for a, q in enumerate(q_values) if q is not None and q >= top - TIE_TOLERANCE)
+
+
+class QSolver:
+    """Exact V and Q of one series by memoised recursion over the reachable TES energies.
+
+    `value(t, E)` is V_t(E): the best return from timestep t (before its hour) with TES energy E,
+    including the terminal credit. `q_values(t, E)` lists Q_t(E, a) for a = 0..3 (None where the action
+    is not allowed). Works for any energy in [0, 300], on or off the optimal trajectory.
+    """
+
+    def __init__(self, series: Series):
+        self.series = series
+        self._credit_per_kwh = co2_low5(series) / COP / REWARD_SCALE
+        self._memo: dict[tuple[int, float], float] = {}
+
+    @property
+    def states_evaluated(self) -> int:
+        return len(self._memo)
+
+    def value(self, t: int, energy: float) -> float:
+        check_energy(energy)
+        return self._value(t, float(energy))
+
+    def q_values(self, t: int, energy: float) -> list[float | None]:
+        check_energy(energy)
+        allowed = allowed_actions(t)
+        return [self._q(t, float(energy), a) if a in allowed else None for a in range(N_ACTIONS)]
+
+    def optimal_action(self, t: int, energy: float) -> int:
+        return best_action(self.q_values(t, energy))
+
+    def _q(self, t: int, energy: float, action: int) -> float:
+        if t >= TERMINAL_TIMESTEP:
+            # after the last decision only action 0 exists and nothing changes; Q is the credit
+            return self._credit_per_kwh * energy
+        result = transition(energy, self.series.load[t], self.series.co2[t], action)
+        return result.reward + self._value(t + 1, result.energy)
+
+    def _value(self, t: int, energy: float) -> float:
+        # off business hours the load is 0 and only action 0 exists: nothing changes, reward 0
+        while t < TERMINAL_TIMESTEP and not is_business_hour(t):
+            t += 1
+        if t >= TERMINAL_TIMESTEP:
+            return self._credit_per_kwh * energy
+        key = (t, round(energy, ENERGY_KEY_DECIMALS))
+        cached = self._memo.get(key)
+        if cached is None:
+            cached = max(self._q(t, energy, a) for a in range(N_ACTIONS))
+            self._memo[key] = cached
+        return cached
+
+
+def check_energy(energy: float) -> None:
+    if isinstance(energy, bool) or not isinstance(energy, numbers.Real) or not 0.0 <= energy <= CAPACITY_KWH:
+        raise ValueError(f"TES energy {energy!r} kWh is outside 0..{CAPACITY_KWH}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """One business-hour state of a trajectory with its exact Q-values."""
+
+    t: int
+    energy: float
+    q_values: tuple[float, ...]
+    action: int
+
+
+def optimal_trajectory(solver: QSolver, initial_energy: float = INITIAL_ENERGY_KWH) -> list[Decision]:
+    """Rolls out the optimal policy from 00:00 of day 1; one Decision per business hour (30)."""
+    energy = float(initial_energy)
+    check_energy(energy)
+    decisions = []
+    for t in range(TERMINAL_TIMESTEP):
+        if not is_business_hour(t):
+            continue
+        q = solver.q_values(t, energy)
+        action = best_action(q)
+        decisions.append(Decision(t=t, energy=energy, q_values=tuple(q), action=action))
+        energy = step(solver.series, t, energy, action).energy
+    return decisions
+
+
+# ---------------------------------------------------------------------------------------------------
+# Policies: callables (series, t, energy) -> action, asked only at business hours
+
+
+Policy = Callable[[Series, int, float], int]
+
+
+def smallest_covering_action(need_kwh: float) -> int:
+    """The lowest action whose output covers `need_kwh` (action 3 if none does)."""
+    for action in range(N_ACTIONS):
+        if scheduled_kwh(action) >= need_kwh - 1e-9:
+            return action
+    return N_ACTIONS - 1
+
+
+def follow_load_policy(series: Series, t: int, energy: float) -> int:
+    """The ASHP covers the load by itself (lowest output >= load); the TES only stores the surplus."""
+    return smallest_covering_action(series.load[t])
+
+
+def storage_first_policy(series: Series, t: int, energy: float) -> int:
+    """The TES covers what it can; the ASHP adds the lowest output that covers the rest."""
+    return smallest_covering_action(series.load[t] - energy)
+
+
+def low_co2_charging_policy(series: Series, t: int, energy: float) -> int:
+    """Full output in the day's 3 lowest-CO2 business hours (charging the TES), else storage first."""
+    today = sorted(business_values(series, day_of(t), series.co2))
+    if series.co2[t] <= today[2]:
+        return N_ACTIONS - 1
+    return storage_first_policy(series, t, energy)
+
+
+def always_full_policy(series: Series, t: int, energy: float) -> int:
+    """ASHP at 100% in every business hour."""
+    return N_ACTIONS - 1
+
+
+RULE_POLICIES: dict[str, Policy] = {
+    "follow_load": follow_load_policy,
+    "storage_first": storage_first_policy,
+    "low_co2_charging": low_co2_charging_policy,
+    "always_full": always_full_policy,
+}
+
+
+class RandomPolicy:
+    """Uniform over the allowed actions, from its own seeded generator."""
+
+    def __init__(self, seed: int = 0):
+        self.rng = random.Random(seed)
+
+    def __call__(self, series: Series, t: int, energy: float) -> int:
+        return self.rng.choice(allowed_actions(t))
+
+
+class OptimalPolicy:
+    """The exact DP policy of one series (its solver memoises values across calls)."""
+
+    def __init__(self, series: Series):
+        self.solver = QSolver(series)
+
+    def __call__(self, series: Series, t: int, energy: float) -> int:
+        if series is not self.solver.series and series != self.solver.series:
+            raise ValueError("OptimalPolicy was built for another series")
+        return self.solver.optimal_action(t, energy)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    t: int
+    energy_before: float
+    action: int
+    result: StepResult
+
+
+@dataclasses.dataclass(frozen=True)
+class Episode:
+    """A whole 72-hour episode. `total_reward` includes the terminal credit; net_co2_kg = -6 * it."""
+
+    steps: tuple[StepRecord, ...]
+    emissions_kg: float
+    unserved_kwh: float
+    wasted_kwh: float
+    final_energy: float  # TES energy after the 17:00 hour of day 3
+    terminal_credit: float  # in reward units
+    total_reward: float
+
+    @property
+    def net_co2_kg(self) -> float:
+        """Emissions + 10 kg per unserved kWh - CO2 credited for the energy left (kg)."""
+        return -REWARD_SCALE * self.total_reward
+
+    @property
+    def actions(self) -> list[int]:
+        """Actions at the business hours, in order."""
+        return [record.action for record in self.steps if is_business_hour(record.t)]
+
+
+def simulate(series: Series, policy: Policy, initial_energy: float = INITIAL_ENERGY_KWH) -> Episode:
+    """Runs `policy` over the 72-hour episode; the policy is asked only at business hours."""
+    energy = float(initial_energy)
+    check_energy(energy)
+    records = []
+    total = 0.0
+    final_energy = None
+    credit = 0.0
+    for t in range(EPISODE_HOURS):
+        if t == TERMINAL_TIMESTEP:
+            final_energy = energy
+            credit = terminal_credit(series, energy)
+        action = policy(series, t, energy) if is_business_hour(t) else 0
+        result = step(series, t, energy, action)
+        records.append(StepRecord(t=t, energy_before=energy, action=action, result=result))
+        total += result.reward
+        energy = result.energy
+    total += credit
+    return Episode(
+        steps=tuple(records),
+        emissions_kg=sum(r.result.emissions_kg for r in records),
+        unserved_kwh=sum(r.result.unserved for r in records),
+        wasted_kwh=sum(r.result.wasted for r in records),
+        final_energy=final_energy,
+        terminal_credit=credit,
+        total_reward=total,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Prompt
+
+SYSTEM_PROMPT = f"""You operate the cooling plant of an office building: an air-source heat pump (ASHP) that can also charge a thermal energy storage (TES) tank. Every business hour you choose the ASHP output for that hour. Goal: minimise the cumulative CO2 emissions over the whole {EPISODE_DAYS}-day horizon while serving the cooling load.
+
+Plant
+- ASHP: rated cooling output {RATED_KW:.0f} kW, constant COP {COP:.1f} (electricity = cooling output / {COP:.1f}).
+- TES: capacity {CAPACITY_KWH:.0f} kWh; no standby, charging or discharging losses.
+- Business hours: {FIRST_BUSINESS_HOUR:02d}:00-{LAST_BUSINESS_HOUR:02d}:00, one decision per hour ({len(BUSINESS_HOURS)} per day); the building closes at {LAST_BUSINESS_HOUR + 1:02d}:00. Outside business hours the cooling load is 0 and the ASHP is off.
+
+What happens in an hour, in this order
+1. The ASHP output serves the cooling load.
+2. The TES discharges to cover the load the ASHP did not serve, as far as its energy allows.
+3. Load still not covered is unserved; every unserved kWh counts as {UNSERVED_PENALTY_KG_PER_KWH:.0f} kg of CO2.
+4. ASHP output above the load charges the TES up to {CAPACITY_KWH:.0f} kWh; the rest is wasted.
+Emissions of the hour (kg) = ASHP output (kWh) / {COP:.1f} x the hour's CO2 factor (kg/kWh), wasted output included.
+
+End of the horizon
+The horizon ends after the {LAST_BUSINESS_HOUR:02d}:00 hour of day {EPISODE_DAYS}. Energy then left in the TES counts as CO2 saved: stored kWh / {COP:.1f} x the mean of the {LOW_CO2_COUNT} lowest CO2 factors among the next day's business hours.
+
+Actions (ASHP output for the current hour)
+[0] off: 0 kW
+[1] one third: {scheduled_kwh(1):.1f} kW
+[2] two thirds: {scheduled_kwh(2):.1f} kW
+[3] full: {scheduled_kwh(3):.0f} kW
+
+Answer format: a single line with only the action number in brackets, for example [2]."""
+
+LEGACY_SYSTEM_HEADER = "system:\n"
+LEGACY_USER_HEADER = "\n\nuser:\n"
+
+
+def _fmt_load(value: float) -> str:
+    return f"{value:.1f}"
+
+
+def _fmt_co2(value: float) -> str:
+    return f"{value:.3f}"
+
+
+def build_prompt(series: Series, t: int, energy: float) -> tuple[str, str]:
+    """(system, user) texts for the decision at business-hour timestep t with TES energy `energy`."""
+    if not (0 <= t < EPISODE_HOURS and is_business_hour(t)):
+        raise ValueError(f"timestep {t} is not a business hour of the episode")
+    check_energy(energy)
+    day = day_of(t)
+    now = series.datetimes[t]
+    decision = hour_of(t) - FIRST_BUSINESS_HOUR + 1
+    lines = [
+        f"Current time: {now:%Y-%m-%d %H:%M}, day {day + 1} of {EPISODE_DAYS} "
+        f"(decision {decision} of {len(BUSINESS_HOURS)} today).",
+        f"TES energy now: {float(energy):.1f} kWh of {CAPACITY_KWH:.0f} kWh.",
+        "",
+        f"Today's business hours ({now:%Y-%m-%d}):",
+        "hour  | load kW | CO2 kg/kWh |",
+    ]
+    for hour in BUSINESS_HOURS:
+        s = 24 * day + hour
+        mark = "past" if s < t else "NOW" if s == t else ""
+        lines.append(f"{hour:02d}:00 | {_fmt_load(series.load[s]):>7} | {_fmt_co2(series.co2[s]):>10} | {mark}".rstrip())
+    remaining = sum(series.load[s] for s in range(t, 24 * day + LAST_BUSINESS_HOUR + 1))
+    lines.append(f"Load from now to the end of today: {remaining:.1f} kWh.")
+    next_day = day + 1
+    loads = business_values(series, next_day, series.load)
+    co2s = business_values(series, next_day, series.co2)
+    when = series.datetimes[24 * next_day]
+    lines += [
+        "",
+        f"Next day ({when:%Y-%m-%d}) business hours: mean load {sum(loads) / len(loads):.1f} kW; "
+        f"mean of the {LOW_CO2_COUNT} lowest CO2 factors {_fmt_co2(low_co2_mean(series, next_day))} kg/kWh; "
+        f"minimum CO2 factor {_fmt_co2(min(co2s))} kg/kWh.",
+    ]
+    if next_day == EPISODE_DAYS:
+        lines.append("The next day is after the horizon: TES energy left after 17:00 today is credited at that "
+                     f"mean of the {LOW_CO2_COUNT} lowest CO2 factors.")
+    lines += ["", f"Choose the action for {now:%H:%M}. Answer with a single line [k], k in 0..3."]
+    return SYSTEM_PROMPT, "\n".join(lines)
+
+
+def legacy_prompt(system: str, user: str) -> str:
+    """The two-part text stored in the `prompt` column of *_q_dataset.csv."""
+    if LEGACY_USER_HEADER in system:
+        raise ValueError("the system text must not contain the user header")
+    return f"{LEGACY_SYSTEM_HEADER}{system}{LEGACY_USER_HEADER}{user}"
+
+
+def parse_legacy_prompt(text: str) -> tuple[str, str]:
+    """Inverse of legacy_prompt; ValueError if `text` is not a two-part `system:` / `user:` prompt."""
+    if not text.startswith(LEGACY_SYSTEM_HEADER):
+        raise ValueError("a legacy prompt starts with 'system:' on its own line")
+    body = text[len(LEGACY_SYSTEM_HEADER):]
+    count = body.count(LEGACY_USER_HEADER)
+    if count != 1:
+        raise ValueError(f"a legacy prompt has exactly one 'user:' section after a blank line, found {count}")
+    system, user = body.split(LEGACY_USER_HEADER)
+    return system, user
+
