@@ -1,0 +1,499 @@
+"""Merge a GRPO LoRA adapter into gpt-oss and write a real MXFP4 checkpoint (OpenAI's layout), ready to serve.
+
+    python export_quantized_model.py --ADAPTER_PATH=runs/grpo-gpt-oss-20b --OUT_DIR=runs/export/gpt-oss-tes-mxfp4
+    python export_quantized_model.py --CHECK            # also reload the export and compare weights and logits
+    HF_TOKEN=... python export_quantized_model.py --PUSH_TO_HUB --HF_REPO_ID=you/gpt-oss-20b-tes
+
+Loads the base with `Mxfp4Config(dequantize=True)` (bf16), applies the adapter with PEFT,
+`merge_and_unload()`s it, and writes the MoE experts as `*_blocks` / `*_scales` (uint8) and everything
+else bf16, with `quantization_config: {quant_method: mxfp4, ...}`: about 13 GB for gpt-oss-20b, not 42.
+Expert weights the adapter did not touch (all of them unless training used `target_parameters`) are
+copied bit for bit from the base checkpoint's blocks and scales, not re-quantized. The tokenizer, chat
+template and a generation config ending on `<|return|>` / `<|call|>` go with it. The folder is written
+under a temporary name and renamed when complete, so a failed export never leaves a half-written model.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+ADAPTER_PATH = "runs/grpo-gpt-oss-20b"  # folder with adapter_config.json + adapter_model.safetensors (train_grpo.py's OUT)
+BASE_MODEL_ID = ""  # base checkpoint (hub id or folder); "" = the adapter's base_model_name_or_path
+ALLOW_OTHER_BASE = False  # merge even when BASE_MODEL_ID differs from the base the adapter names (shapes still checked)
+OUT_DIR = "runs/export/gpt-oss-tes-mxfp4"  # export folder (the Modelfile's FROM points here)
+OVERWRITE = False  # replace an existing OUT_DIR (the old one stays until the new one is complete)
+MAX_SHARD_GB = 5.0  # safetensors shard size in GB, as in the hub checkpoints
+DISK_MARGIN_GB = 1.0  # free space required on top of the estimated export size, GB
+CHECK = False  # after writing, reload the export and compare weights and logits with the merged model
+LOGIT_RTOL = 1e-3  # --CHECK: largest logit difference to the FP4-rounded merged model, relative to the largest logit
+CHECK_TEXT = "The storage tank is charged at night when the grid is cleanest."  # text whose logits --CHECK compares
+PUSH_TO_HUB = False  # upload OUT_DIR to the Hugging Face Hub (token from the HF_TOKEN environment variable)
+HF_REPO_ID = ""  # hub repo for the upload, e.g. "you/gpt-oss-20b-tes-mxfp4"
+HF_PRIVATE = True  # create the hub repo as private
+# gpt-oss's Harmony end tokens: <|return|> ends a final answer, <|call|> a tool call.
+_END_TOKENS = ("<|return|>", "<|call|>")
+_END_TOKEN_IDS = (200002, 200012)  # their ids in o200k_harmony; checked against the tokenizer
+
+_ADAPTER_WEIGHTS = ("adapter_model.safetensors",)  # PEFT's default format; .bin adapters: re-save with PEFT
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+class ExportError(RuntimeError):
+    """A problem with the export's inputs or destination, explained for the user."""
+
+
+class CheckFailed(AssertionError):
+    """--CHECK found the export's weights or logits off; the message names the tensor."""
+
+
+def read_adapter_config(adapter_path: str | os.PathLike) -> dict:
+    """adapter_config.json of a PEFT LoRA folder; ExportError naming what is missing."""
+    folder = Path(adapter_path)
+    if not folder.is_dir():
+        raise ExportError(f"adapter folder {folder} does not exist (set --ADAPTER_PATH to the run folder of "
+                          f"train_grpo.py, the one holding adapter_config.json)")
+    config_path = folder / "adapter_config.json"
+    if not config_path.is_file():
+        raise ExportError(f"{folder} has no adapter_config.json: not a PEFT adapter folder")
+    if not any((folder / name).is_file() for name in _ADAPTER_WEIGHTS):
+        raise ExportError(f"{folder} has no adapter weights ({' or '.join(_ADAPTER_WEIGHTS)})")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ExportError(f"{config_path}: not valid JSON ({err})") from None
+    if config.get("peft_type") != "LORA":
+        raise ExportError(f"{config_path}: peft_type is {config.get('peft_type')!r}, this exporter merges LoRA only")
+    return config
+
+
+def same_base(name_a: str | None, name_b: str | None) -> bool:
+    """Whether two base ids name the same model: equal hub ids, or folders that resolve to the same path."""
+    if not name_a or not name_b:
+        return True  # an adapter saved from an in-memory model records no name; shapes decide
+    if name_a.rstrip("/") == name_b.rstrip("/"):
+        return True
+    path_a, path_b = Path(name_a), Path(name_b)
+    return path_a.exists() and path_b.exists() and path_a.resolve() == path_b.resolve()
+
+
+def resolve_base_folder(base_id: str) -> Path:
+    """Local folder of the base checkpoint: the folder itself, or the hub snapshot (downloaded once, cached)."""
+    if Path(base_id).is_dir():
+        return Path(base_id)
+    from huggingface_hub import snapshot_download
+
+    print(f"base {base_id} is not a local folder: fetching its config and safetensors from the hub (cached)")
+    return Path(snapshot_download(base_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.tiktoken"]))
+
+
+def base_is_mxfp4(base_folder: Path) -> bool:
+    config = json.loads((base_folder / "config.json").read_text(encoding="utf-8"))
+    return (config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+
+
+def adapter_tensor_shapes(adapter_path: Path) -> dict[str, tuple[int, ...]]:
+    from safetensors import safe_open
+
+    weights = adapter_path / "adapter_model.safetensors"
+    if not weights.is_file():
+        return {}
+    with safe_open(str(weights), framework="pt") as handle:
+        return {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
+
+
+def adapter_module_path(key: str) -> tuple[str, str] | None:
+    """`base_model.model.X(.base_layer)*.lora_A.weight` -> ("X", "lora_A"); None for other keys."""
+    for part in ("lora_A", "lora_B"):
+        suffix = f".{part}.weight"
+        if key.endswith(suffix):
+            module = key[: -len(suffix)].removeprefix("base_model.model.")
+            return module.replace(".base_layer", ""), part
+    return None
+
+
+def check_adapter_fits_base(adapter_path: Path, base_folder: Path) -> None:
+    """Compares every LoRA factor's shape with the base's module (built on the meta device, no weights)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(base_folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    modules = dict(model.named_modules())
+    problems = []
+    for key, shape in adapter_tensor_shapes(adapter_path).items():
+        found = adapter_module_path(key)
+        if found is None:
+            continue
+        module_name, part = found
+        module = modules.get(module_name)
+        if module is None:
+            problems.append(f"{key}: the base has no module {module_name}")
+        elif isinstance(module, torch.nn.Linear):
+            # lora_A is [rank, in_features], lora_B is [out_features, rank]
+            fits = shape[1] == module.in_features if part == "lora_A" else shape[0] == module.out_features
+            if not fits:
+                problems.append(f"{key}: shape {shape} does not fit {module_name} "
+                                f"(in {module.in_features}, out {module.out_features})")
+        else:
+            # target_parameters on 3-D experts: lora_A [rank*E, in], lora_B [out, rank*E]
+            dims = {d for p in module.parameters(recurse=False) if p.dim() == 3 for d in p.shape[1:]}
+            feature_dim = shape[1] if part == "lora_A" else shape[0]
+            if dims and feature_dim not in dims:
+                problems.append(f"{key}: shape {shape} fits none of {module_name}'s expert parameters")
+    if problems:
+        raise ExportError(f"adapter {adapter_path} was made for another base than {base_folder}:\n  "
+                          + "\n  ".join(problems[:10]) + (f"\n  ... {len(problems) - 10} more" if len(problems) > 10 else ""))
+
+
+def checkpoint_bytes(folder: Path) -> int:
+    return sum(path.stat().st_size for path in folder.glob("*.safetensors"))
+
+
+def check_free_space(out_dir: Path, needed_bytes: int) -> None:
+    """ExportError unless the filesystem holding `out_dir` has `needed_bytes` free."""
+    probe = out_dir.parent
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < needed_bytes:
+        raise ExportError(f"not enough disk space for the export: about {needed_bytes / 1e9:.2f} GB needed, "
+                          f"{free / 1e9:.2f} GB free on the filesystem of {probe}. Free space or set --OUT_DIR "
+                          f"elsewhere.")
+
+
+def load_merged_model(base_folder: Path, adapter_path: Path):
+    """(merged bf16 model, set of expert parameter names the adapter changed)."""
+    import torch
+    from peft import PeftModel
+    from peft.tuners.lora.layer import ParamWrapper
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    kwargs = {"quantization_config": Mxfp4Config(dequantize=True)} if base_is_mxfp4(base_folder) else {}
+    base = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.bfloat16, **kwargs)
+    peft_model = PeftModel.from_pretrained(base, str(adapter_path))
+    touched = set()
+    for name, module in peft_model.named_modules():
+        if isinstance(module, ParamWrapper):
+            owner = name.removeprefix("base_model.model.").replace(".base_layer", "")
+            touched.add(f"{owner}.{module.parameter_name}")
+    merged = peft_model.merge_and_unload()
+    merged.eval()
+    return merged, touched
+
+
+def base_expert_passthrough(base_folder: Path, state_dict: dict, touched: set[str]):
+    """Lazy view of the base's `*_blocks` / `*_scales` for every expert parameter the adapter left alone."""
+    from mxfp4 import EXPERT_PARAM_RE, SafetensorsCheckpoint
+
+    if not base_is_mxfp4(base_folder):
+        print(f"base {base_folder} is not an MXFP4 checkpoint: every expert is quantized from its bf16 weights")
+        return {}
+    wanted = {f"{name}_{part}" for name in state_dict if EXPERT_PARAM_RE.match(name) and name not in touched
+              for part in ("blocks", "scales")}
+    return SafetensorsCheckpoint(base_folder, only=wanted)
+
+
+def load_export_tokenizer(adapter_path: Path, base_folder: Path):
+    """The adapter's tokenizer (train_grpo.py saves it), else the base's, else the project's gpt-oss tokenizer."""
+    from transformers import AutoTokenizer
+
+    from gpt_oss_tokenizer import tokenizer_source
+
+    for folder in (adapter_path, base_folder):
+        if all((folder / name).is_file() for name in _TOKENIZER_FILES):
+            return AutoTokenizer.from_pretrained(folder), str(folder)
+    source = tokenizer_source()
+    return AutoTokenizer.from_pretrained(source), source
+
+
+def export_generation_config(base_folder: Path, tokenizer):
+    """Base generation config (if any) with gpt-oss's end tokens and recommended sampling (T=1, top_p=1)."""
+    from transformers import GenerationConfig
+
+    ids = [tokenizer.convert_tokens_to_ids(token) for token in _END_TOKENS]
+    if tuple(ids) != _END_TOKEN_IDS:
+        raise ExportError(f"tokenizer maps {_END_TOKENS} to {ids}, expected {_END_TOKEN_IDS}: not the gpt-oss tokenizer")
+    if (base_folder / "generation_config.json").is_file():
+        generation = GenerationConfig.from_pretrained(base_folder)
+    else:
+        generation = GenerationConfig()
+    generation.eos_token_id = list(ids)
+    generation.bos_token_id = tokenizer.convert_tokens_to_ids("<|startoftext|>")
+    generation.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    generation.do_sample, generation.temperature, generation.top_p = True, 1.0, 1.0
+    return generation
+
+
+def write_export(merged, touched: set[str], base_folder: Path, adapter_path: Path, out_dir: Path,
+                 overwrite: bool = False, max_shard_bytes: int | None = None, disk_margin_bytes: int = 0) -> dict:
+    """Writes the merged model as an MXFP4 folder at `out_dir` via a temporary sibling folder; returns stats."""
+    from mxfp4 import DEFAULT_MAX_SHARD_BYTES, estimate_checkpoint_bytes, write_mxfp4_checkpoint
+
+    if out_dir.exists() and not overwrite:
+        raise ExportError(f"{out_dir} already exists; pass --OVERWRITE to replace it")
+    state_dict = merged.state_dict()
+    tokenizer, tokenizer_from = load_export_tokenizer(adapter_path, base_folder)
+    generation = export_generation_config(base_folder, tokenizer)
+    check_free_space(out_dir, estimate_checkpoint_bytes(state_dict) + disk_margin_bytes)
+    passthrough = base_expert_passthrough(base_folder, state_dict, touched)
+    config = merged.config
+    config.use_cache = True  # training turns the KV cache off for gradient checkpointing; serving needs it
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    temp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        stats = write_mxfp4_checkpoint(state_dict, config, temp, passthrough=passthrough,
+                                       max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
+        tokenizer.save_pretrained(temp)
+        generation.save_pretrained(temp)
+        info = {"adapter": str(adapter_path), "base": str(base_folder), "tokenizer": tokenizer_from,
+                "experts_copied_from_base": stats["copied"], "experts_quantized": stats["quantized"],
+                "adapted_expert_parameters": sorted(touched), "bytes": stats["bytes"]}
+        (temp / "export_info.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+        replace_folder(temp, out_dir)
+    except OSError as err:
+        shutil.rmtree(temp, ignore_errors=True)
+        if err.errno == errno.ENOSPC:
+            raise ExportError(f"disk full while writing the export to {out_dir.parent}; nothing was replaced "
+                              f"(partial files removed)") from None
+        raise
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    return {**stats, "tokenizer": tokenizer_from}
+
+
+def replace_folder(new: Path, target: Path) -> None:
+    """Renames `new` onto `target`; an existing `target` is moved aside first and deleted after."""
+    if not target.exists():
+        os.replace(new, target)
+        return
+    old = target.with_name(f".{target.name}.old-{os.getpid()}")
+    os.replace(target, old)
+    try:
+        os.replace(new, target)
+    except OSError:
+        os.replace(old, target)
+        raise
+    shutil.rmtree(old)
+
+
+def expert_dequantization_bound(blocks, scales):
+    """Per-element bound of MXFP4 rounding in transformers' `[E, in, out]` layout: 2**exponent of each block."""
+    import torch
+
+    from mxfp4 import BLOCK_SIZE
+
+    step = torch.ldexp(torch.ones(scales.shape), scales.int() - 127).repeat_interleave(BLOCK_SIZE, dim=-1)
+    return step.transpose(-1, -2)
+
+
+def compare_weights(loaded_state: dict, merged_state: dict, export: "SafetensorsCheckpoint", touched: set[str]) -> dict:
+    """Checks an export's loaded weights against the merged model; raises CheckFailed naming the tensor.
+
+    Experts must equal transformers' own dequantization of the written blocks, lie within FP4 rounding
+    of the merged weights, and equal them exactly where they were copied from the base. Everything
+    else must equal the merged bf16 weights.
+    """
+    import torch
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from mxfp4 import EXPERT_PARAM_RE
+
+    worst = 0.0
+    for name, merged in merged_state.items():
+        loaded = loaded_state[name]
+        if not EXPERT_PARAM_RE.match(name):
+            if not torch.equal(loaded, merged.to(loaded.dtype)):
+                raise CheckFailed(f"{name}: differs from the merged model")
+            continue
+        blocks, scales = export[f"{name}_blocks"], export[f"{name}_scales"]
+        reference = convert_moe_packed_tensors(blocks, scales, dtype=loaded.dtype)
+        if not torch.equal(loaded, reference):
+            raise CheckFailed(f"{name}: differs from transformers' dequantization of its blocks")
+        error = (loaded.float() - merged.float()).abs()
+        if not (error <= expert_dequantization_bound(blocks, scales)).all():
+            raise CheckFailed(f"{name}: beyond FP4 rounding")
+        if name not in touched and not torch.equal(loaded, merged):
+            raise CheckFailed(f"{name}: untouched by the adapter but not equal to the base")
+        worst = max(worst, error.max().item())
+    return {"max_expert_rounding_error": worst}
+
+
+def checkpoint_is_mxfp4(model_id: str | os.PathLike) -> bool:
+    """Whether a checkpoint's config declares MXFP4 (read before loading: transformers drops it on dequantizing)."""
+    from transformers import AutoConfig
+
+    quantization = getattr(AutoConfig.from_pretrained(model_id), "quantization_config", None) or {}
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization, "quant_method", None)
+    return str(getattr(method, "value", method)) == "mxfp4"
+
+
+def expert_load_path(model, source_is_mxfp4: bool, dequantize_requested: bool = False) -> str:
+    """How transformers loaded a model's MoE experts: kept in MXFP4, or dequantized to bf16 and why."""
+    import torch
+    from transformers.integrations.mxfp4 import Mxfp4GptOssExperts
+    from transformers.utils import is_kernels_available, is_triton_available
+
+    if any(isinstance(m, Mxfp4GptOssExperts) for m in model.modules()):
+        return "native MXFP4: expert weights stay quantized (triton kernels)"
+    if not source_is_mxfp4:
+        return "not an MXFP4 checkpoint: experts loaded as stored"
+    if dequantize_requested:
+        return "dequantized to bf16 as requested (Mxfp4Config(dequantize=True))"
+    reasons = []
+    if not torch.cuda.is_available():
+        reasons.append("no GPU (transformers runs MXFP4 on CPU only with use_kernels=True)")
+    if not is_triton_available():
+        reasons.append("triton missing")
+    if not is_kernels_available():
+        reasons.append("the `kernels` package missing")
+    return ("FELL BACK: transformers dequantized the MXFP4 experts to bf16 while loading ("
+            + ("; ".join(reasons) or "reason not reported") + ")")
+
+
+def native_mxfp4_load(out_dir: Path):
+    """Loads the export without asking for dequantization; returns (model, what transformers did with the experts)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.bfloat16)
+    return model, expert_load_path(model, checkpoint_is_mxfp4(out_dir))
+
+
+def fake_quantized_copy_logits(merged, export: "SafetensorsCheckpoint", input_ids):
+    """Logits of the merged model with its experts replaced by the export's dequantized blocks (FP4 rounding only)."""
+    import torch
+
+    from mxfp4 import EXPERT_PARAM_RE, mxfp4_to_expert_param
+
+    saved = {}
+    params = dict(merged.named_parameters())
+    with torch.no_grad():
+        for name, param in params.items():
+            if EXPERT_PARAM_RE.match(name):
+                saved[name] = param.detach().clone()
+                param.copy_(mxfp4_to_expert_param(export[f"{name}_blocks"], export[f"{name}_scales"], param.dtype))
+        try:
+            return merged(input_ids=input_ids).logits.float()
+        finally:
+            for name, value in saved.items():
+                params[name].copy_(value)
+
+
+def verify_export(out_dir: Path, merged, touched: set[str], check_text: str | None = None) -> dict:
+    """Reloads the export (dequantized, then as-is) and compares weights and logits with `merged`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Mxfp4Config
+
+    from mxfp4 import SafetensorsCheckpoint
+
+    export = SafetensorsCheckpoint(out_dir)
+    merged_state = merged.state_dict()
+    dequantized = AutoModelForCausalLM.from_pretrained(out_dir, quantization_config=Mxfp4Config(dequantize=True),
+                                                       dtype=torch.bfloat16).eval()
+    report = compare_weights(dequantized.state_dict(), merged_state, export, touched)
+    input_ids = AutoTokenizer.from_pretrained(out_dir)(check_text or CHECK_TEXT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        export_logits = dequantized(input_ids=input_ids).logits.float()
+        merged_logits = merged(input_ids=input_ids).logits.float()
+    rounded_logits = fake_quantized_copy_logits(merged, export, input_ids)
+    report["logit_diff_vs_merged_with_fp4_experts"] = (export_logits - rounded_logits).abs().max().item()
+    report["logit_diff_vs_merged"] = (export_logits - merged_logits).abs().max().item()
+    report["logit_scale"] = merged_logits.abs().max().item()
+    # same weights, same ops: only float noise may separate them
+    if report["logit_diff_vs_merged_with_fp4_experts"] > LOGIT_RTOL * report["logit_scale"]:
+        raise CheckFailed(f"export logits differ from the merged model's (with FP4-rounded experts) by "
+                          f"{report['logit_diff_vs_merged_with_fp4_experts']:.4g}, more than {LOGIT_RTOL} of their "
+                          f"scale {report['logit_scale']:.4g}")
+    del dequantized
+    try:
+        native, path = native_mxfp4_load(out_dir)
+    except (OSError, RuntimeError, ImportError, ValueError) as err:
+        # e.g. `kernels` installed but its kernels not reachable on the hub: say so, keep the dequantized result
+        report["load_without_dequantize"] = f"FAILED: {type(err).__name__}: {err}"
+        return report
+    report["load_without_dequantize"] = path
+    if path.startswith("FELL BACK"):
+        compare_weights(native.state_dict(), merged_state, export, touched)
+        report["load_without_dequantize_weights"] = "equal to the dequantized load"
+    return report
+
+
+def push_folder_to_hub(out_dir: Path, repo_id: str, private: bool) -> str:
+    """Uploads `out_dir` to `repo_id`; the token comes from HF_TOKEN (or a cached login) and is never printed."""
+    from huggingface_hub import HfApi
+
+    if not repo_id:
+        raise ExportError("--PUSH_TO_HUB needs --HF_REPO_ID (e.g. you/gpt-oss-20b-tes-mxfp4)")
+    api = HfApi(token=os.environ.get("HF_TOKEN") or None)
+    url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    api.upload_folder(folder_path=str(out_dir), repo_id=repo_id, repo_type="model",
+                      commit_message="MXFP4 export of gpt-oss with a merged GRPO LoRA adapter")
+    return str(url)
+
+
+def run_export(adapter_path: str, base_model_id: str, out_dir: str, overwrite: bool = False,
+               allow_other_base: bool = False, check: bool = False, max_shard_gb: float = MAX_SHARD_GB,
+               disk_margin_gb: float = DISK_MARGIN_GB) -> dict:
+    """The whole export; returns a summary dict (and the check report under "check" when `check`)."""
+    adapter = Path(adapter_path)
+    adapter_config = read_adapter_config(adapter)
+    named_base = adapter_config.get("base_model_name_or_path")
+    base_id = base_model_id or named_base
+    if not base_id:
+        raise ExportError(f"{adapter}/adapter_config.json names no base model; set --BASE_MODEL_ID")
+    if not same_base(base_id, named_base) and not allow_other_base:
+        raise ExportError(f"adapter {adapter} was trained on {named_base!r}, not {base_id!r}; pass "
+                          f"--BASE_MODEL_ID={named_base} or --ALLOW_OTHER_BASE if it is the same model elsewhere")
+    out = Path(out_dir)
+    if out.exists() and not overwrite:
+        raise ExportError(f"{out} already exists; pass --OVERWRITE to replace it")
+    base_folder = resolve_base_folder(base_id)
+    if not (base_folder / "config.json").is_file():
+        raise ExportError(f"base {base_folder} has no config.json")
+    check_adapter_fits_base(adapter, base_folder)
+    margin = int(disk_margin_gb * 1e9)
+    check_free_space(out, checkpoint_bytes(base_folder) + margin)  # early estimate, before the slow load
+    print(f"loading base {base_id} (dequantized to bf16) and merging adapter {adapter}")
+    merged, touched = load_merged_model(base_folder, adapter)
+    print(f"adapter changes {len(touched)} expert parameter(s)" + (f": {sorted(touched)}" if touched else
+          " (attention LoRA only): every expert is copied bit for bit from the base"))
+    stats = write_export(merged, touched, base_folder, adapter, out, overwrite=overwrite,
+                         max_shard_bytes=int(max_shard_gb * 1e9), disk_margin_bytes=margin)
+    summary = {"out_dir": str(out), **stats}
+    print(f"wrote {out}: {stats['bytes'] / 1e9:.2f} GB in {len(stats['files'])} file(s); experts copied from base "
+          f"{stats['copied']}, re-quantized {stats['quantized']}; tokenizer from {stats['tokenizer']}")
+    if check:
+        report = verify_export(out, merged, touched)
+        summary["check"] = report
+        for key, value in report.items():
+            print(f"check: {key} = {value}")
+    return summary
+
+
+def main() -> None:
+    from script_config import configure, save_config
+
+    config = configure(globals())
+    try:
+        summary = run_export(ADAPTER_PATH, BASE_MODEL_ID, OUT_DIR, overwrite=OVERWRITE,
+                             allow_other_base=ALLOW_OTHER_BASE, check=CHECK, max_shard_gb=MAX_SHARD_GB,
+                             disk_margin_gb=DISK_MARGIN_GB)
+        save_config(config, Path(OUT_DIR) / "export_config.json")
+        if PUSH_TO_HUB:
+            url = push_folder_to_hub(Path(summary["out_dir"]), HF_REPO_ID, HF_PRIVATE)
+            print(f"uploaded to {url} ({'private' if HF_PRIVATE else 'public'})")
+    except (ExportError, CheckFailed) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

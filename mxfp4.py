@@ -1,0 +1,302 @@
+"""MXFP4 codec and checkpoint writer in OpenAI's gpt-oss layout (no GPU, no triton needed).
+
+Library module, not a script. Used by the tiny-model builder and by `export_quantized_model.py`:
+
+    from mxfp4 import quantize_mxfp4, dequantize_mxfp4, write_mxfp4_checkpoint
+
+Format (as in openai/gpt-oss-20b and transformers' `integrations/mxfp4.py`):
+- a weight `[..., rows, cols]` is cut into blocks of 32 consecutive values along `cols`;
+- each value is FP4 E2M1 (codes 0..15 -> +0, .5, 1, 1.5, 2, 3, 4, 6, -0, -.5, ..., -6), two per byte,
+  the low nibble holding the even element: `blocks` uint8 `[..., rows, cols/32, 16]`;
+- each block has one E8M0 scale byte (exponent + 127): `scales` uint8 `[..., rows, cols/32]`;
+- value = FP4[code] * 2**(scale - 127).
+
+In the checkpoint, expert weights are stored as `[experts, out, in]` (`gate_up_proj_blocks`
+`[E, 2I, H/32, 16]`, `down_proj_blocks` `[E, H, I/32, 16]`), while transformers' `GptOssExperts`
+holds the transposed `[experts, in, out]` parameters (`gate_up_proj` `[E, H, 2I]`, `down_proj`
+`[E, I, H]`); `expert_param_to_mxfp4` / `mxfp4_to_expert_param` do that transpose.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+
+BLOCK_SIZE = 32  # values per shared E8M0 scale (MX spec)
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+FP4_MAX = 6.0
+E8M0_BIAS = 127
+# openai/gpt-oss-20b and -120b config.json: everything but the MoE experts stays bf16.
+MODULES_TO_NOT_CONVERT = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+EXPERT_PARAM_RE = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+CHECKPOINT_EXPERT_RE = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)_(?P<part>blocks|scales)$")
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # same shard size as the hub checkpoints
+ROWS_PER_CHUNK = 1 << 16  # rows of 32-value blocks quantized at once; bounds float32 scratch memory
+
+# Midpoints between consecutive non-negative FP4 magnitudes; a value on a midpoint rounds to the even
+# code (mantissa bit 0), as IEEE round-to-nearest-even does.
+_MAGNITUDES = torch.tensor(FP4_VALUES[:8], dtype=torch.float32)
+_MIDPOINTS = (_MAGNITUDES[1:] + _MAGNITUDES[:-1]) / 2
+
+
+def _shared_exponents(amax: torch.Tensor) -> torch.Tensor:
+    """Smallest exponent e per block with amax / 2**e <= 6, so no value clips (triton's ROUND_UP rule)."""
+    amax = amax.double()
+    safe = torch.where(amax > 0, amax, torch.ones_like(amax))
+    exp = torch.ceil(torch.log2(safe / FP4_MAX))
+    # log2 in floating point can be off by one next to powers of two; fix with exact ldexp comparisons.
+    exp = torch.where(torch.ldexp(torch.full_like(safe, FP4_MAX), exp) < safe, exp + 1, exp)
+    exp = torch.where(torch.ldexp(torch.full_like(safe, FP4_MAX), exp - 1) >= safe, exp - 1, exp)
+    exp = torch.where(amax > 0, exp, torch.full_like(exp, -E8M0_BIAS))
+    return exp.clamp(-E8M0_BIAS, E8M0_BIAS).to(torch.int32)
+
+
+def _fp4_codes(scaled: torch.Tensor) -> torch.Tensor:
+    """Nearest FP4 E2M1 code (0..15) for each float32 value already divided by its block scale."""
+    magnitude = scaled.abs().clamp(max=FP4_MAX)
+    code = torch.bucketize(magnitude, _MIDPOINTS.to(scaled.device), right=False)
+    on_midpoint = (code < 7) & (magnitude == _MIDPOINTS.to(scaled.device)[code.clamp(max=6)])
+    code = torch.where(on_midpoint & (code % 2 == 1), code + 1, code)
+    negative = torch.signbit(scaled) & (code > 0)
+    return (code + 8 * negative.to(code.dtype)).to(torch.uint8)
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`w [..., rows, cols]` -> (`blocks` uint8 `[..., rows, cols/32, 16]`, `scales` uint8 `[..., rows, cols/32]`).
+
+    The shared exponent per block of 32 is the smallest one that keeps the block maximum within
+    FP4's +-6 (no clipping); values round to the nearest FP4 value, ties to even.
+    """
+    if w.dim() < 2:
+        raise ValueError(f"quantize_mxfp4 needs a tensor [..., rows, cols], got shape {tuple(w.shape)}")
+    if w.shape[-1] % BLOCK_SIZE:
+        raise ValueError(f"last dimension {w.shape[-1]} is not a multiple of the MXFP4 block size {BLOCK_SIZE}")
+    if not torch.isfinite(w).all():
+        raise ValueError("quantize_mxfp4: tensor has NaN or inf values")
+    *lead, cols = w.shape
+    groups = cols // BLOCK_SIZE
+    flat = w.reshape(-1, BLOCK_SIZE)
+    blocks = torch.empty(flat.shape[0], BLOCK_SIZE // 2, dtype=torch.uint8, device=w.device)
+    scales = torch.empty(flat.shape[0], dtype=torch.uint8, device=w.device)
+    for start in range(0, flat.shape[0], ROWS_PER_CHUNK):
+        chunk = flat[start:start + ROWS_PER_CHUNK].float()
+        exp = _shared_exponents(chunk.abs().amax(dim=1))
+        # multiplying by a power of two is exact in float32 unless the result is subnormal (|w| < 2**-126)
+        scaled = chunk * torch.ldexp(torch.ones_like(exp, dtype=torch.float32), -exp).unsqueeze(1)
+        codes = _fp4_codes(scaled)
+        blocks[start:start + ROWS_PER_CHUNK] = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        scales[start:start + ROWS_PER_CHUNK] = (exp + E8M0_BIAS).to(torch.uint8)
+    return blocks.reshape(*lead, groups, BLOCK_SIZE // 2), scales.reshape(*lead, groups)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Inverse of `quantize_mxfp4`: (`[..., rows, G, 16]`, `[..., rows, G]`) -> `[..., rows, G*32]` in `dtype`."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != BLOCK_SIZE // 2:
+        raise ValueError(f"blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not match "
+                         f"the layout [..., rows, G, 16] / [..., rows, G]")
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
+    values = torch.empty(*blocks.shape[:-1], BLOCK_SIZE, dtype=torch.float32, device=blocks.device)
+    values[..., 0::2] = lut[(blocks & 0x0F).long()]
+    values[..., 1::2] = lut[(blocks >> 4).long()]
+    values = torch.ldexp(values, (scales.to(torch.int32) - E8M0_BIAS).unsqueeze(-1).float())
+    return values.reshape(*scales.shape[:-1], scales.shape[-1] * BLOCK_SIZE).to(dtype)
+
+
+def expert_param_to_mxfp4(param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' expert parameter `[E, in, out]` -> checkpoint (`blocks [E, out, in/32, 16]`, `scales`)."""
+    return quantize_mxfp4(param.detach().transpose(-1, -2))
+
+
+def mxfp4_to_expert_param(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Checkpoint blocks/scales -> transformers' expert parameter `[E, in, out]` (what `from_pretrained` builds)."""
+    return dequantize_mxfp4(blocks, scales, dtype).transpose(-1, -2).contiguous()
+
+
+def fake_quantize_expert_param(param: torch.Tensor) -> torch.Tensor:
+    """The expert parameter as it reads back after an MXFP4 round trip, same dtype and shape."""
+    return mxfp4_to_expert_param(*expert_param_to_mxfp4(param), dtype=param.dtype)
+
+
+class SafetensorsCheckpoint(Mapping):
+    """Read-only, lazy `{name: tensor}` view of a safetensors checkpoint folder (single file or sharded).
+
+    Lets the exporter copy the base model's expert blocks/scales bit for bit without loading 13 GB.
+    """
+
+    def __init__(self, folder: str | os.PathLike, only: set[str] | None = None):
+        """`only`: restrict the view to these tensor names (others read as absent)."""
+        self.folder = Path(folder)
+        index = self.folder / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            self._files = {name: self.folder / file for name, file in weight_map.items()}
+        else:
+            from safetensors import safe_open
+
+            files = sorted(self.folder.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"{self.folder}: no *.safetensors files")
+            self._files = {}
+            for file in files:
+                with safe_open(str(file), framework="pt") as handle:
+                    self._files.update({name: file for name in handle.keys()})
+        if only is not None:
+            self._files = {name: file for name, file in self._files.items() if name in only}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self._files[name]), framework="pt") as handle:
+            return handle.get_tensor(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        from safetensors import safe_open
+
+        with safe_open(str(self._files[name]), framework="pt") as handle:
+            return tuple(handle.get_slice(name).get_shape())
+
+    def __contains__(self, name) -> bool:  # Mapping's default would read the tensor
+        return name in self._files
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+
+def mxfp4_config_dict(config) -> dict:
+    """config.json content: the model config plus gpt-oss's MXFP4 `quantization_config`."""
+    data = dict(config) if isinstance(config, Mapping) else config.to_dict()
+    data["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": list(MODULES_TO_NOT_CONVERT)}
+    data["torch_dtype"] = data["dtype"] = "bfloat16"
+    return data
+
+
+def checkpoint_tensors(state_dict: Mapping[str, torch.Tensor], passthrough: Mapping[str, torch.Tensor] | None = None,
+                       dtype: torch.dtype = torch.bfloat16, stats: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (checkpoint name, tensor) in gpt-oss's layout for a transformers `GptOss` state dict.
+
+    Expert weights become `*_blocks` / `*_scales`: copied from `passthrough` (checkpoint names) when
+    it holds both, else quantized. Floating tensors are cast to `dtype`; `stats` counts each kind.
+    """
+    passthrough = passthrough or {}
+    stats = stats if stats is not None else {}
+    for name, tensor in state_dict.items():
+        match = EXPERT_PARAM_RE.match(name)
+        if match is None:
+            stats["bf16"] = stats.get("bf16", 0) + 1
+            yield name, (tensor.detach().to(dtype) if tensor.is_floating_point() else tensor.detach())
+            continue
+        if tensor.dim() != 3:
+            raise ValueError(f"{name}: expected a 3-D expert parameter [experts, in, out], got {tuple(tensor.shape)}")
+        blocks_name, scales_name = f"{name}_blocks", f"{name}_scales"
+        if blocks_name in passthrough and scales_name in passthrough:
+            blocks, scales = passthrough[blocks_name], passthrough[scales_name]
+            experts, inner, outer = tensor.shape
+            expected = (experts, outer, inner // BLOCK_SIZE, BLOCK_SIZE // 2)
+            if tuple(blocks.shape) != expected or tuple(scales.shape) != expected[:-1]:
+                raise ValueError(f"{blocks_name}: passthrough blocks {tuple(blocks.shape)} / scales "
+                                 f"{tuple(scales.shape)} do not fit the parameter {tuple(tensor.shape)}")
+            stats["copied"] = stats.get("copied", 0) + 1
+        else:
+            blocks, scales = expert_param_to_mxfp4(tensor)
+            stats["quantized"] = stats.get("quantized", 0) + 1
+        yield blocks_name, blocks.contiguous()
+        yield scales_name, scales.contiguous()
+
+
+def estimate_checkpoint_bytes(state_dict: Mapping[str, torch.Tensor]) -> int:
+    """Bytes the MXFP4 checkpoint will take: 17 bytes per 32 expert values, 2 bytes per other value."""
+    total = 0
+    for name, tensor in state_dict.items():
+        if EXPERT_PARAM_RE.match(name):
+            total += tensor.numel() // BLOCK_SIZE * (BLOCK_SIZE // 2 + 1)
+        else:
+            total += tensor.numel() * (2 if tensor.is_floating_point() else tensor.element_size())
+    return total
+
+
+class ShardWriter:
+    """Collects tensors into safetensors shards of at most `max_shard_bytes`, named like the hub's."""
+
+    def __init__(self, out_dir: Path, max_shard_bytes: int):
+        self.out_dir, self.max_shard_bytes = Path(out_dir), max_shard_bytes
+        self.current: dict[str, torch.Tensor] = {}
+        self.current_bytes = 0
+        self.temp_files: list[Path] = []
+        self.shard_of: dict[str, int] = {}
+        self.total = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.current and self.current_bytes + size > self.max_shard_bytes:
+            self._flush()
+        self.current[name] = tensor
+        self.shard_of[name] = len(self.temp_files)
+        self.current_bytes += size
+        self.total += size
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        path = self.out_dir / f".shard-{len(self.temp_files):05d}.safetensors.tmp"
+        save_file(self.current, str(path), metadata={"format": "pt"})
+        self.temp_files.append(path)
+        self.current, self.current_bytes = {}, 0
+
+    def finish(self) -> list[str]:
+        """Writes the last shard, gives the shards their final names (+ index when sharded); returns the names."""
+        self._flush()
+        count = len(self.temp_files)
+        names = (["model.safetensors"] if count == 1
+                 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)])
+        for temp, final in zip(self.temp_files, names):
+            os.replace(temp, self.out_dir / final)
+        if count > 1:
+            index = {"metadata": {"total_size": self.total},
+                     "weight_map": {k: names[i] for k, i in sorted(self.shard_of.items())}}
+            (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n",
+                                                                       encoding="utf-8")
+        return names
+
+
+def write_mxfp4_checkpoint(model_or_state_dict, config, out_dir: str | os.PathLike, *,
+                           passthrough: Mapping[str, torch.Tensor] | None = None,
+                           max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                           dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Writes `model.safetensors` (or shards + index) and `config.json` in openai/gpt-oss's MXFP4 layout.
+
+    `model_or_state_dict`: a `GptOssForCausalLM` (bf16, dequantized) or its state dict.
+    `config`: its `GptOssConfig` or a dict. `passthrough`: checkpoint-named `*_blocks`/`*_scales`
+    tensors (e.g. a `SafetensorsCheckpoint` of the base) copied bit for bit instead of re-quantizing.
+    Writes into `out_dir` directly (callers wanting atomicity pass a temp folder and rename it).
+    Returns {"files": [...], "copied": n, "quantized": n, "bf16": n, "bytes": total}.
+    """
+    state_dict = model_or_state_dict if isinstance(model_or_state_dict, Mapping) else model_or_state_dict.state_dict()
+    config_data = mxfp4_config_dict(config)
+    if config_data.get("tie_word_embeddings") and "lm_head.weight" in state_dict:
+        state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stats: dict = {"copied": 0, "quantized": 0, "bf16": 0}
+    writer = ShardWriter(out_dir, max_shard_bytes)
+    for name, tensor in checkpoint_tensors(state_dict, passthrough, dtype, stats):
+        writer.add(name, tensor)
+    names = writer.finish()
+    (out_dir / "config.json").write_text(json.dumps(config_data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return {"files": names, "bytes": writer.total, **stats}
+
+
+__all__ = [
+    "BLOCK_SIZE", "FP4_VALUES", "MODULES_TO_NOT_CONVERT", "SafetensorsCheckpoint", "ShardWriter", "checkpoint_tensors",
+    "dequantize_mxfp4", "estimate_checkpoint_bytes", "expert_param_to_mxfp4", "fake_quantize_expert_param",
+    "mxfp4_config_dict", "mxfp4_to_expert_param", "quantize_mxfp4", "write_mxfp4_checkpoint",
+]

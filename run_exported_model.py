@@ -1,0 +1,159 @@
+"""Generate TES operator decisions with the merged MXFP4 export and print each action with its final answer.
+
+    python run_exported_model.py --MODEL_ID=runs/export/gpt-oss-tes-mxfp4 --PROMPT_PATH=data/eval --MAX_ROWS=5
+
+`PROMPT_PATH` is a Harmony CSV (`*_q_dataset_harmony.csv`, its `prompt` already rendered by the chat template
+with the generation prompt) or a folder of them. The action is read with the training reward's parser
+(`data_reward.parse_action`: the last `[k]` in the final channel, None when invalid or cut off).
+On a machine without triton + `kernels` (any CPU), transformers dequantizes the MXFP4 experts to bf16
+while loading; the script prints which path was taken.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+MODEL_ID = "runs/export/gpt-oss-tes-mxfp4"  # merged export folder (export_quantized_model.py's OUT_DIR) or hub id
+PROMPT_PATH = "data/eval"  # Harmony CSV, or a folder whose *_harmony.csv files are read in name order
+MAX_ROWS = 5  # prompts to answer (first rows of the sorted files); 0 = all
+MAX_NEW_TOKENS = 1024  # completion budget in tokens; a completion cut here counts as invalid
+DO_SAMPLE = True  # sample (gpt-oss's recommended T=1, top_p=1) or decode greedily
+TEMPERATURE = 1.0  # sampling temperature
+TOP_P = 1.0  # nucleus sampling mass
+SEED = 0  # torch seed for sampling
+DEQUANTIZE = False  # True: load experts as bf16; False: keep MXFP4 where the machine can (falls back, and says so)
+DEVICE = "auto"  # "auto" (cuda when available), "cpu" or "cuda"
+OUT_CSV = ""  # also write row, action, optimal_action, completion here ("" = print only)
+
+FINAL_PREVIEW_CHARS = 200  # characters of each final answer printed on screen (the CSV keeps all)
+
+
+def prompt_files(path: str | Path) -> list[Path]:
+    from fileio import InputError
+
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(path.rglob("*_harmony.csv"))
+        if not files:
+            raise InputError(path, "no *_harmony.csv files in this folder (run the data pipeline first)")
+        return files
+    if not path.is_file():
+        raise InputError(path, "prompt file or folder does not exist")
+    return [path]
+
+
+def load_prompts(path: str | Path, max_rows: int):
+    """DataFrame with `source`, `row`, `prompt` (+ `optimal_action` when present), at most `max_rows` rows."""
+    import pandas as pd
+
+    from fileio import InputError
+
+    frames = []
+    for file in prompt_files(path):
+        frame = pd.read_csv(file)
+        if "prompt" not in frame.columns:
+            raise InputError(file, f"no 'prompt' column (columns: {', '.join(frame.columns)})")
+        for index, prompt in frame["prompt"].items():
+            if not isinstance(prompt, str) or "<|start|>assistant" not in prompt:
+                raise InputError(file, "prompt is not Harmony text ending in the assistant generation prompt; "
+                                       "use the *_harmony.csv files", row=index + 2, column="prompt")
+        frame = frame.assign(source=str(file), row=frame.index + 2)  # row as a spreadsheet shows it (header = 1)
+        frames.append(frame)
+        if max_rows and sum(len(f) for f in frames) >= max_rows:
+            break
+    prompts = pd.concat(frames, ignore_index=True)
+    return prompts.head(max_rows) if max_rows else prompts
+
+
+def load_model(model_id: str, dequantize: bool, device: str):
+    """(model, tokenizer, description of how the experts were loaded)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Mxfp4Config
+
+    from export_quantized_model import checkpoint_is_mxfp4, expert_load_path
+
+    kwargs = {"quantization_config": Mxfp4Config(dequantize=True)} if dequantize else {}
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    source_is_mxfp4 = checkpoint_is_mxfp4(model_id)
+    model = AutoModelForCausalLM.from_pretrained(model_id, dtype=torch.bfloat16, device_map=device, **kwargs).eval()
+    return model, AutoTokenizer.from_pretrained(model_id), expert_load_path(model, source_is_mxfp4, dequantize)
+
+
+def final_answer(text: str) -> str | None:
+    """The last final-channel message of a Harmony completion (to its end marker or the end of text)."""
+    from data_reward import END_MARKERS, FINAL_HEADER
+
+    headers = list(FINAL_HEADER.finditer(text))
+    if not headers:
+        return None
+    content = text[headers[-1].end():]
+    ends = [content.find(marker) for marker in END_MARKERS if marker in content]
+    return content[:min(ends)] if ends else content
+
+
+def generate_completions(model, tokenizer, prompts: list[str], max_new_tokens: int, do_sample: bool,
+                         temperature: float, top_p: float, seed: int) -> list[str]:
+    """One completion per prompt, decoded with its Harmony special tokens kept."""
+    import torch
+    from tqdm import tqdm
+
+    torch.manual_seed(seed)
+    texts = []
+    for prompt in tqdm(prompts, desc="generating", unit="prompt"):
+        # the Harmony prompt already holds every special token; adding BOS would change it
+        inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).to(model.device)
+        sampling = {"temperature": temperature, "top_p": top_p} if do_sample else {}
+        with torch.no_grad():
+            output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=do_sample, **sampling)
+        texts.append(tokenizer.decode(output[0, inputs.input_ids.shape[1]:], skip_special_tokens=False))
+    return texts
+
+
+def decisions(prompts, texts: list[str]):
+    """Adds `completion`, `action` (None when invalid) and `final_answer` to the prompts frame."""
+    from data_reward import parse_action
+
+    result = prompts.copy()
+    result["completion"] = texts
+    result["action"] = [parse_action(text) for text in texts]
+    result["final_answer"] = [final_answer(text) for text in texts]
+    return result
+
+
+def print_decisions(result) -> None:
+    for record in result.itertuples():
+        action = "invalid" if record.action is None or record.action != record.action else f"[{int(record.action)}]"
+        optimal = f", optimal [{int(record.optimal_action)}]" if "optimal_action" in result.columns else ""
+        answer = record.final_answer if isinstance(record.final_answer, str) else "(no final answer)"
+        answer = answer.strip().replace("\n", " ")[:FINAL_PREVIEW_CHARS]
+        print(f"{Path(record.source).name} row {record.row}: action {action}{optimal} | final: {answer}")
+    valid = result["action"].notna().sum()
+    print(f"{valid}/{len(result)} valid answers")
+
+
+def main() -> None:
+    from fileio import InputError, write_csv_atomic
+    from script_config import configure
+
+    configure(globals())
+    try:
+        prompts = load_prompts(PROMPT_PATH, MAX_ROWS)
+    except InputError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
+    model, tokenizer, path = load_model(MODEL_ID, DEQUANTIZE, DEVICE)
+    print(f"model {MODEL_ID}: {path}")
+    texts = generate_completions(model, tokenizer, list(prompts["prompt"]), MAX_NEW_TOKENS, DO_SAMPLE,
+                                 TEMPERATURE, TOP_P, SEED)
+    result = decisions(prompts, texts)
+    print_decisions(result)
+    if OUT_CSV:
+        columns = [c for c in ("source", "row", "optimal_action", "action", "final_answer", "completion") if c in result]
+        write_csv_atomic(result[columns], OUT_CSV)
+        print(f"wrote {OUT_CSV}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""export_quantized_model.py on a tiny gpt-oss: MXFP4 layout, bit-for-bit expert copies, checks, and clear errors."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import export_quantized_model as export
+import mxfp4
+from mxfp4 import SafetensorsCheckpoint, write_mxfp4_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = 201088  # the real o200k_harmony vocabulary, so the shared tokenizer works with the tiny model
+EXPERT_TARGETS = ["model.layers.0.mlp.experts.gate_up_proj"]
+
+
+def tiny_config(hidden: int = 64):
+    from transformers import GptOssConfig
+
+    # expert dims are multiples of 32 (MXFP4 blocks); 131072 positions keep YaRN's factor 32 consistent
+    return GptOssConfig(
+        hidden_size=hidden, intermediate_size=64, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB,
+        layer_types=["sliding_attention", "full_attention"], sliding_window=16, max_position_embeddings=131072,
+        pad_token_id=199999, eos_token_id=200002, bos_token_id=199998,
+    )
+
+
+def build_tiny_base(folder: Path, hidden: int = 64, seed: int = 0) -> Path:
+    """A random tiny gpt-oss written in openai/gpt-oss's MXFP4 checkpoint layout."""
+    from transformers import GptOssForCausalLM
+
+    torch.manual_seed(seed)
+    model = GptOssForCausalLM(tiny_config(hidden)).to(torch.bfloat16)
+    write_mxfp4_checkpoint(model, model.config, folder)
+    return folder
+
+
+def build_tiny_adapter(base: Path, folder: Path, expert_targets=(), seed: int = 1) -> Path:
+    """A LoRA adapter on the attention projections (+ `expert_targets` via target_parameters), made non-zero."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    model = AutoModelForCausalLM.from_pretrained(base, quantization_config=Mxfp4Config(dequantize=True),
+                                                 dtype=torch.bfloat16)
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear",
+                        target_parameters=list(expert_targets) or None)
+    peft_model = get_peft_model(model, config)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:  # PEFT starts lora_B at zero; a trained adapter is not
+                param.normal_(0, 0.5)
+    peft_model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_export(tmp_path_factory):
+    root = tmp_path_factory.mktemp("export")
+    base = build_tiny_base(root / "base")
+    adapter = build_tiny_adapter(base, root / "adapter", EXPERT_TARGETS)
+    out = root / "out" / "gpt-oss-tes-mxfp4"
+    summary = export.run_export(str(adapter), "", str(out), check=True)
+    return {"root": root, "base": base, "adapter": adapter, "out": out, "summary": summary}
+
+
+def test_export_is_an_mxfp4_checkpoint_with_tokenizer_and_generation_config(tiny_export):
+    out = tiny_export["out"]
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "mxfp4"
+    assert config["use_cache"] is True
+    with safe_open(str(out / "model.safetensors"), framework="pt") as handle:
+        names = set(handle.keys())
+        blocks = handle.get_tensor("model.layers.0.mlp.experts.gate_up_proj_blocks")
+        q_proj = handle.get_tensor("model.layers.0.self_attn.q_proj.weight")
+    assert blocks.dtype == torch.uint8 and blocks.shape == (4, 128, 2, 16)
+    assert q_proj.dtype == torch.bfloat16
+    assert not any(name.endswith(("experts.gate_up_proj", "experts.down_proj")) for name in names)
+    assert not any("lora" in name for name in names)
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [200002, 200012]
+    assert (out / "tokenizer.json").is_file() and (out / "chat_template.jinja").is_file()
+    assert not list(out.parent.glob(".*tmp-*"))  # the temporary folder was renamed, not left behind
+
+
+def test_untouched_experts_are_copied_bit_for_bit_and_adapted_ones_requantized(tiny_export):
+    base, out = SafetensorsCheckpoint(tiny_export["base"]), SafetensorsCheckpoint(tiny_export["out"])
+    summary = tiny_export["summary"]
+    assert summary["copied"] == 3 and summary["quantized"] == 1
+    for name in ("model.layers.0.mlp.experts.down_proj", "model.layers.1.mlp.experts.gate_up_proj",
+                 "model.layers.1.mlp.experts.down_proj"):
+        for part in ("blocks", "scales"):
+            assert torch.equal(out[f"{name}_{part}"], base[f"{name}_{part}"]), name
+    adapted = "model.layers.0.mlp.experts.gate_up_proj_blocks"
+    assert not torch.equal(out[adapted], base[adapted])
+    # attention LoRA merged: q_proj moved away from the base
+    q_name = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(out[q_name], base[q_name])
+
+
+def test_check_reports_fp4_rounding_logits_and_the_cpu_fallback(tiny_export):
+    check = tiny_export["summary"]["check"]
+    # weights: compare_weights ran without assertion; the adapted expert moved by FP4 rounding, not more
+    assert 0 < check["max_expert_rounding_error"] < 1.0
+    # the export computes exactly what the merged model computes once its experts are FP4-rounded
+    assert check["logit_diff_vs_merged_with_fp4_experts"] <= 1e-6 * check["logit_scale"]
+    assert check["logit_diff_vs_merged"] > 0  # the adapted expert really was rounded
+    assert check["load_without_dequantize"].startswith("FELL BACK")  # this CPU machine has no triton kernels
+    assert check["load_without_dequantize_weights"] == "equal to the dequantized load"
+
+
+@pytest.fixture(scope="module")
+def attention_export(tiny_export):
+    """Export of an attention-only adapter (the default training recipe) on the same tiny base."""
+    root = tiny_export["root"]
+    adapter = build_tiny_adapter(tiny_export["base"], root / "attention_adapter", seed=2)
+    out = root / "out" / "attention-only"
+    return {"out": out, "summary": export.run_export(str(adapter), "", str(out), check=True)}
+
+
+def test_attention_only_adapter_exports_every_expert_unchanged_and_logits_exactly(attention_export):
+    summary = attention_export["summary"]
+    assert summary["copied"] == 4 and summary["quantized"] == 0
+    assert summary["check"]["max_expert_rounding_error"] == 0.0
+    assert summary["check"]["logit_diff_vs_merged"] == 0.0
+
+
+def test_run_exported_model_generates_and_parses(attention_export, tmp_path, capsys):
+    import pandas as pd
+
+    import run_exported_model as run
+    from gpt_oss_tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"Hour {h}: answer [k] with k in 0..3."}],
+                                             tokenize=False, add_generation_prompt=True) for h in range(3)]
+    csv = tmp_path / "w1_q_dataset_harmony.csv"
+    pd.DataFrame({"prompt": prompts, "optimal_action": [0, 1, 2]}).to_csv(csv, index=False)
+    frame = run.load_prompts(tmp_path, max_rows=2)
+    assert list(frame["row"]) == [2, 3]
+    model, tok, path = run.load_model(str(attention_export["out"]), dequantize=False, device="cpu")
+    assert path.startswith("FELL BACK")  # CPU: stated, not silent
+    texts = run.generate_completions(model, tok, list(frame["prompt"]), max_new_tokens=4, do_sample=True,
+                                     temperature=1.0, top_p=1.0, seed=0)
+    assert len(texts) == 2 and all(isinstance(t, str) and t for t in texts)
+    result = run.decisions(frame, texts)
+    # a random tiny model cut at 4 tokens never closes a final message: invalid, not a guessed action
+    assert result["action"].isna().all()
+    run.print_decisions(result)
+    printed = capsys.readouterr().out
+    assert "w1_q_dataset_harmony.csv row 2: action invalid, optimal [0]" in printed and "0/2 valid answers" in printed
+
+
+@pytest.mark.parametrize("text, expected", [
+    # analysis then final, closed by <|return|>
+    ("<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>final<|message|>[2]<|return|>", "[2]"),
+    # two final messages: the last one counts, as in data_reward.parse_action
+    ("<|channel|>final<|message|>[1]<|end|><|start|>assistant<|channel|>final<|message|>[0] ok<|return|>", "[0] ok"),
+    # no final channel at all
+    ("<|channel|>analysis<|message|>still thinking", None),
+    # truncated final message: the text so far
+    ("<|channel|>final<|message|>[3", "[3"),
+])
+def test_final_answer(text, expected):
+    import run_exported_model as run
+
+    assert run.final_answer(text) == expected
+
+
+def test_load_prompts_rejects_legacy_prompts(tmp_path):
+    import pandas as pd
+
+    import run_exported_model as run
+    from fileio import InputError
+
+    csv = tmp_path / "x_harmony.csv"
+    pd.DataFrame({"prompt": ["system: be an operator\nuser: hour 1"]}).to_csv(csv, index=False)
+    with pytest.raises(InputError, match=r"x_harmony.csv, row 2, column 'prompt'"):
+        run.load_prompts(csv, max_rows=0)
+
+
+def test_compare_weights_rejects_a_weight_beyond_fp4_rounding(tiny_export):
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    out = tiny_export["out"]
+    loaded = AutoModelForCausalLM.from_pretrained(out, quantization_config=Mxfp4Config(dequantize=True),
+                                                  dtype=torch.bfloat16).state_dict()
+    merged = {name: tensor.clone() for name, tensor in loaded.items()}
+    export.compare_weights(loaded, merged, SafetensorsCheckpoint(out), set(EXPERT_TARGETS))
+    merged["model.layers.0.mlp.experts.gate_up_proj"][0, 0, 0] += 10.0
+    with pytest.raises(AssertionError, match="beyond FP4 rounding"):
+        export.compare_weights(loaded, merged, SafetensorsCheckpoint(out), set(EXPERT_TARGETS))
+
+
+def test_missing_adapter_is_a_clear_error(tmp_path):
+    with pytest.raises(export.ExportError, match="does not exist"):
+        export.run_export(str(tmp_path / "nope"), "", str(tmp_path / "out"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(export.ExportError, match="no adapter_config.json"):
+        export.run_export(str(tmp_path / "empty"), "", str(tmp_path / "out"))
+
+
+def test_adapter_for_another_base_is_refused(tiny_export, tmp_path):
+    other = build_tiny_base(tmp_path / "other", hidden=96)
+    # named mismatch: the adapter records tiny_export's base
+    with pytest.raises(export.ExportError, match="was trained on"):
+        export.run_export(str(tiny_export["adapter"]), str(other), str(tmp_path / "out"))
+    # same name allowed, but the shapes give it away
+    with pytest.raises(export.ExportError, match="made for another base"):
+        export.run_export(str(tiny_export["adapter"]), str(other), str(tmp_path / "out"), allow_other_base=True)
+    assert not (tmp_path / "out").exists()
+
+
+def test_too_little_disk_space_fails_before_loading(tiny_export, tmp_path, monkeypatch):
+    class Usage:
+        free = 1000
+
+    monkeypatch.setattr(export.shutil, "disk_usage", lambda path: Usage)
+    with pytest.raises(export.ExportError, match="not enough disk space"):
+        export.run_export(str(tiny_export["adapter"]), "", str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_disk_full_while_writing_keeps_the_old_export(tiny_export, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("previous export")
+
+    def write_until_disk_full(state_dict, config, folder, **kwargs):
+        (Path(folder) / "model.safetensors").write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(mxfp4, "write_mxfp4_checkpoint", write_until_disk_full)
+    with pytest.raises(export.ExportError, match="disk full"):
+        export.run_export(str(tiny_export["adapter"]), "", str(out), overwrite=True)
+    assert (out / "keep.txt").read_text() == "previous export"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary folder left
+
+
+def test_existing_output_needs_overwrite(tiny_export):
+    with pytest.raises(export.ExportError, match="OVERWRITE"):
+        export.run_export(str(tiny_export["adapter"]), "", str(tiny_export["out"]))
+
+
+def test_command_line_error_exits_1_without_traceback(tmp_path):
+    result = subprocess.run([sys.executable, "export_quantized_model.py", f"--ADAPTER_PATH={tmp_path / 'missing'}",
+                             f"--OUT_DIR={tmp_path / 'out'}"], cwd=REPO, capture_output=True, text=True,
+                            env={**os.environ, "HF_TOKEN": "hf_secret_do_not_print"})
+    assert result.returncode == 1
+    assert result.stderr.startswith("error: adapter folder") and "Traceback" not in result.stderr
+    assert "hf_secret_do_not_print" not in result.stdout + result.stderr
+
+
+def test_push_needs_a_repo_id(tmp_path):
+    with pytest.raises(export.ExportError, match="HF_REPO_ID"):
+        export.push_folder_to_hub(tmp_path, "", private=True)

@@ -1,0 +1,161 @@
+"""MXFP4 codec and checkpoint writer against transformers' own MXFP4 loader and dequantizer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, GptOssConfig, GptOssForCausalLM, Mxfp4Config
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+from mxfp4 import (
+    FP4_VALUES,
+    MODULES_TO_NOT_CONVERT,
+    SafetensorsCheckpoint,
+    dequantize_mxfp4,
+    expert_param_to_mxfp4,
+    fake_quantize_expert_param,
+    mxfp4_to_expert_param,
+    quantize_mxfp4,
+    write_mxfp4_checkpoint,
+)
+
+
+def tiny_config(vocab_size: int = 512) -> GptOssConfig:
+    # expert dims are multiples of 32 so every row splits into whole MXFP4 blocks
+    return GptOssConfig(
+        hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=vocab_size,
+        layer_types=["sliding_attention", "full_attention"], sliding_window=16, max_position_embeddings=256,
+    )
+
+
+def tiny_model(seed: int = 0) -> GptOssForCausalLM:
+    torch.manual_seed(seed)
+    model = GptOssForCausalLM(tiny_config()).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("_bias"):  # random biases so their bf16 copy is checked too
+                param.normal_(0, 0.02)
+    return model
+
+
+def test_every_fp4_code_round_trips_exactly():
+    # one block holding each of the 16 FP4 values twice, scale 2**0; -0.0 reads back as 0
+    values = torch.tensor(FP4_VALUES * 2).reshape(1, 32)
+    blocks, scales = quantize_mxfp4(values)
+    assert scales.tolist() == [[127]]
+    assert torch.equal(dequantize_mxfp4(blocks, scales, torch.float32), values)
+
+
+def test_low_nibble_holds_the_even_element():
+    values = torch.zeros(1, 32)
+    values[0, 0], values[0, 1] = 0.5, 6.0  # codes 1 and 7 at scale 2**0 (block max 6)
+    blocks, _ = quantize_mxfp4(values)
+    assert blocks[0, 0, 0].item() == 0x71
+
+
+def test_scale_is_smallest_exponent_that_fits_the_block_max():
+    # max 7 needs 2**1 (7/2 = 3.5 <= 6), max 6 fits 2**0, max 0.75 fits 2**-3 (6); the all-zero block decodes to 0
+    rows = torch.zeros(4, 32)
+    rows[0, 3], rows[1, 3], rows[2, 3] = 7.0, -6.0, 0.75
+    blocks, scales = quantize_mxfp4(rows)
+    assert (scales.flatten().int() - 127).tolist()[:3] == [1, 0, -3]
+    decoded = dequantize_mxfp4(blocks, scales, torch.float32)
+    assert decoded[0, 3] == 8.0 and decoded[1, 3] == -6.0 and decoded[2, 3] == 0.75
+    assert torch.equal(decoded[3], torch.zeros(32))
+
+
+def test_rounds_to_nearest_with_ties_to_even():
+    # block max 6 keeps scale 2**0; ties 0.25 -> 0, 1.25 -> 1, 2.5 -> 2, 5 -> 4 (even codes); 2.6 -> 3
+    row = torch.tensor([6.0, 0.25, 1.25, 2.5, 5.0, 2.6, -0.8, 0.74] + [0.0] * 24).reshape(1, 32)
+    decoded = dequantize_mxfp4(*quantize_mxfp4(row), dtype=torch.float32)
+    assert decoded[0, :8].tolist() == [6.0, 0.0, 1.0, 2.0, 4.0, 3.0, -1.0, 0.5]
+
+
+def test_round_trip_error_is_within_half_the_widest_fp4_gap_and_requantizing_is_lossless():
+    torch.manual_seed(0)
+    w = torch.randn(3, 40, 128) * 0.02
+    blocks, scales = quantize_mxfp4(w)
+    assert blocks.shape == (3, 40, 4, 16) and scales.shape == (3, 40, 4)
+    decoded = dequantize_mxfp4(blocks, scales, torch.float32)
+    # the widest FP4 gap (4 -> 6) is 2 * 2**e, so rounding to nearest errs by at most 2**e
+    step = torch.ldexp(torch.ones(scales.shape), scales.int() - 127).repeat_interleave(32, dim=-1)
+    assert ((decoded - w).abs() <= step + 1e-12).all()
+    assert torch.equal(dequantize_mxfp4(*quantize_mxfp4(decoded), dtype=torch.float32), decoded)
+
+
+def test_layout_matches_transformers_dequantizer():
+    torch.manual_seed(1)
+    param = (torch.randn(4, 64, 96) * 0.05).to(torch.bfloat16)  # transformers' [experts, in, out]
+    blocks, scales = expert_param_to_mxfp4(param)
+    assert blocks.shape == (4, 96, 2, 16) and scales.shape == (4, 96, 2)  # checkpoint's [experts, out, in/32, 16]
+    reference = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
+    assert reference.shape == param.shape
+    assert torch.equal(mxfp4_to_expert_param(blocks, scales), reference)
+    assert torch.equal(fake_quantize_expert_param(param), reference)
+
+
+def test_rejects_bad_shapes_and_values():
+    with pytest.raises(ValueError, match="multiple of the MXFP4 block size"):
+        quantize_mxfp4(torch.zeros(2, 33))
+    with pytest.raises(ValueError, match="NaN or inf"):
+        quantize_mxfp4(torch.full((1, 32), float("nan")))
+    with pytest.raises(ValueError, match="do not match"):
+        dequantize_mxfp4(torch.zeros(2, 2, 16, dtype=torch.uint8), torch.zeros(2, 3, dtype=torch.uint8))
+
+
+def test_checkpoint_layout_and_config(tmp_path):
+    model = tiny_model()
+    stats = write_mxfp4_checkpoint(model, model.config, tmp_path)
+    assert stats["quantized"] == 4 and stats["copied"] == 0
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as handle:
+        keys = set(handle.keys())
+        blocks = handle.get_tensor("model.layers.0.mlp.experts.gate_up_proj_blocks")
+        scales = handle.get_tensor("model.layers.1.mlp.experts.down_proj_scales")
+        bias = handle.get_tensor("model.layers.0.mlp.experts.gate_up_proj_bias")
+        router = handle.get_tensor("model.layers.0.mlp.router.weight")
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in keys
+    assert blocks.dtype == torch.uint8 and blocks.shape == (4, 128, 2, 16)  # [E, 2I, H/32, 16]
+    assert scales.dtype == torch.uint8 and scales.shape == (4, 64, 2)  # down: [E, H, I/32]
+    assert bias.dtype == torch.bfloat16 and router.dtype == torch.bfloat16
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["quantization_config"] == {"quant_method": "mxfp4", "modules_to_not_convert": MODULES_TO_NOT_CONVERT}
+
+
+def test_loads_with_dequantize_to_exactly_our_dequantized_weights(tmp_path):
+    model = tiny_model()
+    write_mxfp4_checkpoint(model, model.config, tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=Mxfp4Config(dequantize=True),
+                                                  dtype=torch.bfloat16)
+    original = model.state_dict()
+    for name, tensor in loaded.state_dict().items():
+        expected = original[name]
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            expected = fake_quantize_expert_param(expected)
+            assert not torch.equal(expected, original[name])  # quantization really changed them
+        assert torch.equal(tensor, expected), name
+
+
+def test_passthrough_copies_blocks_bit_for_bit_and_shards(tmp_path):
+    model = tiny_model()
+    base_dir, copy_dir = tmp_path / "base", tmp_path / "copy"
+    write_mxfp4_checkpoint(model, model.config, base_dir)
+    base = SafetensorsCheckpoint(base_dir)
+    # flip the code of one value in the base: a re-quantization would not reproduce this byte, a copy does
+    name = "model.layers.1.mlp.experts.down_proj_blocks"
+    edited = {key: base[key] for key in base if key.endswith(("_blocks", "_scales"))}
+    edited[name] = edited[name].clone()
+    edited[name][0, 0, 0, 0] ^= 0x08
+    stats = write_mxfp4_checkpoint(model, model.config, copy_dir, passthrough=edited, max_shard_bytes=200_000)
+    assert stats["copied"] == 4 and stats["quantized"] == 0
+    assert (copy_dir / "model.safetensors.index.json").is_file() and len(stats["files"]) > 1
+    copy = SafetensorsCheckpoint(copy_dir)
+    assert set(copy) == set(base)
+    for key in edited:
+        assert torch.equal(copy[key], edited[key]), key
+    with pytest.raises(ValueError, match="do not fit"):
+        bad = dict(edited, **{name: edited[name][:, :32]})
+        write_mxfp4_checkpoint(model, model.config, tmp_path / "bad", passthrough=bad)
