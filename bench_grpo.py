@@ -1,0 +1,160 @@
+"""Real GRPO steps on a gpt-oss-20b-shaped model (random weights) through train_grpo.py's own wiring, timed.
+
+Run on the GPU machine (the tokenizer folder must be reachable: GPT_OSS_TOKENIZER=<folder>):
+
+    python bench_grpo.py --STEPS=2 --MAX_COMPLETION_LEN=512 --DECODE_EXPERTS=auto
+
+It builds the 20B architecture in bf16 on the GPU (gpt_oss_shapes.py), takes the real TES prompts from data/,
+and runs train_grpo.build_trainer(...).train() for STEPS optimizer steps at train_grpo's default batch settings
+(64 completions a step). Random weights never emit an end token, so every completion runs to
+MAX_COMPLETION_LEN: the worst case. Per step it prints generation and training time, completion tokens/s,
+peak memory, and the ratios to the limits (decode: every weight read once per token step at the measured
+~3.0 TB/s; training: ~22 GFLOP a token against ~800 TFLOP/s of bf16 matrix rate).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+import train_grpo
+from gpt_oss_shapes import build_random_model, stack_versions
+from script_config import configure
+
+STEPS = 2  # optimizer steps to time (the first includes compilation and warm-up)
+MAX_COMPLETION_LEN = 512  # tokens per completion (random weights always reach it)
+DECODE_EXPERTS = "auto"  # train_grpo's DECODE_EXPERTS: auto | grouped_mm | transformers (its batched_mm switch)
+TRAIN_BATCH_SIZE = 0  # completions per forward/backward; 0 = train_grpo's default
+PROMPT_TOKENS = 1316  # lengthen each data/ prompt to about this many tokens (issue 3's measured length); 0 = as is
+OUT = "runs/bench-grpo"  # run folder (adapter, logs) on the GPU machine
+RESULTS = "runs/bench-grpo/results.jsonl"  # one JSON line per timed step is appended here
+HBM_TB_PER_S = 3.0  # measured device-to-device copy rate of the H100 here (KINDS.md)
+BF16_TFLOPS = 800.0  # measured bf16 matrix rate of the H100 here (KINDS.md)
+TRAIN_GFLOP_PER_TOKEN = 22.0  # forward + backward to activations + recomputation, 3.6 B active parameters
+
+
+FILLER = " Serve the cooling load first; among the ways to serve it, prefer the one with the least CO2."
+
+
+def lengthen_prompts(frame, tokenizer, target: int):
+    """Pads each prompt's developer message with a repeated note until the prompt is about `target` tokens.
+
+    The repo's TES prompts are ~850 tokens; the measurements in issues 3 and 5 used ~1,316-token prompts. Cost
+    depends on length, not content (random weights), so padding makes the figures comparable.
+    """
+    per_filler = len(tokenizer(FILLER, add_special_tokens=False).input_ids)
+    marker = "<|end|><|start|>user"
+
+    def pad(prompt: str) -> str:
+        missing = target - len(tokenizer(prompt, add_special_tokens=False).input_ids)
+        if missing <= 0 or marker not in prompt:
+            return prompt
+        head, _, tail = prompt.partition(marker)
+        return head + "\n\nNotes:" + FILLER * (missing // per_filler) + marker + tail
+
+    frame = frame.copy()
+    frame["prompt"] = frame["prompt"].map(pad)
+    return frame
+
+
+class GenerationTimer:
+    """Wraps a model's generate() to add up its wall time and the completion tokens it produced."""
+
+    def __init__(self, model):
+        self.model, self.inner = model, model.generate
+        self.seconds = 0.0
+        self.tokens = 0
+        self.sequences = 0
+        model.generate = self
+
+    def __call__(self, *args, **kwargs):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = self.inner(*args, **kwargs)
+        torch.cuda.synchronize()
+        self.seconds += time.perf_counter() - start
+        prompt_len = kwargs["input_ids"].shape[1] if "input_ids" in kwargs else args[0].shape[1]
+        self.tokens += (out.shape[1] - prompt_len) * out.shape[0]
+        self.sequences += out.shape[0]
+        return out
+
+
+class StepTimer(TrainerCallback):
+    """Per optimizer step: wall time, the generation share of it, tokens/s, peak memory, ratios to the limits."""
+
+    def __init__(self, timer: GenerationTimer, weight_bytes: int, prompt_tokens: int, results: Path):
+        self.timer, self.weight_bytes, self.prompt_tokens, self.results = timer, weight_bytes, prompt_tokens, results
+        self.rows: list[dict] = []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        self.start = time.perf_counter()
+        self.before = (self.timer.seconds, self.timer.tokens, self.timer.sequences)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        torch.cuda.synchronize()
+        total = time.perf_counter() - self.start
+        gen, tokens, seqs = (now - then for now, then in
+                             zip((self.timer.seconds, self.timer.tokens, self.timer.sequences), self.before))
+        train_s = total - gen
+        # tokens/s if each decoding step read every weight exactly once at the measured bandwidth
+        decode_limit = seqs / (self.weight_bytes / (HBM_TB_PER_S * 1e12))
+        trained_tokens = seqs * self.prompt_tokens + tokens
+        row = dict(step=state.global_step, step_s=total, generation_s=gen, training_s=train_s, sequences=seqs,
+                   completion_tokens=tokens, gen_tokens_per_s=tokens / gen if gen else 0.0, gen_share=gen / total,
+                   decode_limit_tokens_per_s=decode_limit,
+                   train_mfu=trained_tokens * TRAIN_GFLOP_PER_TOKEN * 1e9 / max(train_s, 1e-9) / (BF16_TFLOPS * 1e12),
+                   peak_gib=torch.cuda.max_memory_allocated() / 2**30, decode_experts=DECODE_EXPERTS,
+                   max_completion_len=MAX_COMPLETION_LEN, prompt_tokens=self.prompt_tokens)
+        self.rows.append(row)
+        with self.results.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(f"[bench] step {row['step']}: {total:.1f} s (generation {gen:.1f} s, training {train_s:.1f} s), "
+              f"{row['gen_tokens_per_s']:.0f} tok/s, peak {row['peak_gib']:.1f} GiB", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    configure(globals(), argv)
+    print(stack_versions())
+    from gpt_oss_tokenizer import load_tokenizer
+
+    overrides = dict(OUT=OUT, TOTAL_STEPS=STEPS, MAX_COMPLETION_LEN=MAX_COMPLETION_LEN, SAVE_STEPS=10_000,
+                     DECODE_EXPERTS=DECODE_EXPERTS)
+    if TRAIN_BATCH_SIZE:
+        overrides["TRAIN_BATCH_SIZE"] = TRAIN_BATCH_SIZE
+    settings = train_grpo.default_settings(**overrides)
+    tokenizer = load_tokenizer()
+    frame = train_grpo.load_training_data(settings, tokenizer)
+    if PROMPT_TOKENS:
+        frame = lengthen_prompts(frame, tokenizer, PROMPT_TOKENS)
+    prompt_tokens = int(sum(len(tokenizer(p).input_ids) for p in frame["prompt"]) / len(frame))
+    print(f"prompts: {len(frame)} rows, mean {prompt_tokens} tokens")
+    model = build_random_model(attn_implementation="flex_attention")
+    model.config.use_cache = True
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    timer = GenerationTimer(model)
+    results = Path(RESULTS)
+    results.parent.mkdir(parents=True, exist_ok=True)
+    step_timer = StepTimer(timer, weight_bytes, prompt_tokens, results)
+    trainer = train_grpo.build_trainer(settings, model, tokenizer, train_grpo.build_train_dataset(frame, settings),
+                                       callbacks=[step_timer])
+    trainer.train()
+    print(f"\n{stack_versions()}\nDECODE_EXPERTS={DECODE_EXPERTS}, MAX_COMPLETION_LEN={MAX_COMPLETION_LEN}, "
+          f"prompt {prompt_tokens} tokens, {settings['NUM_GENERATIONS']} generations x "
+          f"{settings['GRADIENT_ACCUMULATION_STEPS']} accumulation")
+    print(f"{'step':>4}{'step s':>8}{'gen s':>8}{'train s':>8}{'gen %':>7}{'tok/s':>8}{'of limit':>9}"
+          f"{'train MFU':>10}{'peak GiB':>9}")
+    for r in step_timer.rows:
+        print(f"{r['step']:>4}{r['step_s']:>8.1f}{r['generation_s']:>8.1f}{r['training_s']:>8.1f}"
+              f"{100 * r['gen_share']:>6.0f}%{r['gen_tokens_per_s']:>8.0f}"
+              f"{100 * r['gen_tokens_per_s'] / r['decode_limit_tokens_per_s']:>8.1f}%"
+              f"{100 * r['train_mfu']:>9.1f}%{r['peak_gib']:>9.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""gpt-oss-20b's architecture without its weights, for GPU benchmarks on machines with no model hub.
+
+`build_random_model()` makes a `GptOssForCausalLM` with openai/gpt-oss-20b's exact shapes (20.9 B
+parameters, 39 GiB in bf16) and random weights directly on the GPU: same cost and memory as the real
+model, though random weights never emit an end token, so every completion runs to its maximum length.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import platform
+
+import torch
+
+# openai/gpt-oss-20b's config.json, less the quantization block (these weights are bf16 from the start).
+GPT_OSS_20B = dict(
+    vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
+    num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+    layer_types=["sliding_attention", "full_attention"] * 12, rope_theta=150000.0, max_position_embeddings=131072,
+    rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                      original_max_position_embeddings=4096),
+    initial_context_length=4096, swiglu_limit=7.0, rms_norm_eps=1e-5, attention_bias=True, tie_word_embeddings=False,
+    pad_token_id=199999, eos_token_id=200002, bos_token_id=199998, use_cache=True,
+)
+
+
+def gpt_oss_20b_config(**overrides):
+    from transformers import GptOssConfig
+
+    return GptOssConfig(**{**GPT_OSS_20B, **overrides})
+
+
+def build_random_model(attn_implementation: str = "flex_attention", device: str = "cuda", **overrides):
+    """The 20B architecture in bf16 on `device` with small random weights (std 0.02, like its init)."""
+    from transformers import GptOssForCausalLM
+
+    config = gpt_oss_20b_config(**overrides)
+    config._attn_implementation = attn_implementation
+    with torch.device(device):
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            model = GptOssForCausalLM(config)
+        finally:
+            torch.set_default_dtype(previous)
+    model.eval()
+    n = sum(p.numel() for p in model.parameters())
+    print(f"random gpt-oss-20b-shaped model: {n / 1e9:.2f} B parameters, "
+          f"{sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30:.1f} GiB, attention {attn_implementation}")
+    return model
+
+
+@contextlib.contextmanager
+def keep_experts_implementation_for_decode(model):
+    """Stops transformers' generate from switching grouped_mm experts to batched_mm while decoding.
+
+    transformers (>= 5.x on GPUs) swaps in `batched_mm` for the decode phase, which gathers each token's
+    expert weights: fast for a few sequences, far slower (and memory-hungry) for GRPO's 64+.
+    """
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not hasattr(inner, "_optimize_model_for_decode"):
+        print("note: this transformers has no decode-time experts switch; nothing to keep")
+        yield model
+        return
+    inner._optimize_model_for_decode = contextlib.nullcontext
+    try:
+        yield model
+    finally:
+        del inner._optimize_model_for_decode
+
+
+def stack_versions() -> str:
+    import transformers
+
+    parts = [f"python {platform.python_version()}", f"torch {torch.__version__}", f"transformers {transformers.__version__}"]
+    for name in ("trl", "peft", "accelerate", "triton"):
+        with contextlib.suppress(ImportError):
+            parts.append(f"{name} {__import__(name).__version__}")
+    if torch.cuda.is_available():
+        parts.append(f"device {torch.cuda.get_device_name()}")
+    return ", ".join(parts)

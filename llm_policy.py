@@ -1,0 +1,373 @@
+"""gpt-oss (+ an optional LoRA adapter) as the TES operator: load it, sample Harmony completions, read the actions.
+
+Not a script: `test_lora_adapter.py`, `test_lora_adapter_quantized.py` and `evaluate_policy.py` import it.
+
+- `load_policy_model(base_model_id, adapter_path, quantized, device, dtype, attn_implementation)`: the base
+  loaded through `Mxfp4Config(dequantize=True)` (or, with quantized=True, with its MXFP4 experts kept quantized
+  where transformers can; otherwise it says that it fell back and to what), with the adapter on top. The weights are
+  loaded once: `generate(..., use_adapter=False)` runs the same model inside PEFT's `disable_adapter()`.
+- `generate(...)`: `samples` completions per prompt, in batches, each batch seeded with `seed + batch index`, so
+  the adapter pass and the base pass with the same batching draw from the same random streams. On a GPU, batches of
+  GROUPED_MM_MIN_BATCH or more sequences keep the grouped_mm experts while decoding (measured faster; see there).
+- A completion is cut after its first stop token (<|return|>, <|call|>, <|endoftext|>: the generation config's
+  end tokens); one that hit `max_new_tokens` first is `truncated`. Actions come from `data_reward.parse_action`
+  (the last `[k]` in the final channel), None when invalid or truncated.
+- `majority_vote(actions)`: the most frequent valid action (ties go to the lowest action), None when none is valid.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from fileio import InputError
+
+ADAPTER_CONFIG = "adapter_config.json"
+TRAIN_CONFIG = "train_config.json"  # train_grpo.py's resolved settings, in the run folder (a checkpoint's parent)
+# From this many sequences per generate call on a GPU, the dequantized experts keep grouped_mm while decoding instead of
+# transformers' switch to batched_mm. bench_generate.py on an H100 (gpt-oss-20b shapes, 1316-token prompts, 128 new
+# tokens): 4 sequences 7.9 s grouped_mm vs 6.9 s default; 16: 8.7 vs 10.8 s; 64: 10.8 vs 36.4 s.
+GROUPED_MM_MIN_BATCH = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """One sampled completion, with the Harmony special tokens kept."""
+
+    text: str  # decoded up to and including the first stop token (all of it when truncated)
+    n_tokens: int  # generated tokens up to and including the stop token
+    truncated: bool  # no stop token within max_new_tokens
+    action: int | None  # data_reward.parse_action(text); None when invalid or truncated
+
+
+@dataclasses.dataclass
+class PolicyModel:
+    """A loaded base model (a PeftModel when an adapter is on it) with its tokenizer and how it was loaded."""
+
+    model: object
+    tokenizer: object
+    base_model_id: str
+    adapter_path: str  # "" when no adapter
+    device: str
+    dtype: str
+    attention: str
+    experts: str  # how the MoE expert weights were loaded, in words
+    experts_quantized: bool  # True when the experts stay MXFP4 (transformers' native path)
+    stop_token_ids: frozenset
+
+    @property
+    def has_adapter(self) -> bool:
+        return bool(self.adapter_path)
+
+
+def adapter_config(adapter_path: str | Path) -> dict:
+    """The adapter's adapter_config.json; InputError when the folder or the file is missing or unreadable."""
+    folder = Path(adapter_path)
+    if not folder.is_dir():
+        raise InputError(folder, "adapter folder does not exist (train one with train_grpo.py or set ADAPTER_PATH)")
+    path = folder / ADAPTER_CONFIG
+    if not path.is_file():
+        raise InputError(path, "missing: this folder is not a PEFT adapter (no adapter_config.json)")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise InputError(path, f"not valid JSON ({err})") from None
+
+
+def adapter_base_model(adapter_path: str | Path) -> str:
+    """The base model the adapter was trained on (its `base_model_name_or_path`)."""
+    config = adapter_config(adapter_path)
+    base = config.get("base_model_name_or_path")
+    if not base:
+        raise InputError(Path(adapter_path) / ADAPTER_CONFIG, "no base_model_name_or_path; set BASE_MODEL_ID",
+                         column="base_model_name_or_path", value=base)
+    return str(base)
+
+
+def adapter_touches_experts(adapter_path: str | Path) -> bool:
+    """Whether the adapter has LoRA on the MoE expert weights (PEFT `target_parameters`)."""
+    targets = adapter_config(adapter_path).get("target_parameters") or []
+    return any("experts" in str(target) for target in targets)
+
+
+def adapter_run_name(adapter_path: str | Path) -> str:
+    """A short name for output folders: "grpo-tiny" for runs/grpo-tiny, "grpo-tiny-checkpoint-000010" for a checkpoint."""
+    folder = Path(adapter_path).resolve()
+    return f"{folder.parent.name}-{folder.name}" if folder.parent.name not in ("", "runs") else folder.name
+
+
+def training_config(adapter_path: str | Path) -> tuple[dict, Path | None]:
+    """train_grpo.py's train_config.json for an adapter (its folder, or the run folder above a checkpoint)."""
+    folder = Path(adapter_path)
+    for candidate in (folder / TRAIN_CONFIG, folder.parent / TRAIN_CONFIG):
+        if candidate.is_file():
+            try:
+                return json.loads(candidate.read_text(encoding="utf-8")), candidate
+            except json.JSONDecodeError as err:
+                raise InputError(candidate, f"not valid JSON ({err})") from None
+    return {}, None
+
+
+def resolve_reasoning_effort(requested: str, adapter_path: str, fallback: str) -> tuple[str, str]:
+    """(effort, where it came from). "auto" = the adapter's training REASONING_EFFORT when recorded, else fallback.
+
+    An effort of "" means "keep the prompt's own Reasoning line" (the dataset's).
+    """
+    if requested != "auto":
+        return requested, "as set"
+    if adapter_path:
+        config, path = training_config(adapter_path)
+        if path is not None and "REASONING_EFFORT" in config:
+            return str(config["REASONING_EFFORT"]), f"the adapter's training setting ({path})"
+    return fallback, "no training setting recorded; the dataset's"
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"DEVICE must be auto, cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("DEVICE=cuda but torch sees no GPU")
+    return device
+
+
+def resolve_attention(attn_implementation: str, device: str) -> str:
+    """"auto": flex_attention on CUDA (it supports gpt-oss's attention sinks; sdpa does not), eager on the CPU."""
+    if attn_implementation != "auto":
+        return attn_implementation
+    return "flex_attention" if device == "cuda" else "eager"
+
+
+def resolve_dtype(dtype: str, device: str):
+    """"auto": bfloat16 on a GPU, float32 on the CPU (bf16 matrix products are slow on most CPUs)."""
+    import torch
+
+    if dtype == "auto":
+        return torch.bfloat16 if device == "cuda" else torch.float32
+    choices = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+    if dtype not in choices:
+        raise ValueError(f"DTYPE must be auto, {', '.join(choices)}; got {dtype!r}")
+    return choices[dtype]
+
+
+def experts_are_mxfp4(model) -> bool:
+    """Whether transformers kept the MoE experts in MXFP4 (its native path swaps in Mxfp4GptOssExperts)."""
+    from transformers.integrations.mxfp4 import Mxfp4GptOssExperts
+
+    return any(isinstance(module, Mxfp4GptOssExperts) for module in model.modules())
+
+
+def native_mxfp4_blockers(device: str) -> list[str]:
+    """Why transformers' native MXFP4 path cannot run here (empty when nothing is missing)."""
+    from transformers.utils import is_kernels_available, is_triton_available
+
+    reasons = []
+    if device != "cuda":
+        reasons.append("no GPU (on the CPU transformers runs MXFP4 only through hub kernels, use_kernels=True)")
+    if not is_triton_available():
+        reasons.append("triton is not installed")
+    if not is_kernels_available():
+        reasons.append("the `kernels` package (a version this transformers accepts) is not installed")
+    return reasons
+
+
+def checkpoint_is_mxfp4(model_id: str) -> bool:
+    """Whether the checkpoint's config declares MXFP4 quantization (openai/gpt-oss-* and the tiny model do)."""
+    from transformers import AutoConfig
+
+    quantization = getattr(AutoConfig.from_pretrained(model_id), "quantization_config", None) or {}
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization,
+                                                                                             "quant_method", None)
+    return str(getattr(method, "value", method)) == "mxfp4"
+
+
+def dtype_name(torch_dtype) -> str:
+    return str(torch_dtype).removeprefix("torch.")
+
+
+def fallback_note(torch_dtype, reasons: list[str]) -> str:
+    return (f"FELL BACK to dequantized {dtype_name(torch_dtype)} experts: MXFP4 cannot stay quantized here "
+            f"({'; '.join(reasons)})")
+
+
+def load_base(base_model_id: str, device: str, torch_dtype, quantized: bool, attn_implementation: str = "eager"):
+    """(model, how the experts were loaded in words, experts still MXFP4?) for the base checkpoint."""
+    import functools
+
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    load = functools.partial(AutoModelForCausalLM.from_pretrained, base_model_id, dtype=torch_dtype, device_map=device,
+                             attn_implementation=attn_implementation)
+    if not checkpoint_is_mxfp4(base_model_id):
+        model = load()
+        return model.eval(), f"not an MXFP4 checkpoint: loaded as stored, in {dtype_name(torch_dtype)}", False
+    if quantized:
+        reasons = native_mxfp4_blockers(device)
+        if not reasons:
+            try:
+                model = load()
+            except (OSError, RuntimeError, ImportError, ValueError) as err:
+                # the `kernels` package fetches its MXFP4 kernels from the Hugging Face hub; offline that fails
+                reasons = [f"native MXFP4 loading failed: {type(err).__name__}: {err}"]
+            else:
+                if experts_are_mxfp4(model):
+                    return model.eval(), "native MXFP4: expert weights stay quantized (triton kernels)", True
+                # transformers fell back by itself (e.g. a GPU below compute capability 7.5) and logged why
+                note = fallback_note(torch_dtype, ["transformers dequantized them while loading; see its warning"])
+                print(note, file=sys.stderr)
+                return model.eval(), note, False
+        note = fallback_note(torch_dtype, reasons)
+        print(note, file=sys.stderr)
+    else:
+        note = f"dequantized to {dtype_name(torch_dtype)} while loading (Mxfp4Config(dequantize=True))"
+    model = load(quantization_config=Mxfp4Config(dequantize=True))
+    return model.eval(), note, False
+
+
+def load_tokenizer_for(base_model_id: str):
+    """The checkpoint's own tokenizer, or gpt_oss_tokenizer's (same vocabulary) when its folder has none."""
+    from transformers import AutoTokenizer
+
+    folder = Path(base_model_id)
+    if folder.is_dir() and not (folder / "tokenizer.json").is_file():
+        from gpt_oss_tokenizer import load_tokenizer, tokenizer_source
+
+        print(f"tokenizer: {tokenizer_source()} (no tokenizer.json in {folder})")
+        return load_tokenizer()
+    return AutoTokenizer.from_pretrained(base_model_id)
+
+
+def load_policy_model(base_model_id: str = "", adapter_path: str = "", quantized: bool = False,
+                      device: str = "auto", dtype: str = "auto", attn_implementation: str = "auto") -> PolicyModel:
+    """Base model (from the adapter's config when base_model_id is "") with the adapter on top, ready to generate.
+
+    quantized=True keeps the MXFP4 experts quantized where transformers can (CUDA + triton + `kernels`, bf16) and
+    otherwise prints that it fell back to dequantized bf16 experts, and why. An adapter with LoRA on the expert
+    weights cannot sit on quantized experts, so it also falls back then (and says so).
+    """
+    import torch
+
+    if adapter_path:
+        adapter_config(adapter_path)  # a clear error before the (slow) base load
+    if not base_model_id:
+        if not adapter_path:
+            raise ValueError("give BASE_MODEL_ID or ADAPTER_PATH")
+        base_model_id = adapter_base_model(adapter_path)
+    device = resolve_device(device)
+    torch_dtype = torch.bfloat16 if quantized else resolve_dtype(dtype, device)
+    attention = resolve_attention(attn_implementation, device)
+    if quantized and adapter_path and adapter_touches_experts(adapter_path):
+        experts = fallback_note(torch_dtype, ["the adapter has LoRA on the expert weights (target_parameters), "
+                                              "which PEFT cannot apply to MXFP4-quantized experts"])
+        print(experts, file=sys.stderr)
+        model, _, is_quantized = load_base(base_model_id, device, torch_dtype, False, attention)
+    else:
+        model, experts, is_quantized = load_base(base_model_id, device, torch_dtype, quantized, attention)
+    if adapter_path:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_path).eval()
+    tokenizer = load_tokenizer_for(base_model_id)
+    eos = model.generation_config.eos_token_id
+    stop_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+    if not stop_ids:
+        from data_reward import STOP_TOKEN_IDS
+
+        print(f"note: {base_model_id} has no generation-config end tokens; using gpt-oss's {sorted(STOP_TOKEN_IDS)}")
+        stop_ids = STOP_TOKEN_IDS
+    return PolicyModel(model=model, tokenizer=tokenizer, base_model_id=base_model_id, adapter_path=adapter_path or "",
+                       device=device, dtype=dtype_name(torch_dtype), attention=attention, experts=experts,
+                       experts_quantized=is_quantized, stop_token_ids=stop_ids)
+
+
+def split_at_stop(ids: Sequence[int], stop_ids) -> tuple[list[int], bool]:
+    """(ids up to and including the first stop token, truncated?); truncated when no stop token appears."""
+    for index, token in enumerate(ids):
+        if token in stop_ids:
+            return list(ids[:index + 1]), False
+    return list(ids), True
+
+
+def completion_from_ids(tokenizer, ids: Sequence[int], stop_ids) -> Completion:
+    from data_reward import parse_action
+
+    kept, truncated = split_at_stop(ids, stop_ids)
+    text = tokenizer.decode(kept, skip_special_tokens=False)
+    return Completion(text=text, n_tokens=len(kept), truncated=truncated,
+                      action=None if truncated else parse_action(text))
+
+
+def adapter_switch(policy: PolicyModel, use_adapter: bool):
+    """Context in which the model runs with (or, via PEFT's disable_adapter, without) its adapter."""
+    if use_adapter or not policy.has_adapter:
+        return contextlib.nullcontext()
+    return policy.model.disable_adapter()
+
+
+def decode_experts_context(policy: PolicyModel, batch_len: int):
+    """Keeps grouped_mm experts while decoding for large GPU batches (see GROUPED_MM_MIN_BATCH); else no change."""
+    if policy.device == "cuda" and not policy.experts_quantized and batch_len >= GROUPED_MM_MIN_BATCH:
+        from gpt_oss_shapes import keep_experts_implementation_for_decode
+
+        return keep_experts_implementation_for_decode(policy.model)
+    return contextlib.nullcontext()
+
+
+def generate(policy: PolicyModel, prompts: Sequence[str], samples: int = 1, seed: int = 0, max_new_tokens: int = 1024,
+             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, batch_size: int = 16,
+             use_adapter: bool = True, progress: bool = True, desc: str = "generating") -> list[list[Completion]]:
+    """`samples` completions for each Harmony prompt (which already ends with `<|start|>assistant`).
+
+    The prompt x sample pairs are generated `batch_size` at a time; batch b is seeded with `seed + b`, so two calls
+    with the same prompts, samples, seed and batch_size (e.g. adapter and base) use the same random streams.
+    temperature 0 decodes greedily. Returns one list of `samples` Completions per prompt.
+    """
+    import torch
+    from tqdm import tqdm
+
+    if samples < 1 or batch_size < 1:
+        raise ValueError("samples and batch_size must be >= 1")
+    jobs = [(p, s) for p in range(len(prompts)) for s in range(samples)]
+    results: list[list[Completion | None]] = [[None] * samples for _ in prompts]
+    tokenizer = policy.tokenizer
+    sampling = ({"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": top_k} if temperature > 0
+                else {"do_sample": False})
+    with adapter_switch(policy, use_adapter), torch.inference_mode(), \
+            tqdm(total=len(jobs), desc=desc, unit="completion", disable=not progress) as bar:
+        for batch_index, start in enumerate(range(0, len(jobs), batch_size)):
+            batch = jobs[start:start + batch_size]
+            # the Harmony prompt holds every special token itself (a BOS would change it); left padding, so every
+            # prompt ends where its generation starts
+            inputs = tokenizer([prompts[p] for p, _ in batch], return_tensors="pt", padding=True, padding_side="left",
+                               add_special_tokens=False).to(policy.device)
+            torch.manual_seed(seed + batch_index)
+            with decode_experts_context(policy, len(batch)):
+                output = policy.model.generate(**inputs, max_new_tokens=max_new_tokens,
+                                               pad_token_id=tokenizer.pad_token_id, **sampling)
+            generated = output[:, inputs["input_ids"].shape[1]:].tolist()
+            for (p, s), ids in zip(batch, generated, strict=True):
+                results[p][s] = completion_from_ids(tokenizer, ids, policy.stop_token_ids)
+            bar.update(len(batch))
+    return results
+
+
+def majority_vote(actions: Sequence[int | None]) -> int | None:
+    """The most frequent valid action; ties go to the lowest action; None when no action is valid."""
+    counts = collections.Counter(a for a in actions if a is not None)
+    if not counts:
+        return None
+    top = max(counts.values())
+    return min(a for a, n in counts.items() if n == top)
+
+
+__all__ = ["Completion", "PolicyModel", "adapter_base_model", "adapter_config", "adapter_touches_experts",
+           "completion_from_ids", "experts_are_mxfp4", "generate", "load_policy_model", "majority_vote",
+           "native_mxfp4_blockers", "resolve_device", "resolve_dtype", "split_at_stop"]

@@ -1,0 +1,271 @@
+"""Decision quality of a LoRA adapter against its base model on the evaluation prompts (a report, not a pytest file).
+
+    python test_lora_adapter.py                                          # adapter in runs/grpo-gpt-oss-20b
+    python test_lora_adapter.py --ADAPTER_PATH=runs/grpo-tiny --MAX_PROMPTS=10 --SAMPLES_PER_PROMPT=2
+    python test_lora_adapter_quantized.py --ADAPTER_PATH=...   # the same with the MXFP4 experts kept quantized
+
+For every prompt of PROMPT_PATH (the `*_q_dataset_harmony.csv` files of the evaluation split) it samples
+SAMPLES_PER_PROMPT completions with the adapter and as many with the base model alone. The weights are loaded once;
+the base pass runs inside PEFT's `disable_adapter()` with the same batches and seeds. The base is loaded through
+`Mxfp4Config(dequantize=True)`: bf16 on a GPU, float32 on the CPU (DTYPE changes it). Actions are read with the
+training reward's parser (`data_reward.parse_action`: the last `[k]` in the final channel). The prompts' reasoning
+effort is by default the one the adapter was trained with (train_grpo.py's train_config.json: "low"), else the
+dataset's ("medium").
+
+Reported per model (a table on screen, `<OUT_CSV stem>_summary.csv`, and every completion in OUT_CSV):
+- valid_rate: completions with a valid action (a truncated completion is invalid).
+- optimal_share: completions whose action is the row's optimal_action (invalid ones count as not optimal).
+- mean_reward: the row's reward_action_k of the chosen action; an invalid completion counts as reward 0 (the floor:
+  the rewards are a softmax over the four actions) and is included in the mean.
+- mean_regret_q: max_k Q - Q of the chosen action (reward units; x6 = kg CO2), over valid completions only.
+- truncation_rate: completions that hit MAX_NEW_TOKENS without an end token (<|return|>, <|call|>, <|endoftext|>).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+ADAPTER_PATH = "runs/grpo-gpt-oss-20b"  # LoRA adapter folder: train_grpo.py's OUT or one of its checkpoint-* folders
+PROMPT_PATH = "data/eval"  # a *_harmony.csv or a folder of them (default: the evaluation split)
+BASE_MODEL_ID = ""  # base model folder or hub id; "" = the adapter's base_model_name_or_path
+SAMPLES_PER_PROMPT = 4  # completions per prompt and model
+MAX_PROMPTS = 0  # prompts to use, evenly spaced over all rows (0 = all)
+MAX_NEW_TOKENS = 1024  # completion budget in tokens; a completion that hits it is truncated (and invalid)
+TEMPERATURE = 1.0  # sampling temperature (gpt-oss recommends 1.0); 0 = greedy
+TOP_P = 1.0  # nucleus sampling mass (gpt-oss recommends 1.0)
+TOP_K = 0  # top-k sampling (0 = off, as in training; transformers would otherwise default to 50)
+SEED = 0  # generation batch b is seeded with SEED + b, the same for the adapter and the base
+BATCH_SIZE = 32  # sequences per generate call (prompt x sample pairs); lower it if GPU memory runs out
+REASONING_EFFORT = "auto"  # prompts' "Reasoning:" line: auto (adapter's training setting), low/medium/high, "" = keep
+DEVICE = "auto"  # auto (cuda when available), cpu or cuda
+DTYPE = "auto"  # auto (bf16 on GPU, float32 on CPU), bfloat16, float32 or float16; QUANTIZED forces bfloat16
+ATTN_IMPLEMENTATION = "auto"  # auto (flex_attention on CUDA: it supports gpt-oss's sinks; eager on CPU) or a name
+QUANTIZED = False  # keep the MXFP4 expert weights quantized where the machine can (else says it fell back)
+OUT_CSV = ""  # every completion; "" = runs/adapter-test-<adapter>[-mxfp4]/completions.csv
+PROGRESS = True  # progress bars while generating
+
+_MODELS = ("adapter", "base")
+_Q_COLUMNS = tuple(f"q_action_{k}" for k in range(4))
+_SUMMARY_COLUMNS = ("model", "completions", "prompts", "valid_rate", "optimal_share", "mean_reward", "mean_regret_q",
+                   "truncation_rate", "mean_tokens")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Prompts
+# ---------------------------------------------------------------------------------------------------------------
+
+def prompt_files(path: str | Path) -> list[Path]:
+    from data_reward import HARMONY_GLOB, training_csv_paths
+    from fileio import InputError
+
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise InputError(path, "prompt file or folder does not exist")
+    files = training_csv_paths(path, None)
+    if not files:
+        raise InputError(path, f"no {HARMONY_GLOB} files in this folder (run the data pipeline first)")
+    return files
+
+
+def check_q_columns(raw, path) -> dict[str, list[float]]:
+    """The q_action_0..3 columns as floats; InputError naming file, row (first data row = 1), column and value."""
+    import pandas as pd
+
+    from fileio import InputError
+
+    missing = [c for c in _Q_COLUMNS if c not in raw.columns]
+    if missing:
+        raise InputError(path, f"missing column(s) {', '.join(missing)} (the exact Q-values of make_q_dataset.py)")
+    columns = {}
+    for column in _Q_COLUMNS:
+        values = []
+        for row, value in enumerate(raw[column], start=1):
+            number = pd.to_numeric(value, errors="coerce")
+            if pd.isna(number) or not math.isfinite(float(number)):
+                raise InputError(path, "Q-value must be a finite number", row=row, column=column, value=value)
+            values.append(float(number))
+        columns[column] = values
+    return columns
+
+
+def evenly_spaced(count: int, limit: int) -> list[int]:
+    """`limit` indices spread evenly over range(count), first and last included (all when limit is 0 or >= count)."""
+    if limit <= 0 or limit >= count:
+        return list(range(count))
+    if limit == 1:
+        return [0]
+    return sorted({round(i * (count - 1) / (limit - 1)) for i in range(limit)})
+
+
+def load_eval_prompts(path: str | Path, max_prompts: int = 0, reasoning_effort: str = ""):
+    """Checked rows of the Harmony CSVs: source, row, prompt, optimal_action, reward_action_0..3, q_action_0..3."""
+    import pandas as pd
+
+    from data_reward import check_frame, set_reasoning_effort
+    from fileio import InputError
+
+    frames = []
+    for file in prompt_files(path):
+        try:
+            raw = pd.read_csv(file, dtype={"prompt": str}, keep_default_na=False, na_values=[""])
+        except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as err:
+            raise InputError(file, f"not a readable CSV ({err})") from None
+        frame = check_frame(raw, file).drop(columns="source")
+        frame = frame.assign(**check_q_columns(raw, file))
+        frame.insert(0, "source", file.name)
+        frame.insert(1, "row", range(1, len(frame) + 1))
+        frames.append(frame)
+    prompts = pd.concat(frames, ignore_index=True)
+    prompts = prompts.iloc[evenly_spaced(len(prompts), max_prompts)].reset_index(drop=True)
+    if reasoning_effort:
+        try:
+            prompts["prompt"] = [set_reasoning_effort(p, reasoning_effort) for p in prompts["prompt"]]
+        except ValueError as err:
+            raise InputError(path, str(err), column="prompt") from None
+    return prompts
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Metrics
+# ---------------------------------------------------------------------------------------------------------------
+
+def score_action(action: int | None, optimal_action: int, q_values, rewards) -> dict:
+    """valid, is_optimal, reward (0 when invalid) and regret_q (NaN when invalid) of one chosen action."""
+    if action is None:
+        return {"valid": False, "is_optimal": False, "reward": 0.0, "regret_q": math.nan}
+    return {"valid": True, "is_optimal": action == int(optimal_action), "reward": float(rewards[action]),
+            "regret_q": max(q_values) - q_values[action]}
+
+
+def completion_rows(prompts, completions, model: str) -> list[dict]:
+    """One record per completion: where its prompt came from, the action and its scores."""
+    rows = []
+    for record, samples in zip(prompts.to_dict("records"), completions, strict=True):
+        q_values = [record[c] for c in _Q_COLUMNS]
+        rewards = [record[f"reward_action_{k}"] for k in range(4)]
+        for sample, completion in enumerate(samples):
+            rows.append({"model": model, "source": record["source"], "row": record["row"], "sample": sample,
+                         "optimal_action": record["optimal_action"], "action": completion.action,
+                         **score_action(completion.action, record["optimal_action"], q_values, rewards),
+                         "truncated": completion.truncated, "n_tokens": completion.n_tokens,
+                         "completion": completion.text})
+    return rows
+
+
+def summarize(frame):
+    """One row per model: the metrics of the module docstring over that model's completions."""
+    import pandas as pd
+
+    rows = []
+    for model, group in frame.groupby("model", sort=False):
+        valid = group["valid"].astype(bool)
+        rows.append({
+            "model": model,
+            "completions": len(group),
+            "prompts": group[["source", "row"]].drop_duplicates().shape[0],
+            "valid_rate": valid.mean(),
+            "optimal_share": group["is_optimal"].astype(bool).mean(),
+            "mean_reward": group["reward"].mean(),
+            "mean_regret_q": group.loc[valid, "regret_q"].mean() if valid.any() else math.nan,
+            "truncation_rate": group["truncated"].astype(bool).mean(),
+            "mean_tokens": group["n_tokens"].mean(),
+        })
+    return pd.DataFrame(rows, columns=list(_SUMMARY_COLUMNS))
+
+
+def format_summary(summary) -> str:
+    table = summary.copy()
+    for column in ("valid_rate", "optimal_share", "truncation_rate"):
+        table[column] = [f"{100 * v:.1f}%" for v in table[column]]
+    for column in ("mean_reward", "mean_regret_q"):
+        table[column] = ["n/a" if math.isnan(v) else f"{v:.4f}" for v in table[column]]
+    table["mean_tokens"] = [f"{v:.0f}" for v in table["mean_tokens"]]
+    return table.to_string(index=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Running it
+# ---------------------------------------------------------------------------------------------------------------
+
+def default_out_csv(adapter_path: str, quantized: bool) -> Path:
+    from llm_policy import adapter_run_name
+
+    return Path("runs") / f"adapter-test-{adapter_run_name(adapter_path)}{'-mxfp4' if quantized else ''}" / \
+        "completions.csv"
+
+
+def summary_path(out_csv: str | Path) -> Path:
+    out_csv = Path(out_csv)
+    return out_csv.with_name(f"{out_csv.stem}_summary.csv")
+
+
+def run_adapter_test(adapter_path: str, prompt_path: str = PROMPT_PATH, base_model_id: str = "",
+                     samples_per_prompt: int = SAMPLES_PER_PROMPT, max_prompts: int = MAX_PROMPTS,
+                     max_new_tokens: int = MAX_NEW_TOKENS, temperature: float = TEMPERATURE, top_p: float = TOP_P,
+                     top_k: int = TOP_K, seed: int = SEED, batch_size: int = BATCH_SIZE,
+                     reasoning_effort: str = REASONING_EFFORT, device: str = DEVICE, dtype: str = DTYPE,
+                     quantized: bool = QUANTIZED, out_csv: str = OUT_CSV, progress: bool = PROGRESS,
+                     attn_implementation: str = ATTN_IMPLEMENTATION):
+    """Generates with the adapter and with the base, writes OUT_CSV and its summary; returns (summary, completions)."""
+    import pandas as pd
+
+    from fileio import write_csv_atomic
+    from llm_policy import adapter_config, generate, load_policy_model, resolve_reasoning_effort
+
+    adapter_config(adapter_path)  # a missing adapter fails before anything is read or loaded
+    effort, origin = resolve_reasoning_effort(reasoning_effort, adapter_path, "")
+    prompts = load_eval_prompts(prompt_path, max_prompts, effort)
+    policy = load_policy_model(base_model_id, adapter_path, quantized=quantized, device=device, dtype=dtype,
+                               attn_implementation=attn_implementation)
+    print(f"base {policy.base_model_id} + adapter {adapter_path}; experts: {policy.experts}; "
+          f"{policy.device}, {policy.dtype}, attention {policy.attention}")
+    print(f"reasoning effort: {effort or 'as in the prompts'} ({origin})")
+    print(f"{len(prompts)} prompts from {prompt_path} x {samples_per_prompt} samples x 2 models, "
+          f"max {max_new_tokens} new tokens, temperature {temperature}, top_p {top_p}, seed {seed}")
+    rows = []
+    for model in _MODELS:
+        completions = generate(policy, list(prompts["prompt"]), samples_per_prompt, seed, max_new_tokens, temperature,
+                               top_p, top_k, batch_size, use_adapter=model == "adapter", progress=progress,
+                               desc=f"{model} completions")
+        rows += completion_rows(prompts, completions, model)
+    frame = pd.DataFrame(rows)
+    frame["action"] = frame["action"].astype("Int64")  # empty cell for an invalid answer, not 1.0-style floats
+    summary = summarize(frame)
+    summary["experts"] = policy.experts
+    out_csv = Path(out_csv) if out_csv else default_out_csv(adapter_path, quantized)
+    write_csv_atomic(frame, out_csv)
+    write_csv_atomic(summary, summary_path(out_csv))
+    print()
+    print(format_summary(summary.drop(columns="experts")))
+    print(f"\nmean reward counts an invalid answer as 0; mean regret (Q units, x6 = kg CO2) is over valid answers")
+    print(f"wrote {out_csv} ({len(frame)} completions) and {summary_path(out_csv)}")
+    return summary, frame
+
+
+def main(argv: list[str] | None = None, quantized: bool | None = None) -> int:
+    """Command-line entry; quantized=True is test_lora_adapter_quantized.py (QUANTIZED's default becomes True)."""
+    from fileio import InputError
+    from script_config import configure, constants_of
+
+    defaults = constants_of(globals())
+    try:
+        if quantized is not None:
+            globals()["QUANTIZED"] = quantized  # before configure: --help shows it, --QUANTIZED still overrides it
+        configure(globals(), argv)
+        run_adapter_test(ADAPTER_PATH, PROMPT_PATH, BASE_MODEL_ID, SAMPLES_PER_PROMPT, MAX_PROMPTS, MAX_NEW_TOKENS,
+                         TEMPERATURE, TOP_P, TOP_K, SEED, BATCH_SIZE, REASONING_EFFORT, DEVICE, DTYPE, QUANTIZED,
+                         OUT_CSV, PROGRESS, ATTN_IMPLEMENTATION)
+    except (InputError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    finally:
+        globals().update(defaults)  # a second in-process call (tests, the quantized variant) starts from the defaults
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""StepStream on its own, and as TRL 1.16's GRPOTrainer actually reads it."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from step_stream import StepStream
+
+ROWS = [{"prompt": f"prompt {i}", "reward_action_0": i / 10, "reward_action_1": 1 - i / 10, "optimal_action": i % 4}
+        for i in range(7)]
+
+
+def test_same_seed_same_stream_other_seed_other_stream():
+    assert StepStream(ROWS, 2, seed=3).take(40) == StepStream(ROWS, 2, seed=3).take(40)
+    assert StepStream(ROWS, 2, seed=3).take(40) != StepStream(ROWS, 2, seed=4).take(40)
+
+
+@pytest.mark.parametrize("prompts_per_step", [1, 3, 7])
+def test_each_micro_step_has_distinct_prompts(prompts_per_step):
+    groups = list(itertools.islice(StepStream(ROWS, prompts_per_step, seed=0).micro_steps(), 50))
+    assert all(len({row["prompt"] for row in group}) == prompts_per_step for group in groups)
+
+
+def test_endless_and_covers_every_row():
+    records = StepStream(ROWS, 2, seed=1).take(5000)
+    assert len(records) == 5000
+    assert {r["prompt"] for r in records} == {r["prompt"] for r in ROWS}
+
+
+def test_rewards_stay_with_their_prompt():
+    by_prompt = {r["prompt"]: r for r in ROWS}
+    assert all(record == by_prompt[record["prompt"]] for record in StepStream(ROWS, 3, seed=2).take(300))
+
+
+def test_columns_selects_keys_and_records_are_copies():
+    stream = StepStream(ROWS, 1, seed=0, columns=["prompt", "reward_action_0"])
+    first = stream.take(1)[0]
+    assert set(first) == {"prompt", "reward_action_0"}
+    first["prompt"] = "changed"
+    assert all(r["prompt"] != "changed" for r in stream.rows)
+
+
+# (rows, prompts_per_step, columns, error text)
+BAD = [
+    ([], 1, None, "at least one training row"),
+    (ROWS, 0, None, "at least 1"),
+    (ROWS, 8, None, "there are 7"),
+    (ROWS, 1, ["prompt", "missing"], "missing"),
+]
+
+
+@pytest.mark.parametrize("rows, prompts_per_step, columns, text", BAD)
+def test_bad_arguments(rows, prompts_per_step, columns, text):
+    with pytest.raises(ValueError, match=text):
+        StepStream(rows, prompts_per_step, seed=0, columns=columns)
+
+
+def test_accepts_a_dataframe():
+    import pandas as pd
+
+    assert StepStream(pd.DataFrame(ROWS), 2, seed=5).take(10) == StepStream(ROWS, 2, seed=5).take(10)
+
+
+def test_grpo_trainer_sees_each_prompt_num_generations_times_with_its_rewards(tmp_path):
+    """Through train_grpo's own GRPOConfig and TRL's real train dataloader (no generation)."""
+    from transformers import GptOssForCausalLM
+    from trl import GRPOTrainer
+
+    import train_grpo
+    from data_reward import reward_fn
+    from gpt_oss_tokenizer import load_tokenizer
+    from tiny_model import current_settings, tiny_config
+
+    tokenizer = load_tokenizer()
+    model = GptOssForCausalLM(tiny_config(len(tokenizer), {**current_settings(), "NUM_LAYERS": 1}))
+    settings = train_grpo.default_settings(OUT=str(tmp_path / "run"), PROMPTS_PER_STEP=2, NUM_GENERATIONS=3,
+                                           GRADIENT_ACCUMULATION_STEPS=2, TOTAL_STEPS=3)
+    rows = [{**r, "reward_action_2": 0.0, "reward_action_3": 0.0} for r in ROWS]
+    stream = StepStream(rows, settings["PROMPTS_PER_STEP"], seed=settings["SEED"])
+    args = train_grpo.build_grpo_config(settings, cuda=False)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=args, train_dataset=stream.to_iterable_dataset(),
+                          processing_class=tokenizer)
+    per_device, spg, group = args.per_device_train_batch_size, args.steps_per_generation, 3
+    assert (per_device, spg) == (6, 2)
+
+    batches = list(itertools.islice(trainer.get_train_dataloader(), 3 * spg))
+    expected_groups = list(itertools.islice(stream.micro_steps(), 3 * spg))
+    by_prompt = {r["prompt"]: r for r in rows}
+    for generation in range(3):
+        # TRL hands the same generation batch to each of its steps_per_generation micro-steps (it generates once)
+        first = batches[generation * spg]
+        assert all(batch == first for batch in batches[generation * spg:(generation + 1) * spg])
+        assert len(first) == per_device * spg
+        for slot in range(spg):
+            micro = first[slot * per_device:(slot + 1) * per_device]
+            prompts = [record["prompt"] for record in micro]
+            # NUM_GENERATIONS copies in a row, PROMPTS_PER_STEP distinct prompts, in StepStream's order
+            assert prompts == [row["prompt"] for row in expected_groups[generation * spg + slot] for _ in range(group)]
+            assert all(record == by_prompt[record["prompt"]] for record in micro)
