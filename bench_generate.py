@@ -24,20 +24,33 @@ NUM_SEQS = 64  # sequences decoded together
 PROMPT_LEN = 1316  # prompt tokens per sequence (the TES prompts are about this long)
 NEW_TOKENS = 128  # tokens generated per sequence (random weights never stop early)
 ATTN = "flex_attention"  # attention kernel: flex_attention (has sinks) | eager | sdpa
-VARIANTS = ("default", "grouped_mm")  # experts paths to time, comma-separated on the command line
+VARIANTS = ("default", "grouped_mm")  # default | grouped_mm | grouped_mm_graphs, comma-separated on the command line
 REPEATS = 1  # timed generate calls per variant (after one warm-up call)
 SEED = 0  # torch seed for weights and prompts
 PROFILE_TOKENS = 0  # >0: after timing, profile a generate call of this many new tokens per variant (torch.profiler)
 
 
-def time_generate(model, input_ids, new_tokens: int) -> tuple[float, float]:
+def variant_generate_kwargs(variant: str) -> dict:
+    """Extra generate() arguments of a variant.
+
+    grouped_mm_graphs: a static KV cache, which makes transformers compile the forward (torch.compile,
+    mode "reduce-overhead" = CUDA graphs) so a decode step replays one graph instead of ~2,400 kernel launches.
+    """
+    if variant != "grouped_mm_graphs":
+        return {}
+    from transformers import CompileConfig
+
+    return {"cache_implementation": "static", "compile_config": CompileConfig(mode="reduce-overhead", dynamic=False)}
+
+
+def time_generate(model, input_ids, new_tokens: int, **extra) -> tuple[float, float]:
     """Seconds for one generate call and the peak GiB it reached."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
                          min_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_p=1.0, use_cache=True,
-                         pad_token_id=199999)
+                         pad_token_id=199999, **extra)
     torch.cuda.synchronize()
     assert out.shape[1] == input_ids.shape[1] + new_tokens
     return time.perf_counter() - start, torch.cuda.max_memory_allocated() / 2**30
@@ -58,7 +71,8 @@ def profile_generate(model, input_ids, new_tokens: int, label: str) -> None:
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
     events = prof.key_averages()
-    gpu_us = sum(e.self_device_time_total for e in events)
+    # kernels appear both on their own rows (no CPU time) and inside the aten op that launched them: count them once
+    gpu_us = sum(e.self_device_time_total for e in events if e.self_cpu_time_total == 0)
     launches = sum(e.count for e in events if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel")))
     syncs = sum(e.count for e in events if "Synchronize" in e.key or e.key == "aten::item"
                 or e.key == "aten::_local_scalar_dense")
@@ -76,17 +90,23 @@ def main(argv: list[str] | None = None) -> None:
     input_ids = torch.randint(0, 199998, (NUM_SEQS, PROMPT_LEN), device="cuda")
     rows = []
     for variant in VARIANTS:
-        ctx = keep_experts_implementation_for_decode(model) if variant == "grouped_mm" else contextlib.nullcontext()
+        keep = variant.startswith("grouped_mm")
+        ctx = keep_experts_implementation_for_decode(model) if keep else contextlib.nullcontext()
+        extra = variant_generate_kwargs(variant)
         with ctx:
-            time_generate(model, input_ids, 2)  # warm-up: kernels and flex attention compilation at the real shapes
+            # warm-up: kernels and flex attention compilation at the real shapes; a static cache is sized by the
+            # whole generation, so the graphs variant warms up at the full length
+            warm_seconds, _ = time_generate(model, input_ids, NEW_TOKENS if extra else 2, **extra)
+            print(f"{variant}: warm-up {warm_seconds:.1f} s", flush=True)
             for _ in range(REPEATS):
-                seconds, peak = time_generate(model, input_ids, NEW_TOKENS)
+                seconds, peak = time_generate(model, input_ids, NEW_TOKENS, **extra)
                 rows.append((variant, NUM_SEQS, PROMPT_LEN, NEW_TOKENS, seconds, NUM_SEQS * NEW_TOKENS / seconds, peak))
+                print(f"{variant}: {seconds:.1f} s, {rows[-1][5]:.0f} tok/s, peak {peak:.1f} GiB", flush=True)
             if PROFILE_TOKENS:
                 profile_generate(model, input_ids, PROFILE_TOKENS, variant)
-    print(f"\n{'experts':<12}{'seqs':>6}{'prompt':>8}{'new':>6}{'seconds':>10}{'tok/s':>10}{'peak GiB':>10}")
+    print(f"\n{'experts':<18}{'seqs':>6}{'prompt':>8}{'new':>6}{'seconds':>10}{'tok/s':>10}{'peak GiB':>10}")
     for variant, seqs, plen, new, seconds, tps, peak in rows:
-        print(f"{variant:<12}{seqs:>6}{plen:>8}{new:>6}{seconds:>10.1f}{tps:>10.0f}{peak:>10.1f}")
+        print(f"{variant:<18}{seqs:>6}{plen:>8}{new:>6}{seconds:>10.1f}{tps:>10.0f}{peak:>10.1f}")
 
 
 if __name__ == "__main__":

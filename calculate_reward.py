@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Sequence
 
 import tes_env
-from fileio import InputError, write_csv_atomic
+from fileio import InputError, parse_finite, write_csv_atomic
 
 PATHS: list = []  # CSV files or folders (positional arguments)
 TAU = 0.05  # softmax temperature in Q units; must be finite and > 0
@@ -52,15 +52,7 @@ def format_reward(value: float) -> str:
 
 
 def parse_q(path, row: int, column: str, text) -> float:
-    if text is None or (isinstance(text, str) and text.strip() == ""):
-        raise InputError(path, "missing Q-value", row=row, column=column)
-    try:
-        value = float(text)
-    except ValueError:
-        raise InputError(path, "Q-value is not a number", row=row, column=column, value=text) from None
-    if not math.isfinite(value):
-        raise InputError(path, "Q-value is not finite", row=row, column=column, value=text)
-    return value
+    return parse_finite(path, row, column, text, what="Q-value")
 
 
 def read_table(path: Path):

@@ -20,7 +20,11 @@ import json
 import math
 import re
 import sys
+import typing
 from pathlib import Path
+
+if typing.TYPE_CHECKING:  # annotations only; the module is imported where it is used
+    import torch
 
 ADAPTER_PATH = "runs/grpo-gpt-oss-20b"  # PEFT LoRA folder (adapter_config.json + adapter_model.safetensors)
 OUT_PATH = "runs/export/gpt-oss-tes-lora.gguf"  # GGUF file to write (replaced atomically)

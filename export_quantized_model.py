@@ -20,8 +20,13 @@ import json
 import os
 import shutil
 import sys
-import tempfile
+import typing
 from pathlib import Path
+
+from fileio import give_default_modes, temporary_folder
+
+if typing.TYPE_CHECKING:  # annotations only; the module is imported where it is used
+    from mxfp4 import SafetensorsCheckpoint
 
 ADAPTER_PATH = "runs/grpo-gpt-oss-20b"  # folder with adapter_config.json + adapter_model.safetensors (train_grpo.py's OUT)
 BASE_MODEL_ID = ""  # base checkpoint (hub id or folder); "" = the adapter's base_model_name_or_path
@@ -234,7 +239,11 @@ def export_generation_config(base_folder: Path, tokenizer):
 def write_export(merged, touched: set[str], base_folder: Path, adapter_path: Path, out_dir: Path,
                  overwrite: bool = False, max_shard_bytes: int | None = None, disk_margin_bytes: int = 0) -> dict:
     """Writes the merged model as an MXFP4 folder at `out_dir` via a temporary sibling folder; returns stats."""
-    from mxfp4 import DEFAULT_MAX_SHARD_BYTES, estimate_checkpoint_bytes, write_mxfp4_checkpoint
+    from mxfp4 import (
+        DEFAULT_MAX_SHARD_BYTES,
+        estimate_checkpoint_bytes,
+        write_mxfp4_checkpoint,
+    )
 
     if out_dir.exists() and not overwrite:
         raise ExportError(f"{out_dir} already exists; pass --OVERWRITE to replace it")
@@ -245,8 +254,7 @@ def write_export(merged, touched: set[str], base_folder: Path, adapter_path: Pat
     passthrough = base_expert_passthrough(base_folder, state_dict, touched)
     config = merged.config
     config.use_cache = True  # training turns the KV cache off for gradient checkpointing; serving needs it
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    temp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    temp = temporary_folder(out_dir)
     try:
         stats = write_mxfp4_checkpoint(state_dict, config, temp, passthrough=passthrough,
                                        max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
@@ -256,6 +264,7 @@ def write_export(merged, touched: set[str], base_folder: Path, adapter_path: Pat
                 "experts_copied_from_base": stats["copied"], "experts_quantized": stats["quantized"],
                 "adapted_expert_parameters": sorted(touched), "bytes": stats["bytes"]}
         (temp / "export_info.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+        give_default_modes(temp)
         replace_folder(temp, out_dir)
     except OSError as err:
         shutil.rmtree(temp, ignore_errors=True)

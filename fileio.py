@@ -7,6 +7,7 @@ so a failure (bad row, full disk, Ctrl-C) never leaves a half-written or clobber
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -27,6 +28,21 @@ class InputError(ValueError):
         self.path, self.row, self.column, self.value = path, row, column, value
 
 
+def parse_finite(path, row: int, column: str, text, what: str = "") -> float:
+    """A CSV cell as a finite float, or an InputError naming file, row, column and value ("what" prefixes it)."""
+    prefix = f"{what} " if what else ""
+    if text is None or (isinstance(text, str) and text.strip() == ""):
+        raise InputError(path, f"missing {what or 'value'}", row=row, column=column)
+    try:
+        value = float(text)
+    except ValueError:
+        raise InputError(path, f"{prefix}is not a number" if what else "not a number", row=row, column=column,
+                         value=text) from None
+    if not math.isfinite(value):
+        raise InputError(path, f"{prefix}is not finite" if what else "not finite", row=row, column=column, value=text)
+    return value
+
+
 @contextlib.contextmanager
 def atomic_output(path: str | os.PathLike, suffix: str | None = None):
     """Yields a temporary path next to `path`; renames it onto `path` only if the block succeeds."""
@@ -42,6 +58,21 @@ def atomic_output(path: str | os.PathLike, suffix: str | None = None):
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def temporary_folder(beside: str | os.PathLike) -> Path:
+    """A new empty folder next to `beside`, for writing a whole output folder that is renamed onto it when complete."""
+    beside = Path(beside)
+    beside.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{beside.name}.tmp-", dir=beside.parent))
+
+
+def give_default_modes(folder: str | os.PathLike) -> None:
+    """Gives a folder written through temporary files the modes plain mkdir()/open() would have (not 0700/0600)."""
+    folder = Path(folder)
+    os.chmod(folder, 0o777 & ~_umask())
+    for path in folder.rglob("*"):
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~_umask())
 
 
 def _umask() -> int:

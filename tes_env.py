@@ -23,14 +23,13 @@ rounding (~1e-12), with no grid and no interpolation.
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 import random
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Callable, Sequence
 
-from fileio import InputError
+from fileio import InputError, parse_finite
 
 RATED_KW = 100.0  # ASHP rated cooling output (kW); one hour at ratio 1 schedules 100 kWh
 COP = 4.0  # ASHP coefficient of performance (kWh cooling per kWh electricity), constant
@@ -79,16 +78,6 @@ class Series:
                              f"{len(self.datetimes)}/{len(self.co2)}/{len(self.load)}")
 
 
-def _parse_float(path, row: int, column: str, text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise InputError(path, "not a number", row=row, column=column, value=text) from None
-    if not math.isfinite(value):
-        raise InputError(path, "not finite", row=row, column=column, value=text)
-    return value
-
-
 def series_from_rows(rows: Sequence[Sequence[str]], name: str, path="<series>") -> Series:
     """Validates string rows (datetime, co2, load) and builds a Series; rows are numbered from 1.
 
@@ -114,11 +103,11 @@ def series_from_rows(rows: Sequence[Sequence[str]], name: str, path="<series>") 
         if index > 0 and moment - datetimes[-1] != timedelta(hours=1):
             raise InputError(path, "rows must be consecutive hours", row=number, column="datetime",
                              value=text_time)
-        factor = _parse_float(path, number, "co2_kg_per_kwh", text_co2)
+        factor = parse_finite(path, number, "co2_kg_per_kwh", text_co2)
         if factor < 0:
             raise InputError(path, "CO2 factor must be >= 0", row=number, column="co2_kg_per_kwh",
                              value=text_co2)
-        kw = _parse_float(path, number, "cooling_load_kw", text_load)
+        kw = parse_finite(path, number, "cooling_load_kw", text_load)
         if kw < 0:
             raise InputError(path, "cooling load must be >= 0", row=number, column="cooling_load_kw",
                              value=text_load)

@@ -241,7 +241,7 @@ def run_adapter_test(adapter_path: str, prompt_path: str = PROMPT_PATH, base_mod
     write_csv_atomic(summary, summary_path(out_csv))
     print()
     print(format_summary(summary.drop(columns="experts")))
-    print(f"\nmean reward counts an invalid answer as 0; mean regret (Q units, x6 = kg CO2) is over valid answers")
+    print("\nmean reward counts an invalid answer as 0; mean regret (Q units, x6 = kg CO2) is over valid answers")
     print(f"wrote {out_csv} ({len(frame)} completions) and {summary_path(out_csv)}")
     return summary, frame
 

@@ -33,12 +33,12 @@ import math
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from fileio import give_default_modes, temporary_folder
 from script_config import configure, constants_of
 
 _REPO_ROOT = Path(__file__).resolve().parent
@@ -268,10 +268,10 @@ def build_tiny_checkpoint(out_dir: str | os.PathLike, settings: dict | None = No
             "warmup_loss_first": losses[0] if losses else None, "warmup_loss_last": losses[-1] if losses else None,
             "parameters": n_params, "tokenizer_source": tokenizer_source(),
             "build_seconds": round(time.time() - started, 1)}
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    tmp = temporary_folder(out_dir)
     try:
         write_tiny_checkpoint(model, tokenizer, tmp, info)
+        give_default_modes(tmp)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)

@@ -23,13 +23,7 @@ RETURN, END, CALL, EOT = 200002, 200007, 200012, 199999  # <|return|>, <|end|>, 
 STOPS = frozenset({RETURN, CALL, EOT})
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # the tiny model's ops are tiny: one thread is as fast and avoids OpenMP spin-waits on a shared, busy CPU
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_lora_adapter(base: Path, folder: Path, b_std: float, seed: int = 1) -> Path:

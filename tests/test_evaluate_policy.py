@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import torch
 
 import evaluate_policy as ev
 import tes_env
@@ -22,13 +21,7 @@ SERIES_DIR = REPO / "data" / "series"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # the tiny model's ops are tiny: one thread is as fast and avoids OpenMP spin-waits on a shared, busy CPU
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,13 @@
+"""Fixtures shared by several test modules."""
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    # the tiny model's ops are tiny: one thread is as fast and avoids OpenMP spin-waits on a shared, busy CPU
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
