@@ -3,13 +3,17 @@
 Run on the GPU machine (the tokenizer folder must be reachable: GPT_OSS_TOKENIZER=<folder>):
 
     python bench_grpo.py --STEPS=2 --MAX_COMPLETION_LEN=512 --DECODE_EXPERTS=auto
+    accelerate launch --config_file configs/accelerate/ddp.yaml bench_grpo.py --STEPS=2     # several GPUs
+    accelerate launch --config_file configs/accelerate/fsdp2.yaml bench_grpo.py --STEPS=2   # sharded weights
 
 It builds the 20B architecture in bf16 on the GPU (gpt_oss_shapes.py), takes the real TES prompts from data/,
 and runs train_grpo.build_trainer(...).train() for STEPS optimizer steps at train_grpo's default batch settings
 (64 completions a step). Random weights never emit an end token, so every completion runs to
 MAX_COMPLETION_LEN: the worst case. Per step it prints generation and training time, completion tokens/s,
 peak memory, and the ratios to the limits (decode: every weight read once per token step at the measured
-~3.0 TB/s; training: ~22 GFLOP a token against ~800 TFLOP/s of bf16 matrix rate).
+~3.0 TB/s; training: ~22 GFLOP a token against ~800 TFLOP/s of bf16 matrix rate). Under accelerate launch every
+process builds the model on its own GPU (FSDP then shards it) and runs train_grpo's per-process batch; rank 0
+prints each step with the peak memory of every GPU and the completions per second of all of them together.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from transformers import TrainerCallback
 
 import train_grpo
 from gpt_oss_shapes import build_random_model, stack_versions
+from processes import gather_on_main, is_main_process, local_rank, process_count, say, start_process_group, uses_fsdp
 from script_config import configure
 
 STEPS = 2  # optimizer steps to time (the first includes compilation and warm-up)
@@ -98,6 +103,8 @@ class StepTimer(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         torch.cuda.synchronize()
+        # every process's generation time and peak memory, on rank 0 (a collective: every rank gets here each step)
+        per_gpu = gather_on_main([(self.timer.seconds - self.before[0], torch.cuda.max_memory_allocated() / 2**30)])
         total = time.perf_counter() - self.start
         gen, tokens, seqs = (now - then for now, then in
                              zip((self.timer.seconds, self.timer.tokens, self.timer.sequences), self.before))
@@ -111,16 +118,26 @@ class StepTimer(TrainerCallback):
                    train_mfu=trained_tokens * TRAIN_GFLOP_PER_TOKEN * 1e9 / max(train_s, 1e-9) / (BF16_TFLOPS * 1e12),
                    peak_gib=torch.cuda.max_memory_allocated() / 2**30, decode_experts=DECODE_EXPERTS,
                    max_completion_len=MAX_COMPLETION_LEN, prompt_tokens=self.prompt_tokens)
+        if per_gpu is None:
+            return
+        processes = process_count()
+        row.update(processes=processes, sharding="fsdp2" if uses_fsdp() else "ddp" if processes > 1 else "none",
+                   generation_s_per_gpu=[g for g, _ in per_gpu], peak_gib_per_gpu=[m for _, m in per_gpu],
+                   peak_gib=max(m for _, m in per_gpu), completions_per_step=seqs * processes,
+                   completions_per_s=seqs * processes / total)
         self.rows.append(row)
         with self.results.open("a") as f:
             f.write(json.dumps(row) + "\n")
         print(f"[bench] step {row['step']}: {total:.1f} s (generation {gen:.1f} s, training {train_s:.1f} s), "
-              f"{row['gen_tokens_per_s']:.0f} tok/s, peak {row['peak_gib']:.1f} GiB", flush=True)
+              f"{row['gen_tokens_per_s']:.0f} tok/s per GPU, {row['completions_per_s']:.2f} completions/s, peak "
+              + " / ".join(f"{m:.1f}" for m in row["peak_gib_per_gpu"]) + " GiB", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
     configure(globals(), argv)
-    print(stack_versions())
+    start_process_group()
+    torch.cuda.set_device(local_rank())
+    say(stack_versions())
     from gpt_oss_tokenizer import load_tokenizer
 
     overrides = dict(OUT=OUT, TOTAL_STEPS=STEPS, MAX_COMPLETION_LEN=MAX_COMPLETION_LEN, SAVE_STEPS=10_000,
@@ -133,8 +150,8 @@ def main(argv: list[str] | None = None) -> None:
     if PROMPT_TOKENS:
         frame = lengthen_prompts(frame, tokenizer, PROMPT_TOKENS)
     prompt_tokens = int(sum(len(tokenizer(p).input_ids) for p in frame["prompt"]) / len(frame))
-    print(f"prompts: {len(frame)} rows, mean {prompt_tokens} tokens")
-    model = build_random_model(attn_implementation="flex_attention")
+    say(f"prompts: {len(frame)} rows, mean {prompt_tokens} tokens")
+    model = build_random_model(attn_implementation="flex_attention", device=f"cuda:{local_rank()}")
     model.config.use_cache = True
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     timer = GenerationTimer(model)
@@ -144,16 +161,20 @@ def main(argv: list[str] | None = None) -> None:
     trainer = train_grpo.build_trainer(settings, model, tokenizer, train_grpo.build_train_dataset(frame, settings),
                                        callbacks=[step_timer])
     trainer.train()
-    print(f"\n{stack_versions()}\nDECODE_EXPERTS={DECODE_EXPERTS}, MAX_COMPLETION_LEN={MAX_COMPLETION_LEN}, "
+    if not is_main_process():
+        return
+    print(f"\n{stack_versions()}, {process_count()} process(es), sharding {step_timer.rows[0]['sharding']}")
+    print(f"DECODE_EXPERTS={DECODE_EXPERTS}, MAX_COMPLETION_LEN={MAX_COMPLETION_LEN}, "
           f"prompt {prompt_tokens} tokens, {settings['NUM_GENERATIONS']} generations x "
           f"{settings['GRADIENT_ACCUMULATION_STEPS']} accumulation")
     print(f"{'step':>4}{'step s':>8}{'gen s':>8}{'train s':>8}{'gen %':>7}{'tok/s':>8}{'of limit':>9}"
-          f"{'train MFU':>10}{'peak GiB':>9}")
+          f"{'train MFU':>10}{'compl/s':>8}  peak GiB per GPU")
     for r in step_timer.rows:
         print(f"{r['step']:>4}{r['step_s']:>8.1f}{r['generation_s']:>8.1f}{r['training_s']:>8.1f}"
               f"{100 * r['gen_share']:>6.0f}%{r['gen_tokens_per_s']:>8.0f}"
               f"{100 * r['gen_tokens_per_s'] / r['decode_limit_tokens_per_s']:>8.1f}%"
-              f"{100 * r['train_mfu']:>9.1f}%{r['peak_gib']:>9.1f}")
+              f"{100 * r['train_mfu']:>9.1f}%{r['completions_per_s']:>8.2f}  "
+              + " / ".join(f"{m:.1f}" for m in r["peak_gib_per_gpu"]))
 
 
 if __name__ == "__main__":

@@ -15,8 +15,9 @@ Completion log (written by `reward_fn` while training; environment variables so 
 `GRPO_LOG_COMPLETIONS` (default 1) turns it on, `GRPO_COMPLETION_LOG_PATH` names the CSV (train_grpo.py sets it
 to `OUT/completions.csv` unless you set it), `GRPO_STEPS_PER_GENERATION` (set by train_grpo.py) says how many
 micro-steps one generation batch feeds. Columns: step, micro_step, prompt, completion, action, reward,
-target_action. Only the main process writes; rows are appended (a resumed run continues the file) and the file
-is closed after every batch.
+target_action, rank (the process that generated the row; 0 on one GPU). On several processes every rank's rows
+are gathered to rank 0, which alone writes; rows are appended (a resumed run continues the file) and the file is
+closed after every batch.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path
 import pandas as pd
 
 from fileio import InputError
+from processes import gather_on_main, process_rank, say
 
 NUM_ACTIONS = 4
 REWARD_COLUMNS = [f"reward_action_{k}" for k in range(NUM_ACTIONS)]
@@ -39,7 +41,7 @@ REQUIRED_COLUMNS = ["prompt", "optimal_action", *REWARD_COLUMNS]
 # What StepStream hands to TRL per row; TRL passes every column but `prompt` to reward_fn as a keyword list.
 RECORD_COLUMNS = ["prompt", "optimal_action", *REWARD_COLUMNS]
 HARMONY_GLOB = "*_harmony.csv"
-LOG_COLUMNS = ["step", "micro_step", "prompt", "completion", "action", "reward", "target_action"]
+LOG_COLUMNS = ["step", "micro_step", "prompt", "completion", "action", "reward", "target_action", "rank"]
 
 # Harmony special tokens (o200k_harmony ids) that matter for reading a completion.
 END_MARKERS = ("<|return|>", "<|end|>", "<|call|>")  # close a message
@@ -180,11 +182,11 @@ def check_prompt_lengths(frame: pd.DataFrame, tokenizer, max_prompt_len: int,
                          f"({len(too_long)} such row(s) in all); raise MAX_PROMPT_LEN or set "
                          "PROMPT_TOO_LONG=skip", row=int(row), column="prompt")
     if too_long:
-        print(f"skipped {len(too_long)} of {len(frame)} prompts longer than MAX_PROMPT_LEN={max_prompt_len} tokens")
+        say(f"skipped {len(too_long)} of {len(frame)} prompts longer than MAX_PROMPT_LEN={max_prompt_len} tokens")
     kept = frame.drop(index=frame.index[too_long]).reset_index(drop=True)
     if len(kept) == 0:
         raise InputError("training data", f"every prompt is longer than MAX_PROMPT_LEN={max_prompt_len} tokens")
-    print(f"prompt lengths: {min(lengths)}..{max(lengths)} tokens, {len(kept)} prompts kept")
+    say(f"prompt lengths: {min(lengths)}..{max(lengths)} tokens, {len(kept)} prompts kept")
     return kept
 
 
@@ -290,12 +292,6 @@ def completion_log_enabled() -> bool:
     return flag not in ("0", "false", "no", "off") and completion_log_path() is not None
 
 
-def is_main_process(trainer_state) -> bool:
-    if trainer_state is not None and hasattr(trainer_state, "is_world_process_zero"):
-        return bool(trainer_state.is_world_process_zero)
-    return int(os.environ.get("RANK", "0")) == 0
-
-
 def target_actions(optimal_action, reward_lists, count: int) -> list[int]:
     """The row's optimal action (column optimal_action), or the argmax of its rewards when the column is absent."""
     if optimal_action is not None:
@@ -317,21 +313,25 @@ def log_rows(prompts, texts, actions, rewards, optimal_action, reward_lists, tra
     rows_per_slot = max(1, count // slots)
     targets = target_actions(optimal_action, reward_lists, count)
     prompt_texts = prompts if prompts is not None else [""] * count
+    rank = process_rank()
     return [
         [step, i // rows_per_slot, prompt_texts[i], texts[i], "" if actions[i] is None else actions[i],
-         "" if math.isnan(rewards[i]) else rewards[i], targets[i]]
+         "" if math.isnan(rewards[i]) else rewards[i], targets[i], rank]
         for i in range(count)
     ]
 
 
 def write_completion_log(prompts, texts, actions, rewards, optimal_action, reward_lists, trainer_state) -> None:
-    """Appends this batch's rows to the completion log (header first when the file is new), main process only."""
-    if not is_main_process(trainer_state):
+    """Appends this batch's rows, every process's, to the completion log (header first when the file is new).
+
+    Called on every process (TRL scores each process's completions there); rank 0 gathers the rows and writes.
+    """
+    rows = gather_on_main(log_rows(prompts, texts, actions, rewards, optimal_action, reward_lists, trainer_state))
+    if rows is None:
         return
     path = completion_log_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     new_file = not path.exists() or path.stat().st_size == 0
-    rows = log_rows(prompts, texts, actions, rewards, optimal_action, reward_lists, trainer_state)
     with open(path, "a", encoding="utf-8", newline="") as handle:
         writer = csv.writer(handle, lineterminator="\n")
         if new_file:

@@ -1,15 +1,19 @@
 """StepStream: the endless, seeded stream of training prompts that GRPO reads (not a script).
 
-For every micro-step it draws PROMPTS_PER_STEP distinct prompts at random (without replacement within the
-micro-step, with replacement across micro-steps) and yields each one as a record carrying its own reward
-columns. TRL's GRPOTrainer then samples NUM_GENERATIONS completions per record.
+It draws the prompts of `steps_per_draw` micro-steps at a time, PROMPTS_PER_STEP per micro-step, all distinct
+(without replacement within a draw, with replacement across draws), and yields each one as a record carrying its
+own reward columns. TRL's GRPOTrainer then samples NUM_GENERATIONS completions per record. train_grpo.py makes one
+draw cover one optimizer step on every process (GRADIENT_ACCUMULATION_STEPS x number of processes micro-steps), so
+no prompt is trained twice in one optimizer step and, on several GPUs, each process gets different prompts.
 
 Who makes the NUM_GENERATIONS copies: TRL 1.16 wraps an `IterableDataset` train set in
 `trl.trainer.utils.repeat_iterable_dataset`, which repeats each record `num_generations` times in a row (the
 streaming twin of its RepeatSampler), so StepStream yields each drawn prompt once; a stream that repeated them
-itself would be repeated again. tests/test_step_stream.py checks, through GRPOTrainer's real train dataloader,
-that each prompt then arrives exactly NUM_GENERATIONS times in a row, PROMPTS_PER_STEP distinct ones per
-micro-step, with its own rewards beside it.
+itself would be repeated again. On several processes, accelerate gives each process a contiguous slice of every
+generation batch (`IterableDatasetShard`), i.e. whole groups of whole micro-steps. tests/test_step_stream.py checks,
+through GRPOTrainer's real train dataloader, that each prompt then arrives exactly NUM_GENERATIONS times in a row,
+PROMPTS_PER_STEP distinct ones per micro-step, with its own rewards beside it; tests/test_distributed.py checks the
+split between two processes.
 
 Seeded and restartable: the same (rows, prompts_per_step, seed) give the same stream, so when a resumed run
 skips the batches it already trained on, it sees the prompts the uninterrupted run would have seen.
@@ -28,9 +32,11 @@ class StepStream:
 
     rows: the training rows as dicts (or a pandas DataFrame), each with at least `prompt` and the reward
     columns; `columns` picks which keys each record carries (default: all of the first row's).
+    steps_per_draw: micro-steps whose prompts are drawn together, all distinct (1 = each micro-step on its own).
     """
 
-    def __init__(self, rows, prompts_per_step: int, seed: int, columns: Sequence[str] | None = None):
+    def __init__(self, rows, prompts_per_step: int, seed: int, columns: Sequence[str] | None = None,
+                 steps_per_draw: int = 1):
         if hasattr(rows, "to_dict"):
             rows = rows.to_dict(orient="records")
         rows = list(rows)
@@ -38,23 +44,29 @@ class StepStream:
             raise ValueError("StepStream needs at least one training row")
         if prompts_per_step < 1:
             raise ValueError(f"prompts_per_step must be at least 1, got {prompts_per_step}")
-        if prompts_per_step > len(rows):
-            raise ValueError(f"prompts_per_step={prompts_per_step} distinct prompts per micro-step need at least "
-                             f"that many training rows; there are {len(rows)}")
+        if steps_per_draw < 1:
+            raise ValueError(f"steps_per_draw must be at least 1, got {steps_per_draw}")
+        if prompts_per_step * steps_per_draw > len(rows):
+            raise ValueError(f"{prompts_per_step * steps_per_draw} distinct prompts per draw (prompts_per_step="
+                             f"{prompts_per_step} x steps_per_draw={steps_per_draw}) need at least that many training "
+                             f"rows; there are {len(rows)}")
         self.columns = list(columns) if columns is not None else list(rows[0])
         missing = [c for c in self.columns if c not in rows[0]]
         if missing:
             raise ValueError(f"rows lack column(s) {', '.join(missing)}")
         self.rows = [{c: row[c] for c in self.columns} for row in rows]
         self.prompts_per_step = prompts_per_step
+        self.steps_per_draw = steps_per_draw
         self.seed = seed
 
     def micro_steps(self) -> Iterator[list[dict]]:
-        """Endless: for each micro-step, a list of PROMPTS_PER_STEP distinct rows (as fresh dicts)."""
+        """Endless: for each micro-step, a list of PROMPTS_PER_STEP rows (fresh dicts), distinct within a draw."""
         rng = np.random.default_rng(self.seed)
+        per_step = self.prompts_per_step
         while True:
-            picks = rng.choice(len(self.rows), size=self.prompts_per_step, replace=False)
-            yield [dict(self.rows[i]) for i in picks]
+            picks = rng.choice(len(self.rows), size=per_step * self.steps_per_draw, replace=False)
+            for start in range(0, len(picks), per_step):
+                yield [dict(self.rows[i]) for i in picks[start:start + per_step]]
 
     def __iter__(self) -> Iterator[dict]:
         for group in self.micro_steps():

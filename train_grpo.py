@@ -4,6 +4,8 @@
     .venv/bin/python train_grpo.py                     # openai/gpt-oss-20b on one H100/H200
     .venv/bin/python train_grpo.py --RESUME=1          # continue a killed run from the last checkpoint in OUT
     .venv/bin/python train_grpo.py --help              # every setting with its default
+    .venv/bin/accelerate launch --config_file configs/accelerate/ddp.yaml train_grpo.py    # several GPUs, one host
+    .venv/bin/accelerate launch --config_file configs/accelerate/fsdp2.yaml train_grpo.py  # weights sharded (FSDP2)
 
 One code path for both: the checkpoint (MXFP4, like openai/gpt-oss-20b) is loaded with
 `Mxfp4Config(dequantize=True)` (bf16 on CUDA, float32 on CPU), LoRA is added by PEFT (`target_modules="all-linear"`,
@@ -15,7 +17,9 @@ still be set on the command line).
 
 Batch layout: each optimizer step trains on PROMPTS_PER_STEP x NUM_GENERATIONS x GRADIENT_ACCUMULATION_STEPS
 completions (64 at the defaults), generated in one batch at the start of the step. TRAIN_BATCH_SIZE completions
-go through each forward/backward pass (default PROMPTS_PER_STEP x NUM_GENERATIONS).
+go through each forward/backward pass (default PROMPTS_PER_STEP x NUM_GENERATIONS). Under `accelerate launch` with
+N processes these are per process: an optimizer step trains N times as many completions, of distinct prompts
+(see build_stream); logs, metrics and the adapter are still written once, by rank 0 (processes.py).
 
 Written to OUT: adapter_model.safetensors + adapter_config.json + tokenizer files + trainer_state.json at the end;
 checkpoint-000010-style folders every SAVE_STEPS (adapter, optimizer, scheduler, RNG, trainer state);
@@ -34,6 +38,8 @@ import time
 from pathlib import Path
 
 from fileio import InputError, atomic_write_text
+from processes import (is_main_process, local_rank, process_count, say, start_process_group, uses_fsdp,
+                       wait_for_everyone)
 from script_config import configure, constants_of, parse_overrides, save_config
 
 MODEL_ID = "openai/gpt-oss-20b"  # hub id or local folder of an MXFP4 gpt-oss checkpoint; "tiny" = embedded tiny model
@@ -116,8 +122,8 @@ def apply_tiny_defaults(settings: dict, explicit: set[str]) -> dict:
         return settings
     changed = {name: value for name, value in TINY_DEFAULTS.items() if name not in explicit}
     if changed:
-        print("MODEL_ID=tiny: tiny defaults " + ", ".join(f"{k}={v}" for k, v in changed.items())
-              + " (20B defaults: " + ", ".join(f"{k}={settings[k]}" for k in changed) + ")")
+        say("MODEL_ID=tiny: tiny defaults " + ", ".join(f"{k}={v}" for k, v in changed.items())
+            + " (20B defaults: " + ", ".join(f"{k}={settings[k]}" for k in changed) + ")")
     return {**settings, **changed}
 
 
@@ -195,12 +201,26 @@ def model_dtype(cuda: bool | None = None):
 
 
 def resolve_model_path(model_id: str) -> str:
-    """MODEL_ID as from_pretrained takes it; "tiny" builds (once) and returns the tiny checkpoint folder."""
+    """MODEL_ID as from_pretrained takes it; "tiny" builds (once, on rank 0 first) and returns its folder."""
     if model_id == _TINY_MODEL_ID:
         from tiny_model import ensure_tiny_checkpoint
 
-        return str(ensure_tiny_checkpoint())
+        if is_main_process():
+            path = ensure_tiny_checkpoint()
+            wait_for_everyone()
+        else:
+            wait_for_everyone()  # rank 0 builds it; the others then find it cached
+            path = ensure_tiny_checkpoint()
+        return str(path)
     return model_id
+
+
+def model_device_map(cuda: bool):
+    """Where from_pretrained puts the weights: this process's GPU; on CPU for FSDP (accelerate shards them onto the
+    GPUs; with fsdp_cpu_ram_efficient_loading only rank 0 holds real weights) and on machines without a GPU."""
+    if not cuda or uses_fsdp():
+        return None
+    return {"": local_rank()} if process_count() > 1 else "cuda"
 
 
 def load_policy_model(model_id: str, attn_implementation: str = "auto", dtype=None):
@@ -215,11 +235,15 @@ def load_policy_model(model_id: str, attn_implementation: str = "auto", dtype=No
     attn = attention_implementation(attn_implementation)
     dtype = dtype or model_dtype()
     cuda = on_cuda()
-    print(f"loading {path} with Mxfp4Config(dequantize=True) as {str(dtype).replace('torch.', '')}, "
-          f"attention {attn}, on {'cuda' if cuda else 'cpu'}")
+    device_map = model_device_map(cuda)
+    where = ("cpu, then sharded onto the GPUs by FSDP" if cuda and device_map is None
+             else f"cuda:{local_rank()} in each of {process_count()} processes" if process_count() > 1 and cuda
+             else "cuda" if cuda else "cpu")
+    say(f"loading {path} with Mxfp4Config(dequantize=True) as {str(dtype).replace('torch.', '')}, "
+        f"attention {attn}, on {where}")
     model = AutoModelForCausalLM.from_pretrained(
         path, quantization_config=Mxfp4Config(dequantize=True), dtype=dtype, attn_implementation=attn,
-        device_map="cuda" if cuda else None)
+        device_map=device_map)
     # Generation must keep its KV cache even though gradient checkpointing is on for training (see build_grpo_config).
     model.config.use_cache = True
     return model
@@ -234,7 +258,7 @@ def load_policy_tokenizer(model_id: str):
         return AutoTokenizer.from_pretrained(path)
     from gpt_oss_tokenizer import load_tokenizer, tokenizer_source
 
-    print(f"tokenizer: {tokenizer_source()} (no tokenizer.json in {path})")
+    say(f"tokenizer: {tokenizer_source()} (no tokenizer.json in {path})")
     return load_tokenizer()
 
 
@@ -262,19 +286,34 @@ def load_training_data(settings: dict, tokenizer):
 
     frame = load_training_frames(settings["DATA_DIR"], settings["EVAL_DIR"])
     files = frame["source"].str.rpartition(":")[0].nunique()
-    print(f"training data: {len(frame)} prompts from {files} file(s) under {settings['DATA_DIR']} "
-          f"({settings['EVAL_DIR']} left out)")
+    say(f"training data: {len(frame)} prompts from {files} file(s) under {settings['DATA_DIR']} "
+        f"({settings['EVAL_DIR']} left out)")
     frame = apply_reasoning_effort(frame, settings["REASONING_EFFORT"])
     return check_prompt_lengths(frame, tokenizer, settings["MAX_PROMPT_LEN"], settings["PROMPT_TOO_LONG"])
 
 
-def build_train_dataset(frame, settings: dict):
-    """StepStream over the rows as the `datasets.IterableDataset` TRL needs."""
+def build_stream(frame, settings: dict, processes: int | None = None):
+    """StepStream over the rows, one draw of distinct prompts per optimizer step across all processes.
+
+    Every process builds the same stream (same seed); accelerate hands each a contiguous slice of each generation
+    batch, so the processes train different prompts and each prompt's NUM_GENERATIONS completions stay together.
+    """
     from data_reward import RECORD_COLUMNS
     from step_stream import StepStream
 
-    stream = StepStream(frame, settings["PROMPTS_PER_STEP"], seed=settings["SEED"], columns=RECORD_COLUMNS)
-    return stream.to_iterable_dataset()
+    processes = process_count() if processes is None else processes
+    steps = settings["GRADIENT_ACCUMULATION_STEPS"] * processes
+    try:
+        return StepStream(frame, settings["PROMPTS_PER_STEP"], seed=settings["SEED"], columns=RECORD_COLUMNS,
+                          steps_per_draw=steps)
+    except ValueError as err:
+        raise SettingsError(f"{err} (PROMPTS_PER_STEP x GRADIENT_ACCUMULATION_STEPS x {processes} process(es))") \
+            from None
+
+
+def build_train_dataset(frame, settings: dict, processes: int | None = None):
+    """build_stream's stream as the `datasets.IterableDataset` TRL needs."""
+    return build_stream(frame, settings, processes).to_iterable_dataset()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -317,6 +356,7 @@ def build_grpo_config(settings: dict, cuda: bool | None = None):
         router_aux_loss_coef=settings["ROUTER_AUX_LOSS_COEF"],
         seed=settings["SEED"],
         bf16=cuda,
+        use_cpu=not cuda,  # on a machine without a GPU, several processes (accelerate launch) then use gloo
         gradient_checkpointing=settings["GRADIENT_CHECKPOINTING"],
         gradient_checkpointing_kwargs={"use_reentrant": False} if settings["GRADIENT_CHECKPOINTING"] else None,
         logging_steps=settings["LOGGING_STEPS"],
@@ -351,11 +391,11 @@ def score_only_completion_tokens_on_cpu() -> bool:
 
     current = getattr(trl_utils, "_use_triton", None)
     if current is None:
-        print("note: this TRL has no trl.trainer.utils._use_triton; CPU steps score every prompt position")
+        say("note: this TRL has no trl.trainer.utils._use_triton; CPU steps score every prompt position")
         return False
     if not hasattr(current, "wraps_original"):
         trl_utils._use_triton = _completion_positions_only(current)
-        print("CPU: TRL's fused LM head set to score completion positions only (as on CUDA)")
+        say("CPU: TRL's fused LM head set to score completion positions only (as on CUDA)")
     return True
 
 
@@ -391,7 +431,7 @@ def keep_grouped_mm_experts_for_decode(model) -> bool:
 
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not hasattr(inner, "_optimize_model_for_decode"):
-        print("note: this transformers has no decode-time experts switch; nothing to keep")
+        say("note: this transformers has no decode-time experts switch; nothing to keep")
         return False
     inner._optimize_model_for_decode = contextlib.nullcontext
     return True
@@ -401,9 +441,33 @@ def apply_decode_experts(model, mode: str) -> None:
     if mode not in ("auto", "grouped_mm", "transformers"):
         raise SettingsError(f"DECODE_EXPERTS must be auto, grouped_mm or transformers, got {mode!r}")
     if mode == "transformers":
-        print("decoding experts: transformers' choice (batched_mm on GPUs)")
+        say("decoding experts: transformers' choice (batched_mm on GPUs)")
     elif keep_grouped_mm_experts_for_decode(model):
-        print("decoding experts: grouped_mm kept for decoding (DECODE_EXPERTS)")
+        say("decoding experts: grouped_mm kept for decoding (DECODE_EXPERTS)")
+
+
+class SyncedGenerate:
+    """Wraps a model's generate() to pass synced_gpus=True: under FSDP every process must run the same number of
+    forward passes (each one gathers the sharded weights), so a process whose completions all ended keeps stepping
+    until every process is done. transformers sets this itself only for its own FSDP, not for accelerate's."""
+
+    def __init__(self, generate):
+        self.generate = generate
+
+    def __call__(self, *args, **kwargs):
+        kwargs.setdefault("synced_gpus", True)
+        return self.generate(*args, **kwargs)
+
+
+def sync_generation_across_processes(model, sharded: bool) -> bool:
+    """Makes generate() keep all processes in step when FSDP shards the weights; returns whether it did."""
+    if not (sharded and process_count() > 1):
+        return False
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not isinstance(inner.generate, SyncedGenerate):
+        inner.generate = SyncedGenerate(inner.generate)
+    say("FSDP: generate() runs with synced_gpus=True (processes step together until all completions end)")
+    return True
 
 
 def set_completion_log_env(out: Path, steps_per_generation: int, log_path: str | None = None) -> Path:
@@ -440,19 +504,25 @@ def build_trainer(settings: dict, model, tokenizer, train_dataset, callbacks=(),
                           processing_class=tokenizer, peft_config=lora,
                           callbacks=[JsonlMetricsCallback(out / "metrics.jsonl"), ProgressLineCallback(),
                                      ZeroPaddedCheckpointNames(), *callbacks])
+    if uses_fsdp() and not trainer.is_fsdp_enabled:
+        say("note: the FSDP config has no effect without GPUs; accelerate runs plain data parallelism here")
+    sync_generation_across_processes(trainer.model, trainer.is_fsdp_enabled)
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # ProgressLineCallback prints a compact line instead of the raw dict
     layout = batch_layout(settings)
-    print(f"batch: {layout['completions_per_step']} completions per optimizer step = {layout['prompts_per_step']} "
-          f"prompts x {settings['NUM_GENERATIONS']} generations, generated together; {layout['train_batch_size']} "
-          f"per forward/backward x {layout['gradient_accumulation_steps']} accumulation steps")
-    print(f"completion log: {log_path}" if os.environ.get("GRPO_LOG_COMPLETIONS", "1").lower()
-          not in ("0", "false", "no", "off") else "completion log: off (GRPO_LOG_COMPLETIONS)")
+    processes = process_count()
+    say(f"batch: {layout['completions_per_step']} completions per optimizer step = {layout['prompts_per_step']} "
+        f"prompts x {settings['NUM_GENERATIONS']} generations, generated together; {layout['train_batch_size']} "
+        f"per forward/backward x {layout['gradient_accumulation_steps']} accumulation steps"
+        + (f"; per process: {processes} processes train {processes * layout['completions_per_step']} completions "
+           f"of {processes * layout['prompts_per_step']} distinct prompts per optimizer step" if processes > 1 else ""))
+    say(f"completion log: {log_path}" if os.environ.get("GRPO_LOG_COMPLETIONS", "1").lower()
+        not in ("0", "false", "no", "off") else "completion log: off (GRPO_LOG_COMPLETIONS)")
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
-    print(f"LoRA r={settings['LORA_R']} alpha={settings['LORA_ALPHA']} on all-linear"
-          + (f" + experts of layers {expert_layers(settings)}" if settings["LORA_EXPERT_LAYERS"] else "")
-          + f": {trainable / 1e6:.2f} M trainable parameters")
+    say(f"LoRA r={settings['LORA_R']} alpha={settings['LORA_ALPHA']} on all-linear"
+        + (f" + experts of layers {expert_layers(settings)}" if settings["LORA_EXPERT_LAYERS"] else "")
+        + f": {trainable / 1e6:.2f} M trainable parameters")
     return trainer
 
 
@@ -517,14 +587,20 @@ class ZeroPaddedCheckpointNames(_callback_base()):
     """Renames the Trainer's checkpoint-N folders to checkpoint-00000N, so they sort by name.
 
     Safe for resuming: transformers finds the newest checkpoint by the integer after "checkpoint-" (int("000010")
-    is 10), and rotation (save_total_limit) globs "checkpoint-*" the same way.
+    is 10), and rotation (save_total_limit) globs "checkpoint-*" the same way. On several processes each one writes
+    its own RNG state (and, under FSDP, optimizer shards) into the folder, so all meet before rank 0 renames it.
     """
 
     def on_save(self, args, state, control, **kwargs):
-        if not state.is_world_process_zero:
-            return
-        plain = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        padded = Path(args.output_dir) / f"checkpoint-{state.global_step:0{_CHECKPOINT_DIGITS}d}"
+        wait_for_everyone()
+        if state.is_world_process_zero:
+            self.rename(Path(args.output_dir), state.global_step)
+        wait_for_everyone()
+
+    @staticmethod
+    def rename(output_dir: Path, step: int) -> None:
+        plain = output_dir / f"checkpoint-{step}"
+        padded = output_dir / f"checkpoint-{step:0{_CHECKPOINT_DIGITS}d}"
         if plain == padded or not plain.is_dir():
             return
         if padded.exists():
@@ -585,13 +661,13 @@ def drop_log_rows_after(out: Path, step: int, completion_log: Path) -> None:
         kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
         if len(kept) != len(lines):
             atomic_write_text(metrics, "".join(line + "\n" for line in kept))
-            print(f"resume: dropped {len(lines) - len(kept)} metrics line(s) after step {step}")
+            say(f"resume: dropped {len(lines) - len(kept)} metrics line(s) after step {step}")
     if completion_log.is_file() and completion_log.stat().st_size > 0:
         frame = pd.read_csv(completion_log, keep_default_na=False, dtype=str)
         kept_rows = frame[frame["step"].astype(int) <= step]
         if len(kept_rows) != len(frame):
             write_csv_atomic(kept_rows, completion_log)
-            print(f"resume: dropped {len(frame) - len(kept_rows)} completion-log row(s) after step {step}")
+            say(f"resume: dropped {len(frame) - len(kept_rows)} completion-log row(s) after step {step}")
 
 
 def run_summary(settings: dict, layout: dict, extra: dict) -> dict:
@@ -601,7 +677,7 @@ def run_summary(settings: dict, layout: dict, extra: dict) -> dict:
     import transformers
     import trl
 
-    return {**settings, "derived": {**layout, **extra, "versions": {
+    return {**settings, "derived": {**layout, **extra, "processes": process_count(), "versions": {
         "python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
         "trl": trl.__version__, "peft": peft.__version__}}}
 
@@ -613,9 +689,21 @@ def report_extras(settings: dict) -> None:
     have = {name: importlib.util.find_spec(name) is not None for name in ("vllm", "kernels", "liger_kernel")}
     if settings["USE_VLLM"] and not have["vllm"]:
         raise SettingsError("USE_VLLM=1 needs vllm (pip install -r requirements-gpu.txt); it is not installed")
-    print("generation: " + ("vLLM (colocated)" if settings["USE_VLLM"] else "transformers generate with KV cache")
-          + "; optional extras installed: " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in have.items())
-          + " (kernels/liger are not used by this script)")
+    say("generation: " + ("vLLM (colocated)" if settings["USE_VLLM"] else "transformers generate with KV cache")
+        + "; optional extras installed: " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in have.items())
+        + " (kernels/liger are not used by this script)")
+
+
+def check_visible_gpus(gpus: int | None = None) -> None:
+    """One process must see one GPU: the Trainer would otherwise wrap the model in nn.DataParallel (TRL refuses it)."""
+    if gpus is None:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    if process_count() == 1 and gpus > 1:
+        raise SettingsError(f"{gpus} GPUs are visible to one process. Train on one of them with CUDA_VISIBLE_DEVICES=0 "
+                            "python train_grpo.py ..., or on all of them with accelerate launch --config_file "
+                            "configs/accelerate/ddp.yaml (or fsdp2.yaml) train_grpo.py ...")
 
 
 def train(settings: dict, callbacks=()) -> Path:
@@ -626,6 +714,8 @@ def train(settings: dict, callbacks=()) -> Path:
     check_settings(settings)
     out = Path(settings["OUT"])
     checkpoint = resume_checkpoint(settings)
+    check_visible_gpus()
+    start_process_group()
     report_extras(settings)
     model_path = resolve_model_path(settings["MODEL_ID"])
     tokenizer = load_policy_tokenizer(model_path)
@@ -638,15 +728,17 @@ def train(settings: dict, callbacks=()) -> Path:
     completion_log = Path(os.environ["GRPO_COMPLETION_LOG_PATH"])
     extra = {"attn_implementation": model.config._attn_implementation, "dtype": str(model.dtype),
              "train_prompts": len(frame), "completion_log": str(completion_log)}
-    save_config(run_summary(settings, batch_layout(settings), extra), out / "train_config.json")
+    if is_main_process():
+        save_config(run_summary(settings, batch_layout(settings), extra), out / "train_config.json")
     if checkpoint is not None:
         step = checkpoint_step(checkpoint)
-        drop_log_rows_after(out, step, completion_log)
-        print(f"resuming from {checkpoint} at step {step} of {settings['TOTAL_STEPS']}")
+        if is_main_process():
+            drop_log_rows_after(out, step, completion_log)
+        say(f"resuming from {checkpoint} at step {step} of {settings['TOTAL_STEPS']}")
     trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
-    trainer.save_model(str(out))  # adapter + tokenizer
+    trainer.save_model(str(out))  # adapter + tokenizer (every process takes part under FSDP; rank 0 writes)
     trainer.save_state()
-    print(f"done: adapter, tokenizer and trainer state in {out}")
+    say(f"done: adapter, tokenizer and trainer state in {out}")
     return out
 
 

@@ -156,10 +156,11 @@ def test_completion_log_rows_and_columns(tmp_path, monkeypatch):
     log = read_log(path)
     assert log[0] == LOG_COLUMNS
     # step is global_step + 1 (the step these completions train); micro_step splits the batch in 2 slots
-    assert log[1:] == [["7", "0", "p\n1", f"{A_F}[3]<|return|>", "3", "0.4", "3"],
-                       ["7", "0", "p\n1", "garbage", "", "", "3"],
-                       ["7", "1", "p,2", f"{A_F}[0]<|return|>", "0", "0.9", "0"],
-                       ["7", "1", "p,2", f"{A_F}[2]<|return|>", "2", "0.05", "0"]]
+    # rank: the process that generated the row (0 without a launcher)
+    assert log[1:] == [["7", "0", "p\n1", f"{A_F}[3]<|return|>", "3", "0.4", "3", "0"],
+                       ["7", "0", "p\n1", "garbage", "", "", "3", "0"],
+                       ["7", "1", "p,2", f"{A_F}[0]<|return|>", "0", "0.9", "0", "0"],
+                       ["7", "1", "p,2", f"{A_F}[2]<|return|>", "2", "0.05", "0", "0"]]
 
 
 def test_completion_log_appends_without_second_header(tmp_path, monkeypatch):
@@ -172,8 +173,12 @@ def test_completion_log_appends_without_second_header(tmp_path, monkeypatch):
 
 
 def test_completion_log_main_process_only(tmp_path, monkeypatch):
+    # rank 1 of 2 without a process group to gather through: only rank 0 may write (tests/test_distributed.py
+    # checks the gathered rows of a real two-process run)
     path = tmp_path / "completions.csv"
     monkeypatch.setenv("GRPO_COMPLETION_LOG_PATH", str(path))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
     call_reward(["p"], [1], [[0, 1, 0, 0]], SimpleNamespace(global_step=0, is_world_process_zero=False))
     assert not path.exists()
 
@@ -191,4 +196,4 @@ def test_completion_log_target_from_rewards_without_optimal_column(tmp_path, mon
     monkeypatch.setenv("GRPO_COMPLETION_LOG_PATH", str(path))
     monkeypatch.setattr(data_reward, "_calls_without_state", iter([5]))
     call_reward(["p"], [1], [[0.1, 0.2, 0.6, 0.1]])
-    assert read_log(path)[1] == ["5", "0", "p", f"{A_F}[1]<|return|>", "1", "0.2", "2"]
+    assert read_log(path)[1] == ["5", "0", "p", f"{A_F}[1]<|return|>", "1", "0.2", "2", "0"]

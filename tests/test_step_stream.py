@@ -23,6 +23,16 @@ def test_each_micro_step_has_distinct_prompts(prompts_per_step):
     assert all(len({row["prompt"] for row in group}) == prompts_per_step for group in groups)
 
 
+@pytest.mark.parametrize("prompts_per_step, steps_per_draw", [(1, 7), (2, 3), (3, 2)])
+def test_a_draw_spans_several_micro_steps_with_distinct_prompts(prompts_per_step, steps_per_draw):
+    groups = list(itertools.islice(StepStream(ROWS, prompts_per_step, seed=0, steps_per_draw=steps_per_draw)
+                                   .micro_steps(), 10 * steps_per_draw))
+    assert all(len(group) == prompts_per_step for group in groups)
+    for start in range(0, len(groups), steps_per_draw):
+        drawn = [row["prompt"] for group in groups[start:start + steps_per_draw] for row in group]
+        assert len(set(drawn)) == prompts_per_step * steps_per_draw
+
+
 def test_endless_and_covers_every_row():
     records = StepStream(ROWS, 2, seed=1).take(5000)
     assert len(records) == 5000
@@ -57,6 +67,29 @@ def test_bad_arguments(rows, prompts_per_step, columns, text):
         StepStream(rows, prompts_per_step, seed=0, columns=columns)
 
 
+# (prompts_per_step, steps_per_draw, error text)
+BAD_DRAWS = [
+    (1, 0, "steps_per_draw must be at least 1"),
+    (2, 4, "8 distinct prompts per draw"),  # 8 > 7 rows
+]
+
+
+@pytest.mark.parametrize("prompts_per_step, steps_per_draw, text", BAD_DRAWS)
+def test_bad_draws(prompts_per_step, steps_per_draw, text):
+    with pytest.raises(ValueError, match=text):
+        StepStream(ROWS, prompts_per_step, seed=0, steps_per_draw=steps_per_draw)
+
+
+def test_train_grpo_draws_one_optimizer_step_on_every_process_at_once():
+    import train_grpo
+
+    rows = [{**r, "reward_action_2": 0.0, "reward_action_3": 0.0} for r in ROWS]
+    settings = train_grpo.default_settings(PROMPTS_PER_STEP=1, GRADIENT_ACCUMULATION_STEPS=3)
+    assert train_grpo.build_stream(rows, settings, processes=2).steps_per_draw == 6
+    with pytest.raises(train_grpo.SettingsError, match="9 distinct prompts per draw.*3 process"):
+        train_grpo.build_stream(rows, settings, processes=3)  # 9 distinct prompts per optimizer step, 7 rows
+
+
 def test_accepts_a_dataframe():
     import pandas as pd
 
@@ -78,7 +111,7 @@ def test_grpo_trainer_sees_each_prompt_num_generations_times_with_its_rewards(tm
     settings = train_grpo.default_settings(OUT=str(tmp_path / "run"), PROMPTS_PER_STEP=2, NUM_GENERATIONS=3,
                                            GRADIENT_ACCUMULATION_STEPS=2, TOTAL_STEPS=3)
     rows = [{**r, "reward_action_2": 0.0, "reward_action_3": 0.0} for r in ROWS]
-    stream = StepStream(rows, settings["PROMPTS_PER_STEP"], seed=settings["SEED"])
+    stream = train_grpo.build_stream(rows, settings, processes=1)
     args = train_grpo.build_grpo_config(settings, cuda=False)
     trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=args, train_dataset=stream.to_iterable_dataset(),
                           processing_class=tokenizer)

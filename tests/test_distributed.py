@@ -1,0 +1,218 @@
+"""train_grpo.py on two processes (accelerate launch with the shipped DDP config; gloo on this CPU machine).
+
+One module fixture (~2 min on 2 cores) launches the tiny gpt-oss for 2 optimizer steps on 2 processes, saving a
+checkpoint at step 2, then resumes it to step 3 with 2 processes again. The tests read what the run left behind
+and check the rank-aware behaviour: the stream's prompts split between the ranks in whole groups, every rank's
+completions logged once with their own prompt's rewards, metrics written once, checkpoints with both ranks' state,
+resume on the right step and prompts, one adapter that loads on one process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+import train_grpo
+from grpo_fixtures import rewards_by_prompt, write_fixture_data
+
+REPO = Path(__file__).resolve().parents[1]
+PROCESSES, GENERATIONS, ACCUMULATION, SAVE_AT, RESUMED_TO = 2, 4, 2, 2, 3
+ROWS_PER_STEP = PROCESSES * ACCUMULATION * GENERATIONS  # 1 prompt per micro-step
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# The shipped config the launches use: ddp.yaml (gloo on CPU); on a machine with 2 GPUs, fsdp2.yaml checks the same
+# behaviour with sharded weights (GRPO_TEST_ACCELERATE_CONFIG=fsdp2.yaml; BENCHMARKS.md says when it was run).
+CONFIG = REPO / "configs" / "accelerate" / os.environ.get("GRPO_TEST_ACCELERATE_CONFIG", "ddp.yaml")
+
+
+def launch(args: list[str], log: Path) -> None:
+    """accelerate launch with CONFIG on PROCESSES processes; fails with the log's tail."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GRPO_", "ACCELERATE_"))}
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", NCCL_NVLS_ENABLE="0")
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG),
+               "--num_processes", str(PROCESSES),
+               "--mixed_precision", "no", "--main_process_port", str(free_port()), str(REPO / "train_grpo.py"), *args]
+    with open(log, "w") as handle:
+        done = subprocess.run(command, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=900)
+    if done.returncode != 0:
+        pytest.fail(f"accelerate launch exited {done.returncode}:\n" + log.read_text()[-4000:])
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from gpt_oss_tokenizer import load_tokenizer
+
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, tokenizer):
+    root = tmp_path_factory.mktemp("ddp")
+    data = write_fixture_data(root, tokenizer)
+    out = root / "run"
+    args = ["--MODEL_ID=tiny", f"--DATA_DIR={data}", f"--EVAL_DIR={data / 'eval'}", f"--OUT={out}",
+            f"--NUM_GENERATIONS={GENERATIONS}", f"--GRADIENT_ACCUMULATION_STEPS={ACCUMULATION}",
+            "--MAX_COMPLETION_LEN=40", f"--SAVE_STEPS={SAVE_AT}"]
+    train_grpo.resolve_model_path("tiny")  # build the tiny checkpoint here, outside the timed launches
+    launch(args + [f"--TOTAL_STEPS={SAVE_AT}"], root / "first.log")
+    first = {"log": pd.read_csv(out / "completions.csv", keep_default_na=False),
+             "console": (root / "first.log").read_text(),
+             "checkpoint": sorted(p.name for p in (out / f"checkpoint-{SAVE_AT:06d}").iterdir())}
+    launch(args + [f"--TOTAL_STEPS={RESUMED_TO}", "--RESUME=1"], root / "resumed.log")
+    settings = train_grpo.default_settings(
+        DATA_DIR=str(data), EVAL_DIR=str(data / "eval"), NUM_GENERATIONS=GENERATIONS,
+        GRADIENT_ACCUMULATION_STEPS=ACCUMULATION)
+    frame = train_grpo.load_training_data(settings, tokenizer)
+    stream = train_grpo.build_stream(frame, settings, processes=PROCESSES)
+    groups = itertools.islice(stream.micro_steps(), RESUMED_TO * PROCESSES * ACCUMULATION)
+    micro_steps = [group[0]["prompt"] for group in groups]
+    return {"out": out, "first": first, "micro_steps": micro_steps,
+            "resumed_console": (root / "resumed.log").read_text(), "rewards": rewards_by_prompt(tokenizer, "low")}
+
+
+def test_each_rank_trains_its_own_slice_of_the_stream_in_whole_groups(run):
+    log = pd.read_csv(run["out"] / "completions.csv", keep_default_na=False)
+    assert sorted(set(log["rank"])) == list(range(PROCESSES))
+    for step in range(1, RESUMED_TO + 1):
+        rows = log[log["step"] == step]
+        assert len(rows) == ROWS_PER_STEP
+        by_rank = {}
+        for rank in range(PROCESSES):
+            mine = rows[rows["rank"] == rank]
+            assert len(mine) == ACCUMULATION * GENERATIONS
+            for micro in range(ACCUMULATION):
+                group = mine[mine["micro_step"] == micro]
+                # a whole group of one prompt, the one the stream put in this rank's slot of this optimizer step
+                expected = run["micro_steps"][(step - 1) * PROCESSES * ACCUMULATION + rank * ACCUMULATION + micro]
+                assert group["prompt"].tolist() == [expected] * GENERATIONS
+            by_rank[rank] = set(mine["prompt"])
+        assert not by_rank[0] & by_rank[1]  # the ranks train different prompts
+
+
+def test_every_rank_is_logged_once_with_its_own_prompts_rewards(run):
+    log = pd.read_csv(run["out"] / "completions.csv", keep_default_na=False)
+    assert len(log) == ROWS_PER_STEP * RESUMED_TO  # no rank's rows missing or written twice
+    assert (run["out"] / "completions.csv").read_text().count("step,micro_step,") == 1
+    for _, row in log.iterrows():
+        rewards, optimal = run["rewards"][row["prompt"]]
+        assert int(row["target_action"]) == optimal
+        if row["action"] != "":
+            assert float(row["reward"]) == pytest.approx(rewards[int(row["action"])], abs=1e-12)
+
+
+def test_metrics_and_progress_written_once(run):
+    metrics = [json.loads(line) for line in (run["out"] / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "reward" in m] == [1, 2, 3]
+    assert run["first"]["console"].count(f"step 1/{SAVE_AT}") == 1
+    assert run["first"]["console"].count("batch: ") == 1
+    assert f"{PROCESSES} processes train {ROWS_PER_STEP} completions" in run["first"]["console"]
+    config = json.loads((run["out"] / "train_config.json").read_text())
+    assert config["derived"]["processes"] == PROCESSES
+
+
+def test_checkpoint_holds_every_rank_and_resume_continues(run):
+    out = run["out"]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-000002", "checkpoint-000003"]
+    assert {f"rng_state_{rank}.pth" for rank in range(PROCESSES)} <= set(run["first"]["checkpoint"])
+    assert "resuming from" in run["resumed_console"] and run["resumed_console"].count("resuming from") == 1
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == RESUMED_TO
+    log = pd.read_csv(out / "completions.csv", keep_default_na=False)
+    kept = log[log["step"] <= SAVE_AT].reset_index(drop=True)
+    assert kept.equals(run["first"]["log"])  # steps before the checkpoint untouched, nothing duplicated
+
+
+def test_adapter_saved_once_loads_on_one_process(run):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    model = PeftModel.from_pretrained(train_grpo.load_policy_model("tiny"), str(run["out"]))
+    saved = load_file(run["out"] / "adapter_model.safetensors")
+    loaded = {n.replace(".default", ""): p for n, p in model.named_parameters() if "lora_" in n}
+    assert saved and set(saved) == set(loaded)
+    assert any(float(t.abs().max()) > 0 for n, t in saved.items() if "lora_B" in n)  # trained, not the zero init
+    for name, tensor in saved.items():
+        assert tensor.equal(loaded[name].detach().cpu())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The helpers on one process (no launcher): what a single `python train_grpo.py` relies on
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_one_process_helpers_act_like_plain_code(capsys, monkeypatch):
+    import processes
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "ACCELERATE_USE_FSDP"):
+        monkeypatch.delenv(name, raising=False)
+    assert (processes.process_count(), processes.process_rank(), processes.is_main_process()) == (1, 0, True)
+    assert processes.gather_on_main([1, 2]) == [1, 2]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert processes.gather_on_main([1, 2]) is None  # ranks without a process group: only rank 0 keeps its rows
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("RANK")
+    processes.wait_for_everyone()  # no process group: nothing to wait for
+    processes.say("hello")
+    assert capsys.readouterr().out == "hello\n"
+    monkeypatch.setenv("RANK", "1")
+    processes.say("hidden")
+    assert capsys.readouterr().out == ""
+    assert train_grpo.model_device_map(cuda=False) is None
+
+
+# (environment, cuda, expected device_map)
+DEVICE_MAPS = [
+    ({}, True, "cuda"),  # one GPU
+    ({"WORLD_SIZE": "2", "LOCAL_RANK": "1"}, True, {"": 1}),  # DDP: each process its own GPU
+    ({"WORLD_SIZE": "2", "LOCAL_RANK": "1", "ACCELERATE_USE_FSDP": "true"}, True, None),  # FSDP: CPU, then sharded
+    ({"WORLD_SIZE": "2", "LOCAL_RANK": "1"}, False, None),  # no GPU
+]
+
+
+@pytest.mark.parametrize("env, cuda, expected", DEVICE_MAPS)
+def test_model_device_map(monkeypatch, env, cuda, expected):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "ACCELERATE_USE_FSDP"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert train_grpo.model_device_map(cuda) == expected
+
+
+def test_synced_generate_keeps_processes_stepping_together():
+    calls = []
+    synced = train_grpo.SyncedGenerate(lambda *args, **kwargs: calls.append(kwargs))
+    synced(max_new_tokens=3)
+    synced(synced_gpus=False)
+    assert calls == [{"max_new_tokens": 3, "synced_gpus": True}, {"synced_gpus": False}]
+
+
+# (processes, visible GPUs, refused)
+VISIBLE_GPUS = [
+    (1, 0, False),  # CPU
+    (1, 1, False),  # one GPU
+    (1, 2, True),  # one process, two GPUs: would be nn.DataParallel
+    (2, 2, False),  # accelerate launch: one GPU per process
+]
+
+
+@pytest.mark.parametrize("processes, gpus, refused", VISIBLE_GPUS)
+def test_one_process_sees_one_gpu(monkeypatch, processes, gpus, refused):
+    monkeypatch.setenv("WORLD_SIZE", str(processes))
+    if refused:
+        with pytest.raises(train_grpo.SettingsError, match="CUDA_VISIBLE_DEVICES=0.*accelerate launch"):
+            train_grpo.check_visible_gpus(gpus)
+    else:
+        train_grpo.check_visible_gpus(gpus)
