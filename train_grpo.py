@@ -38,8 +38,8 @@ import time
 from pathlib import Path
 
 from fileio import InputError, atomic_write_text
-from processes import (is_main_process, local_rank, process_count, say, start_process_group, uses_fsdp,
-                       wait_for_everyone)
+from processes import (is_main_process, local_rank, process_count, process_rank, say, start_process_group,
+                       uses_fsdp, wait_for_everyone)
 from script_config import configure, constants_of, parse_overrides, save_config
 
 MODEL_ID = "openai/gpt-oss-20b"  # hub id or local folder of an MXFP4 gpt-oss checkpoint; "tiny" = embedded tiny model
@@ -223,11 +223,53 @@ def model_device_map(cuda: bool):
     return {"": local_rank()} if process_count() > 1 else "cuda"
 
 
+def loads_weights_here(cuda: bool) -> bool:
+    """False on the ranks > 0 of an FSDP run on GPUs: FSDP broadcasts rank 0's weights to them while sharding
+    (fsdp_cpu_ram_efficient_loading), so they need the model's structure only, not a CPU copy of its weights
+    (transformers 5.x would otherwise load the whole checkpoint in every process: 8 x 218 GiB for gpt-oss-120b)."""
+    return not (cuda and uses_fsdp() and process_count() > 1 and process_rank() != 0)
+
+
+def empty_policy_model(path: str, dtype, attn: str):
+    """The dequantized model's structure with its parameters on the meta device (buffers such as the rotary
+    frequencies are real: FSDP does not broadcast non-persistent buffers)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    if getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config  # as after Mxfp4Config(dequantize=True): plain bf16 experts
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+    model.config.use_cache = True
+    return model
+
+
+def give_trainable_weights_storage(model) -> int:
+    """Moves trainable parameters left on the meta device (the LoRA weights PEFT adds to an empty_policy_model) to
+    uninitialised CPU memory; FSDP overwrites them with rank 0's values while sharding. Returns how many moved.
+
+    Needed because accelerate maps the optimizer's parameters to their sharded copies by data_ptr(), which is 0 for
+    every meta tensor: left on meta, all LoRA weights would map to one tensor and never be trained on that rank.
+    The frozen base weights stay on meta (they are not in the optimizer).
+    """
+    import torch
+
+    moved = 0
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.requires_grad and param.is_meta:
+                setattr(module, name, torch.nn.Parameter(torch.empty_like(param, device="cpu"), requires_grad=True))
+                moved += 1
+    return moved
+
+
 def load_policy_model(model_id: str, attn_implementation: str = "auto", dtype=None):
     """Loads an MXFP4 gpt-oss checkpoint dequantized (`Mxfp4Config(dequantize=True)`) for LoRA training.
 
     model_id: hub id, local folder, or "tiny". dtype defaults to model_dtype(); attention to
-    attention_implementation(). Returns the transformers model (on the GPU when there is one).
+    attention_implementation(). Returns the transformers model (on the GPU when there is one; under FSDP on CPU
+    on rank 0 and without weights on the other ranks, see loads_weights_here).
     """
     from transformers import AutoModelForCausalLM, Mxfp4Config
 
@@ -235,6 +277,8 @@ def load_policy_model(model_id: str, attn_implementation: str = "auto", dtype=No
     attn = attention_implementation(attn_implementation)
     dtype = dtype or model_dtype()
     cuda = on_cuda()
+    if not loads_weights_here(cuda):
+        return empty_policy_model(path, dtype, attn)
     device_map = model_device_map(cuda)
     where = ("cpu, then sharded onto the GPUs by FSDP" if cuda and device_map is None
              else f"cuda:{local_rank()} in each of {process_count()} processes" if process_count() > 1 and cuda
@@ -507,6 +551,7 @@ def build_trainer(settings: dict, model, tokenizer, train_dataset, callbacks=(),
     if uses_fsdp() and not trainer.is_fsdp_enabled:
         say("note: the FSDP config has no effect without GPUs; accelerate runs plain data parallelism here")
     sync_generation_across_processes(trainer.model, trainer.is_fsdp_enabled)
+    give_trainable_weights_storage(trainer.model)
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # ProgressLineCallback prints a compact line instead of the raw dict
@@ -588,7 +633,7 @@ class ZeroPaddedCheckpointNames(_callback_base()):
 
     Safe for resuming: transformers finds the newest checkpoint by the integer after "checkpoint-" (int("000010")
     is 10), and rotation (save_total_limit) globs "checkpoint-*" the same way. On several processes each one writes
-    its own RNG state (and, under FSDP, optimizer shards) into the folder, so all meet before rank 0 renames it.
+    its own RNG state (rng_state_<rank>.pth) into the folder, so all meet before rank 0 renames it.
     """
 
     def on_save(self, args, state, control, **kwargs):
@@ -643,6 +688,25 @@ def resume_checkpoint(settings: dict) -> Path | None:
     if not (path / "trainer_state.json").is_file():
         raise InputError(path, "RESUME names a folder without trainer_state.json (not a checkpoint)")
     return path
+
+
+def checkpoint_processes(checkpoint: Path) -> int | None:
+    """How many processes wrote the checkpoint: one rng_state_<rank>.pth each, rng_state.pth for one; None if
+    it has no RNG state."""
+    ranked = list(checkpoint.glob("rng_state_*.pth"))
+    if ranked:
+        return len(ranked)
+    return 1 if (checkpoint / "rng_state.pth").is_file() else None
+
+
+def check_resume_processes(checkpoint: Path, processes: int) -> None:
+    """A run resumes with the number of processes that wrote its checkpoint: the prompt stream's draws and every
+    rank's RNG state depend on it."""
+    wrote = checkpoint_processes(checkpoint)
+    if wrote is not None and wrote != processes:
+        how = f"accelerate launch --num_processes {wrote}" if wrote > 1 else "python train_grpo.py"
+        raise InputError(checkpoint, f"was written by {wrote} process(es), this run has {processes}; resume it "
+                         f"with {wrote} ({how})")
 
 
 def checkpoint_step(checkpoint: Path) -> int:
@@ -714,6 +778,8 @@ def train(settings: dict, callbacks=()) -> Path:
     check_settings(settings)
     out = Path(settings["OUT"])
     checkpoint = resume_checkpoint(settings)
+    if checkpoint is not None:
+        check_resume_processes(checkpoint, process_count())
     check_visible_gpus()
     start_process_group()
     report_extras(settings)

@@ -11,3 +11,11 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """gpt-oss's tokenizer from gpt_oss_tokenizer (GPT_OSS_TOKENIZER or ../shared/gpt-oss-tokenizer)."""
+    from gpt_oss_tokenizer import load_tokenizer
+
+    return load_tokenizer()

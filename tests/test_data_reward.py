@@ -19,13 +19,6 @@ A_F = "<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>final<
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from gpt_oss_tokenizer import load_tokenizer
-
-    return load_tokenizer()
-
-
-@pytest.fixture(scope="module")
 def data(tmp_path_factory, tokenizer):
     return write_fixture_data(tmp_path_factory.mktemp("d"), tokenizer)
 

@@ -53,13 +53,6 @@ def launch(args: list[str], log: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from gpt_oss_tokenizer import load_tokenizer
-
-    return load_tokenizer()
-
-
-@pytest.fixture(scope="module")
 def run(tmp_path_factory, tokenizer):
     root = tmp_path_factory.mktemp("ddp")
     data = write_fixture_data(root, tokenizer)
@@ -216,3 +209,74 @@ def test_one_process_sees_one_gpu(monkeypatch, processes, gpus, refused):
             train_grpo.check_visible_gpus(gpus)
     else:
         train_grpo.check_visible_gpus(gpus)
+
+
+# (cuda, FSDP config, rank, loads the checkpoint's weights)
+LOADS_WEIGHTS = [
+    (False, False, 0, True),  # CPU, one process
+    (True, False, 1, True),  # DDP: every GPU needs the whole model
+    (True, True, 0, True),  # FSDP rank 0: the weights FSDP broadcasts
+    (True, True, 1, False),  # FSDP rank 1: structure only
+    (False, True, 1, True),  # FSDP config without GPUs: accelerate runs plain data parallelism
+]
+
+
+@pytest.mark.parametrize("cuda, fsdp, rank, loads", LOADS_WEIGHTS)
+def test_loads_weights_here(monkeypatch, cuda, fsdp, rank, loads):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true" if fsdp else "false")
+    assert train_grpo.loads_weights_here(cuda) is loads
+
+
+def test_empty_model_has_the_loaded_models_structure_without_weights():
+    import torch
+
+    loaded = train_grpo.load_policy_model("tiny")
+    empty = train_grpo.empty_policy_model(train_grpo.resolve_model_path("tiny"), loaded.dtype,
+                                          loaded.config._attn_implementation)
+    shapes = {n: (tuple(p.shape), p.dtype) for n, p in loaded.named_parameters()}
+    assert {n: (tuple(p.shape), p.dtype) for n, p in empty.named_parameters()} == shapes
+    assert all(p.device.type == "meta" for p in empty.parameters())
+    loaded_buffers = dict(loaded.named_buffers())
+    for name, buffer in empty.named_buffers():  # real, and equal: FSDP does not broadcast them
+        assert buffer.device.type == "cpu" and torch.equal(buffer, loaded_buffers[name])
+    assert type(empty) is type(loaded) and empty.config.use_cache
+
+
+# (rng files in the checkpoint, processes now, refused)
+RESUME_PROCESSES = [
+    (["rng_state.pth"], 1, False),  # one process wrote it, one resumes
+    (["rng_state_0.pth", "rng_state_1.pth"], 2, False),
+    (["rng_state_0.pth", "rng_state_1.pth"], 1, True),  # 2 wrote it: the stream's draws and RNG states differ
+    (["rng_state.pth"], 2, True),
+    ([], 2, False),  # no RNG state saved: nothing to compare
+]
+
+
+@pytest.mark.parametrize("files, processes, refused", RESUME_PROCESSES)
+def test_resume_needs_the_same_number_of_processes(tmp_path, files, processes, refused):
+    from fileio import InputError
+
+    for name in files:
+        (tmp_path / name).write_bytes(b"")
+    if refused:
+        with pytest.raises(InputError, match="was written by"):
+            train_grpo.check_resume_processes(tmp_path, processes)
+    else:
+        train_grpo.check_resume_processes(tmp_path, processes)
+
+
+def test_lora_weights_of_an_empty_model_get_their_own_storage():
+    """accelerate maps optimizer parameters to FSDP shards by data_ptr(): meta tensors all have 0."""
+    from peft import get_peft_model
+
+    empty = train_grpo.empty_policy_model(train_grpo.resolve_model_path("tiny"), None, "eager")
+    model = get_peft_model(empty, train_grpo.build_lora_config(4, 8))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert trainable and all(p.is_meta for p in trainable)
+    assert train_grpo.give_trainable_weights_storage(model) == len(trainable)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert not any(p.is_meta for p in trainable)
+    assert len({p.data_ptr() for p in trainable}) == len(trainable)
+    assert all(p.is_meta for p in model.parameters() if not p.requires_grad)  # the base stays without weights

@@ -20,16 +20,11 @@ import convert_to_harmony as ch
 import make_series
 import tes_env
 from fileio import InputError
-from gpt_oss_tokenizer import harmony_encoding, load_tokenizer
+from gpt_oss_tokenizer import harmony_encoding
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE_ONLY_SUFFIX = "\n\n"  # the named difference (module docstring)
 EFFORTS = {"low": ReasoningEffort.LOW, "medium": ReasoningEffort.MEDIUM, "high": ReasoningEffort.HIGH}
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -93,8 +93,3 @@ def test_each_completion_scored_with_its_own_row(monkeypatch):
     assert reward_fn(completions, **cols) == [0, 13, 23, 31]
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from gpt_oss_tokenizer import load_tokenizer
-
-    return load_tokenizer()

@@ -24,13 +24,6 @@ from grpo_fixtures import rewards_by_prompt, write_fixture_data
 FIRST_STEPS, SAVE_STEPS, RESUMED_TO = 20, 10, 12
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from gpt_oss_tokenizer import load_tokenizer
-
-    return load_tokenizer()
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Settings and wiring (no training)
 # ---------------------------------------------------------------------------------------------------------------
