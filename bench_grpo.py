@@ -103,11 +103,13 @@ class StepTimer(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         torch.cuda.synchronize()
-        # every process's generation time and peak memory, on rank 0 (a collective: every rank gets here each step)
-        per_gpu = gather_on_main([(self.timer.seconds - self.before[0], torch.cuda.max_memory_allocated() / 2**30)])
         total = time.perf_counter() - self.start
         gen, tokens, seqs = (now - then for now, then in
                              zip((self.timer.seconds, self.timer.tokens, self.timer.sequences), self.before))
+        # every process's generation time and peak memory, on rank 0 (a collective: every rank gets here each step)
+        per_gpu = gather_on_main([(gen, torch.cuda.max_memory_allocated() / 2**30)])
+        if per_gpu is None:
+            return
         train_s = total - gen
         # tokens/s if each decoding step read every weight exactly once at the measured bandwidth
         decode_limit = seqs / (self.weight_bytes / (HBM_TB_PER_S * 1e12))
@@ -116,10 +118,8 @@ class StepTimer(TrainerCallback):
                    completion_tokens=tokens, gen_tokens_per_s=tokens / gen if gen else 0.0, gen_share=gen / total,
                    decode_limit_tokens_per_s=decode_limit,
                    train_mfu=trained_tokens * TRAIN_GFLOP_PER_TOKEN * 1e9 / max(train_s, 1e-9) / (BF16_TFLOPS * 1e12),
-                   peak_gib=torch.cuda.max_memory_allocated() / 2**30, decode_experts=DECODE_EXPERTS,
-                   max_completion_len=MAX_COMPLETION_LEN, prompt_tokens=self.prompt_tokens)
-        if per_gpu is None:
-            return
+                   decode_experts=DECODE_EXPERTS, max_completion_len=MAX_COMPLETION_LEN,
+                   prompt_tokens=self.prompt_tokens)
         processes = process_count()
         row.update(processes=processes, sharding="fsdp2" if uses_fsdp() else "ddp" if processes > 1 else "none",
                    generation_s_per_gpu=[g for g, _ in per_gpu], peak_gib_per_gpu=[m for _, m in per_gpu],

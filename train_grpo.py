@@ -280,9 +280,9 @@ def load_policy_model(model_id: str, attn_implementation: str = "auto", dtype=No
     if not loads_weights_here(cuda):
         return empty_policy_model(path, dtype, attn)
     device_map = model_device_map(cuda)
-    where = ("cpu, then sharded onto the GPUs by FSDP" if cuda and device_map is None
-             else f"cuda:{local_rank()} in each of {process_count()} processes" if process_count() > 1 and cuda
-             else "cuda" if cuda else "cpu")
+    where = "cpu" if device_map is None else f"cuda:{local_rank()}"
+    if cuda and device_map is None:
+        where += ", then sharded onto the GPUs by FSDP"
     say(f"loading {path} with Mxfp4Config(dequantize=True) as {str(dtype).replace('torch.', '')}, "
         f"attention {attn}, on {where}")
     model = AutoModelForCausalLM.from_pretrained(
@@ -560,8 +560,9 @@ def build_trainer(settings: dict, model, tokenizer, train_dataset, callbacks=(),
     say(f"batch: {layout['completions_per_step']} completions per optimizer step = {layout['prompts_per_step']} "
         f"prompts x {settings['NUM_GENERATIONS']} generations, generated together; {layout['train_batch_size']} "
         f"per forward/backward x {layout['gradient_accumulation_steps']} accumulation steps"
-        + (f"; per process: {processes} processes train {processes * layout['completions_per_step']} completions "
-           f"of {processes * layout['prompts_per_step']} distinct prompts per optimizer step" if processes > 1 else ""))
+        + (f" (per process; the {processes} processes train {processes * layout['completions_per_step']} "
+           f"completions of {processes * layout['prompts_per_step']} distinct prompts per optimizer step)"
+           if processes > 1 else ""))
     say(f"completion log: {log_path}" if os.environ.get("GRPO_LOG_COMPLETIONS", "1").lower()
         not in ("0", "false", "no", "off") else "completion log: off (GRPO_LOG_COMPLETIONS)")
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
