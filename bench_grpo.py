@@ -3,6 +3,7 @@
 Run on the GPU machine (the tokenizer folder must be reachable: GPT_OSS_TOKENIZER=<folder>):
 
     python bench_grpo.py --STEPS=2 --MAX_COMPLETION_LEN=512 --DECODE_EXPERTS=auto
+    python bench_grpo.py --STEPS=2 --MAX_COMPLETION_LEN=512 --DECODE_GRAPHS=1    # graph_decode.py's CUDA graphs
     accelerate launch --config_file configs/accelerate/ddp.yaml bench_grpo.py --STEPS=2     # several GPUs
     accelerate launch --config_file configs/accelerate/fsdp2.yaml bench_grpo.py --STEPS=2   # sharded weights
 
@@ -33,6 +34,7 @@ from script_config import configure
 STEPS = 2  # optimizer steps to time (the first includes compilation and warm-up)
 MAX_COMPLETION_LEN = 512  # tokens per completion (random weights always reach it)
 DECODE_EXPERTS = "auto"  # train_grpo's DECODE_EXPERTS: auto | grouped_mm | transformers (its batched_mm switch)
+DECODE_GRAPHS = False  # train_grpo's DECODE_GRAPHS: generate with graph_decode.py (static cache, CUDA graphs)
 TRAIN_BATCH_SIZE = 0  # completions per forward/backward; 0 = train_grpo's default
 PROMPT_TOKENS = 1316  # lengthen each data/ prompt to about this many tokens (issue 3's measured length); 0 = as is
 OUT = "runs/bench-grpo"  # run folder (adapter, logs) on the GPU machine
@@ -91,7 +93,7 @@ class GenerationTimer:
 class StepTimer(TrainerCallback):
     """Per optimizer step: wall time, the generation share of it, tokens/s, peak memory, ratios to the limits."""
 
-    def __init__(self, timer: GenerationTimer, weight_bytes: int, prompt_tokens: int, results: Path):
+    def __init__(self, timer: GenerationTimer | None, weight_bytes: int, prompt_tokens: int, results: Path):
         self.timer, self.weight_bytes, self.prompt_tokens, self.results = timer, weight_bytes, prompt_tokens, results
         self.rows: list[dict] = []
 
@@ -118,7 +120,7 @@ class StepTimer(TrainerCallback):
                    completion_tokens=tokens, gen_tokens_per_s=tokens / gen if gen else 0.0, gen_share=gen / total,
                    decode_limit_tokens_per_s=decode_limit,
                    train_mfu=trained_tokens * TRAIN_GFLOP_PER_TOKEN * 1e9 / max(train_s, 1e-9) / (BF16_TFLOPS * 1e12),
-                   decode_experts=DECODE_EXPERTS, max_completion_len=MAX_COMPLETION_LEN,
+                   decode_experts=DECODE_EXPERTS, decode_graphs=DECODE_GRAPHS, max_completion_len=MAX_COMPLETION_LEN,
                    prompt_tokens=self.prompt_tokens)
         processes = process_count()
         row.update(processes=processes, sharding="fsdp2" if uses_fsdp() else "ddp" if processes > 1 else "none",
@@ -141,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     from gpt_oss_tokenizer import load_tokenizer
 
     overrides = dict(OUT=OUT, TOTAL_STEPS=STEPS, MAX_COMPLETION_LEN=MAX_COMPLETION_LEN, SAVE_STEPS=10_000,
-                     DECODE_EXPERTS=DECODE_EXPERTS)
+                     DECODE_EXPERTS=DECODE_EXPERTS, DECODE_GRAPHS=DECODE_GRAPHS)
     if TRAIN_BATCH_SIZE:
         overrides["TRAIN_BATCH_SIZE"] = TRAIN_BATCH_SIZE
     settings = train_grpo.default_settings(**overrides)
@@ -154,17 +156,17 @@ def main(argv: list[str] | None = None) -> None:
     model = build_random_model(attn_implementation="flex_attention", device=f"cuda:{local_rank()}")
     model.config.use_cache = True
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    timer = GenerationTimer(model)
     results = Path(RESULTS)
     results.parent.mkdir(parents=True, exist_ok=True)
-    step_timer = StepTimer(timer, weight_bytes, prompt_tokens, results)
+    step_timer = StepTimer(None, weight_bytes, prompt_tokens, results)
     trainer = train_grpo.build_trainer(settings, model, tokenizer, train_grpo.build_train_dataset(frame, settings),
                                        callbacks=[step_timer])
+    step_timer.timer = GenerationTimer(model)  # outermost, around whichever generate() build_trainer installed
     trainer.train()
     if not is_main_process():
         return
     print(f"\n{stack_versions()}, {process_count()} process(es), sharding {step_timer.rows[0]['sharding']}")
-    print(f"DECODE_EXPERTS={DECODE_EXPERTS}, MAX_COMPLETION_LEN={MAX_COMPLETION_LEN}, "
+    print(f"DECODE_EXPERTS={DECODE_EXPERTS}, DECODE_GRAPHS={DECODE_GRAPHS}, MAX_COMPLETION_LEN={MAX_COMPLETION_LEN}, "
           f"prompt {prompt_tokens} tokens, {settings['NUM_GENERATIONS']} generations x "
           f"{settings['GRADIENT_ACCUMULATION_STEPS']} accumulation")
     print(f"{'step':>4}{'step s':>8}{'gen s':>8}{'train s':>8}{'gen %':>7}{'tok/s':>8}{'of limit':>9}"

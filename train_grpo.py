@@ -71,6 +71,7 @@ TEMPERATURE = 1.0  # sampling temperature for the completions
 REASONING_EFFORT = "low"  # rewrite each prompt's "Reasoning:" line: low, medium, high; "" keeps the CSV's
 GRADIENT_CHECKPOINTING = True  # recompute activations in backward (saves memory; generation still uses its KV cache)
 DECODE_EXPERTS = "auto"  # auto/grouped_mm: keep grouped_mm experts when decoding; transformers: its batched_mm
+DECODE_GRAPHS = False  # sample with graph_decode.py (static KV cache, decode steps as CUDA graphs); not yet timed
 ATTN_IMPLEMENTATION = "auto"  # auto = flex_attention on CUDA (supports gpt-oss's sinks), eager on CPU
 USE_VLLM = False  # generate with vLLM (colocated; needs requirements-gpu.txt's vllm) instead of transformers
 VLLM_GPU_MEMORY_UTILIZATION = 0.35  # GPU memory fraction vLLM may take when USE_VLLM=1
@@ -172,6 +173,8 @@ def check_settings(settings: dict) -> None:
     if settings["DECODE_EXPERTS"] not in ("auto", "grouped_mm", "transformers"):
         raise SettingsError("DECODE_EXPERTS must be auto, grouped_mm or transformers, "
                             f"got {settings['DECODE_EXPERTS']!r}")
+    if settings["DECODE_GRAPHS"] and settings["USE_VLLM"]:
+        raise SettingsError("DECODE_GRAPHS and USE_VLLM both choose how completions are generated; set one")
     if settings["REASONING_EFFORT"] not in ("", "low", "medium", "high"):
         raise SettingsError(f"REASONING_EFFORT must be low, medium, high or '', got {settings['REASONING_EFFORT']!r}")
 
@@ -490,6 +493,27 @@ def apply_decode_experts(model, mode: str) -> None:
         say("decoding experts: grouped_mm kept for decoding (DECODE_EXPERTS)")
 
 
+def apply_decode_graphs(model, enabled: bool, cuda: bool, sharded: bool = False) -> bool:
+    """Routes the model's generate() through graph_decode.GraphDecodeGenerate (DECODE_GRAPHS); returns whether it did.
+
+    Not under FSDP: a captured step cannot gather sharded weights. On CPU the same decode steps run without graphs.
+    """
+    if not enabled:
+        return False
+    if sharded:
+        raise SettingsError("DECODE_GRAPHS cannot run under FSDP (every decode step gathers sharded weights); use "
+                            "configs/accelerate/ddp.yaml or DECODE_GRAPHS=0")
+    from graph_decode import GraphDecodeGenerate
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not isinstance(inner.generate, GraphDecodeGenerate):
+        inner.generate = GraphDecodeGenerate(inner, inner.generate, say=say)
+    say("decoding: graph_decode.py, static KV cache and "
+        + ("one CUDA graph per decode step (DECODE_GRAPHS)" if cuda
+           else "no GPU, so its decode steps run eagerly, without CUDA graphs (DECODE_GRAPHS)"))
+    return True
+
+
 class SyncedGenerate:
     """Wraps a model's generate() to pass synced_gpus=True: under FSDP every process must run the same number of
     forward passes (each one gathers the sharded weights), so a process whose completions all ended keeps stepping
@@ -551,6 +575,7 @@ def build_trainer(settings: dict, model, tokenizer, train_dataset, callbacks=(),
     if uses_fsdp() and not trainer.is_fsdp_enabled:
         say("note: the FSDP config has no effect without GPUs; accelerate runs plain data parallelism here")
     sync_generation_across_processes(trainer.model, trainer.is_fsdp_enabled)
+    apply_decode_graphs(trainer.model, settings["DECODE_GRAPHS"], on_cuda(), trainer.is_fsdp_enabled)
     give_trainable_weights_storage(trainer.model)
     from transformers.trainer_callback import PrinterCallback
 
