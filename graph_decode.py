@@ -80,8 +80,10 @@ def causal_lm(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def bucket_length(slot: int, total: int, bucket: int = BUCKET_TOKENS) -> int:
-    """Cache slots the full-attention layers attend over while writing `slot`: slot + 1 rounded up to `bucket`."""
+def bucket_length(slot: int, total: int, bucket: int | None = None) -> int:
+    """Cache slots the full-attention layers attend over while writing `slot`: slot + 1 rounded up to `bucket`
+    (default BUCKET_TOKENS, read at call time so tests and benchmarks can change it)."""
+    bucket = bucket or BUCKET_TOKENS
     return min(total, -(-(slot + 1) // bucket) * bucket)
 
 
@@ -93,7 +95,8 @@ class StaticCache:
     p <= current with p = s (mod window), which is all a sliding layer may see.
     """
 
-    def __init__(self, config, prompt_mask: torch.Tensor, max_new_tokens: int, dtype):
+    def __init__(self, config, prompt_mask: torch.Tensor, max_new_tokens: int, dtype,
+                 first_position: torch.Tensor | None = None):
         batch, self.prompt_len = prompt_mask.shape
         self.total = self.prompt_len + max_new_tokens
         self.window = config.sliding_window
@@ -106,8 +109,9 @@ class StaticCache:
         # which slots hold a real token: the prompt's mask, then every generated slot (as generate() extends it)
         self.valid = torch.ones(batch, self.total, dtype=torch.bool, device=device)
         self.valid[:, :self.prompt_len] = prompt_mask.bool()
-        # generate()'s position of the first new token: the prompt's real tokens counted (left padding skipped)
-        self.first_position = prompt_mask.long().sum(-1)
+        # generate()'s position of the first new token: the prompt's last position + 1 (given by prefill; the count
+        # of real tokens is the same thing for left-padded prompts)
+        self.first_position = prompt_mask.long().sum(-1) if first_position is None else first_position
         self.slots = torch.arange(self.total, device=device)
         self.ring_slots = torch.arange(self.window, device=device)
 
@@ -153,8 +157,10 @@ def one_query_attention(query, keys, values, mask, sinks, scaling: float) -> tor
     """gpt-oss attention for one new token: softmax over the keys plus each head's sink logit (which takes
     probability mass but has no value). query [B, H, 1, D]; keys/values [B, KV, L, D]; mask [B, L] additive.
 
-    Query heads are grouped onto their key/value head by a reshape (no repeat_kv copy of the cache); scores and
-    softmax in float32 (transformers' flex attention on GPUs also accumulates in float32). Returns [B, 1, H * D].
+    Query heads are grouped onto their key/value head by a reshape (no repeat_kv copy of the cache). The scores come
+    out of the matmul in the model's dtype (bf16 on GPUs, as in transformers' eager attention; flex attention keeps
+    them in float32, and `torch.bmm(..., out_dtype=torch.float32)` would too, but only on CUDA); the softmax runs in
+    float32. Returns [B, 1, H * D].
     """
     batch, heads, _, dim = query.shape
     kv_heads = keys.shape[1]
@@ -199,6 +205,18 @@ def decode_step(lm, cache: StaticCache, tokens: torch.Tensor, slot: torch.Tensor
     return lm.lm_head(body.norm(hidden))[:, -1]
 
 
+_WARM_UP_STREAMS: dict = {}
+
+
+def warm_up_stream(device) -> torch.cuda.Stream:
+    """One side stream per device for the warm-up steps, reused: cuBLAS keeps a workspace per (handle, stream) until
+    the process ends, so a fresh stream per capture would pin more GPU memory with every generate call."""
+    key = torch.device(device).index
+    if key not in _WARM_UP_STREAMS:
+        _WARM_UP_STREAMS[key] = torch.cuda.Stream(device=device)
+    return _WARM_UP_STREAMS[key]
+
+
 class DecodeGraphs:
     """decode_step captured as CUDA graphs, one per cache-length bucket, sharing one memory pool.
 
@@ -221,11 +239,12 @@ class DecodeGraphs:
             graph, logits = self.graphs[length]
             graph.replay()
             return logits
-        side = torch.cuda.Stream()
+        side = warm_up_stream(self.tokens.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             logits = decode_step(self.lm, self.cache, self.tokens, self.slot, length)
         torch.cuda.current_stream().wait_stream(side)
+        logits.record_stream(torch.cuda.current_stream())  # made on the side stream, read on this one
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             captured = decode_step(self.lm, self.cache, self.tokens, self.slot, length)
@@ -254,7 +273,8 @@ def prefill(lm, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_t
     positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
     out = lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, past_key_values=dynamic,
              use_cache=True, logits_to_keep=1)
-    cache = StaticCache(lm.config, attention_mask, max_new_tokens, dtype=dynamic.layers[0].keys.dtype)
+    cache = StaticCache(lm.config, attention_mask, max_new_tokens, dtype=dynamic.layers[0].keys.dtype,
+                        first_position=positions[:, -1] + 1)
     cache.fill(dynamic)
     return out.logits[:, -1].float(), cache
 
@@ -282,8 +302,11 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     eos = torch.tensor([e for e in eos if e is not None], dtype=torch.long, device=device)
     pad = g.pad_token_id if g.pad_token_id is not None else int(eos[0])
     warpers = logits_warpers(g)
+    graphs = device.type == "cuda" if graphs is None else graphs
+    if graphs and graph_blockers(lm):
+        raise ValueError("graph_decode: cannot capture this model's decode step: " + "; ".join(graph_blockers(lm)))
     logits, cache = prefill(lm, input_ids, attention_mask, max_new)
-    step = decode_steps(lm, cache, batch, device, device.type == "cuda" if graphs is None else graphs)
+    step = decode_steps(lm, cache, batch, device, graphs)
     unfinished = torch.ones(batch, dtype=torch.long, device=device)
     new_tokens = []
     for n in range(max_new):
@@ -337,8 +360,9 @@ def full_forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.
 def graph_blockers(model) -> list[str]:
     """Why decode steps of this model could not be captured as CUDA graphs ([] = none known)."""
     experts = getattr(causal_lm(model).config, "_experts_implementation", None)
-    if experts == "eager":
-        return ["experts_implementation='eager' reads routing results on the host (use grouped_mm)"]
+    if experts not in ("grouped_mm", "batched_mm"):
+        return [f"experts_implementation={experts!r} (only grouped_mm and batched_mm are known to read nothing on the "
+                "host; eager loops over the experts hit)"]
     return []
 
 

@@ -98,6 +98,19 @@ def test_logprobs_of_the_same_completions_equal_a_full_forward(model):
     torch.testing.assert_close(ours, reference, atol=1e-4, rtol=0)
 
 
+def test_small_buckets_change_nothing(model, monkeypatch):
+    # GPU prompts cross several 512-slot buckets per call; 4-slot buckets make these short prompts cross ~8
+    monkeypatch.setattr(graph_decode, "BUCKET_TOKENS", 4)
+    assert graph_decode.bucket_length(5, 100) == 8
+    ids, mask = left_padded_prompts()
+    config = trl_config(do_sample=False)
+    expected = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    assert torch.equal(graph_decode.generate(model, ids, mask, config), expected)
+    completion = expected[:, ids.shape[1]:]
+    torch.testing.assert_close(graph_decode.completion_logprobs(model, ids, mask, completion),
+                               graph_decode.full_forward_logprobs(model, ids, mask, completion), atol=1e-4, rtol=0)
+
+
 def test_lora_model_decodes_like_transformers():
     from peft import LoraConfig, get_peft_model
 
