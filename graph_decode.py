@@ -279,7 +279,10 @@ def prefill(lm, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_t
     return out.logits[:, -1].float(), cache
 
 
-def decode_steps(lm, cache: StaticCache, batch: int, device, graphs: bool):
+def decode_steps(lm, cache: StaticCache, batch: int, device, graphs: bool | None):
+    """The decode-step runner: CUDA graphs if `graphs` (default: when on CUDA), else eager steps."""
+    if graphs is None:
+        graphs = device.type == "cuda"
     return DecodeGraphs(lm, cache, batch, device) if graphs else EagerSteps(lm, cache, device)
 
 
@@ -302,9 +305,9 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     eos = torch.tensor([e for e in eos if e is not None], dtype=torch.long, device=device)
     pad = g.pad_token_id if g.pad_token_id is not None else int(eos[0])
     warpers = logits_warpers(g)
-    graphs = device.type == "cuda" if graphs is None else graphs
-    if graphs and graph_blockers(lm):
-        raise ValueError("graph_decode: cannot capture this model's decode step: " + "; ".join(graph_blockers(lm)))
+    blockers = graph_blockers(lm) if (device.type == "cuda" if graphs is None else graphs) else []
+    if blockers:
+        raise ValueError("graph_decode: cannot capture this model's decode step: " + "; ".join(blockers))
     logits, cache = prefill(lm, input_ids, attention_mask, max_new)
     step = decode_steps(lm, cache, batch, device, graphs)
     unfinished = torch.ones(batch, dtype=torch.long, device=device)
@@ -334,7 +337,7 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     batch, prompt_len = input_ids.shape
     steps = completion_ids.shape[1]
     logits, cache = prefill(lm, input_ids, attention_mask, steps)
-    step = decode_steps(lm, cache, batch, device, device.type == "cuda" if graphs is None else graphs)
+    step = decode_steps(lm, cache, batch, device, graphs)
     out = []
     for n in range(steps):
         token = completion_ids[:, n]

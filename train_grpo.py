@@ -503,9 +503,9 @@ def apply_decode_graphs(model, enabled: bool, cuda: bool, sharded: bool = False)
     if sharded:
         raise SettingsError("DECODE_GRAPHS cannot run under FSDP (every decode step gathers sharded weights); use "
                             "configs/accelerate/ddp.yaml or DECODE_GRAPHS=0")
-    from graph_decode import GraphDecodeGenerate
+    from graph_decode import GraphDecodeGenerate, causal_lm
 
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = causal_lm(model)
     if not isinstance(inner.generate, GraphDecodeGenerate):
         inner.generate = GraphDecodeGenerate(inner, inner.generate, say=say)
     say("decoding: graph_decode.py, static KV cache and "
