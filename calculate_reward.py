@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-import tes_env
-from fileio import InputError, parse_finite, write_csv_atomic
+from tes_grpo import tes_env
+from tes_grpo.fileio import InputError, parse_finite, write_csv_atomic
 
 PATHS: list = []  # CSV files or folders (positional arguments)
 TAU = 0.05  # softmax temperature in Q units; must be finite and > 0
@@ -125,7 +125,7 @@ def calculate_rewards(paths: Sequence, tau: float, overwrite: bool) -> list[Path
 
 
 def main() -> None:
-    from script_config import configure
+    from tes_grpo.script_config import configure
 
     configure(globals(), positional="PATHS")
     try:

@@ -17,8 +17,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-import tes_env
-
+from tes_grpo import tes_env
 PATHS: list = ["data"]  # files or folders to check (positional arguments)
 SUM_TOLERANCE = 1e-6  # allowed |sum of rewards - 1|
 ARGMAX_TOLERANCE = 1e-6  # optimal_action's Q may be this far below the row's max Q (6-decimal rounding)
@@ -131,7 +130,7 @@ def check_paths(paths: Sequence) -> tuple[int, int, list[str]]:
 
 
 def main() -> None:
-    from script_config import configure
+    from tes_grpo.script_config import configure
 
     configure(globals(), positional="PATHS")
     n_files, n_rows, problems = check_paths(PATHS)

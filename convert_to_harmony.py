@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from fileio import InputError, write_csv_atomic
-from tes_env import parse_legacy_prompt
+from tes_grpo.fileio import InputError, write_csv_atomic
+from tes_grpo.tes_env import parse_legacy_prompt
 
 PATHS: list = []  # legacy-prompt CSV files or folders (positional arguments)
 TOKENIZER = ""  # tokenizer folder or hub id; "" = gpt_oss_tokenizer.tokenizer_source() (../shared/gpt-oss-tokenizer)
@@ -40,13 +40,13 @@ def is_harmony(text: str) -> bool:
 
 
 def resolve_tokenizer_source(source: str = "") -> str:
-    from gpt_oss_tokenizer import tokenizer_source
+    from tes_grpo.gpt_oss_tokenizer import tokenizer_source
 
     return source or tokenizer_source()
 
 
 def get_tokenizer(source: str = ""):
-    from gpt_oss_tokenizer import load_tokenizer
+    from tes_grpo.gpt_oss_tokenizer import load_tokenizer
 
     return load_tokenizer(resolve_tokenizer_source(source))
 
@@ -161,7 +161,7 @@ def convert_files(paths: Sequence, overwrite: bool = False, tokenizer=None,
 
 
 def main() -> None:
-    from script_config import configure
+    from tes_grpo.script_config import configure
 
     configure(globals(), positional="PATHS")
     try:

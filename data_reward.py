@@ -32,8 +32,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from fileio import InputError
-from processes import gather_on_main, process_rank, say
+from tes_grpo.fileio import InputError
+from tes_grpo.processes import gather_on_main, process_rank, say
 
 NUM_ACTIONS = 4
 REWARD_COLUMNS = [f"reward_action_{k}" for k in range(NUM_ACTIONS)]
@@ -217,7 +217,7 @@ def parse_action(completion_text: str) -> int | None:
 
 @functools.lru_cache(maxsize=1)
 def _decoding_tokenizer():
-    from gpt_oss_tokenizer import load_tokenizer
+    from tes_grpo.gpt_oss_tokenizer import load_tokenizer
 
     return load_tokenizer()
 

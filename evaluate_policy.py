@@ -32,8 +32,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-import tes_env
-
+from tes_grpo import tes_env
 SERIES: list = []  # series CSVs to run (positional); empty = the windows of EVAL_DIR, read from SERIES_DIR
 EVAL_DIR = "data/eval"  # evaluation split; its <window>_q_dataset_harmony.csv files name the default windows
 SERIES_DIR = "data/series"  # where <window>.csv lives
@@ -74,7 +73,7 @@ _HOUR_SEED_STRIDE = 1000  # seeds of different business hours never overlap whil
 
 def eval_windows(eval_dir: str | Path, series_dir: str | Path) -> list[Path]:
     """Series CSVs of the evaluation split's windows (<window>_q_dataset_harmony.csv -> <series_dir>/<window>.csv)."""
-    from fileio import InputError
+    from tes_grpo.fileio import InputError
 
     suffix = "_q_dataset_harmony"
     files = sorted(Path(eval_dir).glob(f"*{suffix}.csv"))
@@ -164,7 +163,7 @@ class LLMDecider:
         return tuple(sum(c[i] for c in self.counts.values()) for i in range(3))
 
     def __call__(self, states: list) -> list[int]:
-        from llm_policy import majority_vote
+        from tes_grpo.llm_policy import majority_vote
 
         prompts = [self.render(*tes_env.build_prompt(series, t, energy)) for series, t, energy in states]
         hour_index = tes_env.business_timesteps().index(states[0][1])
@@ -264,7 +263,7 @@ def plot_window(series: tes_env.Series, episodes: dict[str, tes_env.Episode], pa
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from fileio import atomic_output
+    from tes_grpo.fileio import atomic_output
 
     hours = np.arange(tes_env.EPISODE_HOURS + 1)
     fig, axes = plt.subplots(4, 1, figsize=(13, 10), sharex=True, layout="constrained",
@@ -340,7 +339,7 @@ def non_llm_policy(name: str, series: tes_env.Series, random_seed: int) -> tes_e
 def generate_decisions(policy_model, use_adapter: bool, max_new_tokens: int, temperature: float, top_p: float,
                        top_k: int, batch_size: int, prompts: list[str], samples: int, seed: int) -> list:
     """LLMDecider's generate(prompts, samples, seed) once the settings are bound with functools.partial."""
-    from llm_policy import generate
+    from tes_grpo.llm_policy import generate
 
     return generate(policy_model, prompts, samples, seed, max_new_tokens, temperature, top_p, top_k, batch_size,
                     use_adapter=use_adapter, progress=False)
@@ -355,7 +354,7 @@ def render_prompt(tokenizer, reasoning_effort: str, date: str, system: str, user
 
 def default_out_dir(adapter_path: str, base_model_id: str) -> Path:
     if adapter_path:
-        from llm_policy import adapter_run_name
+        from tes_grpo.llm_policy import adapter_run_name
 
         name = adapter_run_name(adapter_path)
     elif base_model_id:
@@ -375,7 +374,7 @@ def evaluate(series_list: Sequence[tes_env.Series], policies: Sequence[str], llm
     import pandas as pd
     from tqdm import tqdm
 
-    from fileio import write_csv_atomic
+    from tes_grpo.fileio import write_csv_atomic
 
     check_policy_names(policies)
     names = [s.name for s in series_list]
@@ -419,14 +418,14 @@ def build_llm_deciders(adapter_path: str, base_model_id: str, also_base: bool, v
                        reasoning_effort: str, date: str, quantized: bool, device: str, dtype: str,
                        attn_implementation: str = "auto") -> dict:
     """{policy name: LLMDecider}: "llm_adapter" (and "llm_base" with also_base), or "llm_base" without an adapter."""
-    from llm_policy import load_policy_model
+    from tes_grpo.llm_policy import load_policy_model
 
     if not adapter_path and not base_model_id:
         return {}
     if votes < 1:
         raise ValueError("VOTES must be >= 1")
     from convert_to_harmony import REASONING_EFFORT as DATASET_EFFORT
-    from llm_policy import resolve_reasoning_effort
+    from tes_grpo.llm_policy import resolve_reasoning_effort
 
     effort, origin = resolve_reasoning_effort(reasoning_effort, adapter_path, DATASET_EFFORT)
     effort = effort or DATASET_EFFORT  # "" (train_grpo's "keep the CSV's") means the dataset's effort
@@ -445,7 +444,7 @@ def build_llm_deciders(adapter_path: str, base_model_id: str, also_base: bool, v
 
 
 def main(argv: list[str] | None = None) -> int:
-    from script_config import constants_of
+    from tes_grpo.script_config import constants_of
 
     defaults = constants_of(globals())
     try:
@@ -455,8 +454,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_main(argv: list[str] | None) -> int:
-    from fileio import InputError
-    from script_config import configure, save_config
+    from tes_grpo.fileio import InputError
+    from tes_grpo.script_config import configure, save_config
 
     config = configure(globals(), argv, positional="SERIES")
     try:

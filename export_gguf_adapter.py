@@ -92,7 +92,7 @@ def write_gguf_lora(adapter_path: str | Path, out_path: str | Path, outtype: str
     import numpy as np
     import torch
 
-    from fileio import atomic_output
+    from tes_grpo.fileio import atomic_output
 
     dtypes = {"f32": np.float32, "f16": np.float16}
     if outtype not in (*dtypes, "bf16"):
@@ -146,7 +146,7 @@ def write_gguf_lora(adapter_path: str | Path, out_path: str | Path, outtype: str
 
 
 def main() -> None:
-    from script_config import configure
+    from tes_grpo.script_config import configure
 
     configure(globals())
     try:

@@ -23,10 +23,10 @@ import sys
 import typing
 from pathlib import Path
 
-from fileio import give_default_modes, temporary_folder
+from tes_grpo.fileio import give_default_modes, temporary_folder
 
 if typing.TYPE_CHECKING:  # annotations only; the module is imported where it is used
-    from mxfp4 import SafetensorsCheckpoint
+    from tes_grpo.mxfp4 import SafetensorsCheckpoint
 
 ADAPTER_PATH = "runs/grpo-gpt-oss-20b"  # folder with adapter_config.json + adapter_model.safetensors (train_grpo.py's OUT)
 BASE_MODEL_ID = ""  # base checkpoint (hub id or folder); "" = the adapter's base_model_name_or_path
@@ -195,7 +195,7 @@ def load_merged_model(base_folder: Path, adapter_path: Path):
 
 def base_expert_passthrough(base_folder: Path, state_dict: dict, touched: set[str]):
     """Lazy view of the base's `*_blocks` / `*_scales` for every expert parameter the adapter left alone."""
-    from mxfp4 import EXPERT_PARAM_RE, SafetensorsCheckpoint
+    from tes_grpo.mxfp4 import EXPERT_PARAM_RE, SafetensorsCheckpoint
 
     if not base_is_mxfp4(base_folder):
         print(f"base {base_folder} is not an MXFP4 checkpoint: every expert is quantized from its bf16 weights")
@@ -209,7 +209,7 @@ def load_export_tokenizer(adapter_path: Path, base_folder: Path):
     """The adapter's tokenizer (train_grpo.py saves it), else the base's, else the project's gpt-oss tokenizer."""
     from transformers import AutoTokenizer
 
-    from gpt_oss_tokenizer import tokenizer_source
+    from tes_grpo.gpt_oss_tokenizer import tokenizer_source
 
     for folder in (adapter_path, base_folder):
         if all((folder / name).is_file() for name in _TOKENIZER_FILES):
@@ -239,7 +239,7 @@ def export_generation_config(base_folder: Path, tokenizer):
 def write_export(merged, touched: set[str], base_folder: Path, adapter_path: Path, out_dir: Path,
                  overwrite: bool = False, max_shard_bytes: int | None = None, disk_margin_bytes: int = 0) -> dict:
     """Writes the merged model as an MXFP4 folder at `out_dir` via a temporary sibling folder; returns stats."""
-    from mxfp4 import (
+    from tes_grpo.mxfp4 import (
         DEFAULT_MAX_SHARD_BYTES,
         estimate_checkpoint_bytes,
         write_mxfp4_checkpoint,
@@ -297,7 +297,7 @@ def expert_dequantization_bound(blocks, scales):
     """Per-element bound of MXFP4 rounding in transformers' `[E, in, out]` layout: 2**exponent of each block."""
     import torch
 
-    from mxfp4 import BLOCK_SIZE
+    from tes_grpo.mxfp4 import BLOCK_SIZE
 
     step = torch.ldexp(torch.ones(scales.shape), scales.int() - 127).repeat_interleave(BLOCK_SIZE, dim=-1)
     return step.transpose(-1, -2)
@@ -313,7 +313,7 @@ def compare_weights(loaded_state: dict, merged_state: dict, export: "Safetensors
     import torch
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from mxfp4 import EXPERT_PARAM_RE
+    from tes_grpo.mxfp4 import EXPERT_PARAM_RE
 
     worst = 0.0
     for name, merged in merged_state.items():
@@ -380,7 +380,7 @@ def fake_quantized_copy_logits(merged, export: "SafetensorsCheckpoint", input_id
     """Logits of the merged model with its experts replaced by the export's dequantized blocks (FP4 rounding only)."""
     import torch
 
-    from mxfp4 import EXPERT_PARAM_RE, mxfp4_to_expert_param
+    from tes_grpo.mxfp4 import EXPERT_PARAM_RE, mxfp4_to_expert_param
 
     saved = {}
     params = dict(merged.named_parameters())
@@ -401,7 +401,7 @@ def verify_export(out_dir: Path, merged, touched: set[str], check_text: str | No
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, Mxfp4Config
 
-    from mxfp4 import SafetensorsCheckpoint
+    from tes_grpo.mxfp4 import SafetensorsCheckpoint
 
     export = SafetensorsCheckpoint(out_dir)
     merged_state = merged.state_dict()
@@ -488,7 +488,7 @@ def run_export(adapter_path: str, base_model_id: str, out_dir: str, overwrite: b
 
 
 def main() -> None:
-    from script_config import configure, save_config
+    from tes_grpo.script_config import configure, save_config
 
     config = configure(globals())
     try:

@@ -22,8 +22,7 @@ import check_data
 import convert_to_harmony
 import make_q_dataset
 import make_series
-import tes_env
-
+from tes_grpo import tes_env
 OUT_DIR = "data"  # folder that receives series/, train/ and eval/
 N_WINDOWS = 12  # number of 4-day windows
 SEED = 2024  # seed of the series generator
@@ -84,7 +83,7 @@ def compare_trees(expected: str | Path, actual: str | Path) -> list[str]:
 
 
 def main() -> None:
-    from script_config import configure
+    from tes_grpo.script_config import configure
 
     configure(globals())
     if CHECK:

@@ -19,8 +19,8 @@ import random
 import sys
 from pathlib import Path
 
-import tes_env
-from fileio import InputError, write_csv_atomic
+from tes_grpo import tes_env
+from tes_grpo.fileio import InputError, write_csv_atomic
 
 SERIES_PATHS: list = []  # input series CSVs (positional arguments)
 OUT_DIR = "data"  # folder for <series>_q_dataset.csv
@@ -161,7 +161,7 @@ def make_datasets(series_paths: list, out_dir: str | Path, initial_energy: float
 
 
 def main() -> None:
-    from script_config import configure
+    from tes_grpo.script_config import configure
 
     configure(globals(), positional="SERIES_PATHS")
     try:

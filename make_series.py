@@ -20,9 +20,7 @@ import sys
 from datetime import date, datetime, timedelta
 from pathlib import Path
 
-import tes_env
-
-
+from tes_grpo import tes_env
 OUT_DIR = "data/series"  # folder for the window CSVs
 N_WINDOWS = 12  # number of 4-day windows
 SEED = 2024  # random seed; the same seed gives the same bytes
@@ -125,7 +123,7 @@ def generate_windows(n_windows: int = N_WINDOWS, seed: int = SEED, start_date: s
 
 
 def write_windows(out_dir: str | Path, windows: dict[str, str], overwrite: bool) -> list[Path]:
-    from fileio import atomic_write_text
+    from tes_grpo.fileio import atomic_write_text
 
     out_dir = Path(out_dir)
     targets = [out_dir / f"{name}.csv" for name in windows]
@@ -138,7 +136,7 @@ def write_windows(out_dir: str | Path, windows: dict[str, str], overwrite: bool)
 
 
 def main() -> None:
-    from script_config import configure
+    from tes_grpo.script_config import configure
 
     configure(globals())
     windows = generate_windows(N_WINDOWS, SEED, START_DATE, WINDOW_PREFIX)

@@ -30,7 +30,7 @@ FINAL_PREVIEW_CHARS = 200  # characters of each final answer printed on screen (
 
 
 def prompt_files(path: str | Path) -> list[Path]:
-    from fileio import InputError
+    from tes_grpo.fileio import InputError
 
     path = Path(path)
     if path.is_dir():
@@ -47,7 +47,7 @@ def load_prompts(path: str | Path, max_rows: int):
     """DataFrame with `source`, `row`, `prompt` (+ `optimal_action` when present), at most `max_rows` rows."""
     import pandas as pd
 
-    from fileio import InputError
+    from tes_grpo.fileio import InputError
 
     frames = []
     for file in prompt_files(path):
@@ -134,8 +134,8 @@ def print_decisions(result) -> None:
 
 
 def main() -> None:
-    from fileio import InputError, write_csv_atomic
-    from script_config import configure
+    from tes_grpo.fileio import InputError, write_csv_atomic
+    from tes_grpo.script_config import configure
 
     configure(globals())
     try:

@@ -58,7 +58,7 @@ _SUMMARY_COLUMNS = ("model", "completions", "prompts", "valid_rate", "optimal_sh
 
 def prompt_files(path: str | Path) -> list[Path]:
     from data_reward import HARMONY_GLOB, training_csv_paths
-    from fileio import InputError
+    from tes_grpo.fileio import InputError
 
     path = Path(path)
     if path.is_file():
@@ -75,7 +75,7 @@ def check_q_columns(raw, path) -> dict[str, list[float]]:
     """The q_action_0..3 columns as floats; InputError naming file, row (first data row = 1), column and value."""
     import pandas as pd
 
-    from fileio import InputError
+    from tes_grpo.fileio import InputError
 
     missing = [c for c in _Q_COLUMNS if c not in raw.columns]
     if missing:
@@ -106,7 +106,7 @@ def load_eval_prompts(path: str | Path, max_prompts: int = 0, reasoning_effort: 
     import pandas as pd
 
     from data_reward import check_frame, set_reasoning_effort
-    from fileio import InputError
+    from tes_grpo.fileio import InputError
 
     frames = []
     for file in prompt_files(path):
@@ -192,7 +192,7 @@ def format_summary(summary) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 def default_out_csv(adapter_path: str, quantized: bool) -> Path:
-    from llm_policy import adapter_run_name
+    from tes_grpo.llm_policy import adapter_run_name
 
     return Path("runs") / f"adapter-test-{adapter_run_name(adapter_path)}{'-mxfp4' if quantized else ''}" / \
         "completions.csv"
@@ -213,8 +213,8 @@ def run_adapter_test(adapter_path: str, prompt_path: str = PROMPT_PATH, base_mod
     """Generates with the adapter and with the base, writes OUT_CSV and its summary; returns (summary, completions)."""
     import pandas as pd
 
-    from fileio import write_csv_atomic
-    from llm_policy import adapter_config, generate, load_policy_model, resolve_reasoning_effort
+    from tes_grpo.fileio import write_csv_atomic
+    from tes_grpo.llm_policy import adapter_config, generate, load_policy_model, resolve_reasoning_effort
 
     adapter_config(adapter_path)  # a missing adapter fails before anything is read or loaded
     effort, origin = resolve_reasoning_effort(reasoning_effort, adapter_path, "")
@@ -248,8 +248,8 @@ def run_adapter_test(adapter_path: str, prompt_path: str = PROMPT_PATH, base_mod
 
 def main(argv: list[str] | None = None, quantized: bool | None = None) -> int:
     """Command-line entry; quantized=True is test_lora_adapter_quantized.py (QUANTIZED's default becomes True)."""
-    from fileio import InputError
-    from script_config import configure, constants_of
+    from tes_grpo.fileio import InputError
+    from tes_grpo.script_config import configure, constants_of
 
     defaults = constants_of(globals())
     try:

@@ -37,10 +37,10 @@ import sys
 import time
 from pathlib import Path
 
-from fileio import InputError, atomic_write_text
-from processes import (is_main_process, local_rank, process_count, process_rank, say, start_process_group,
+from tes_grpo.fileio import InputError, atomic_write_text
+from tes_grpo.processes import (is_main_process, local_rank, process_count, process_rank, say, start_process_group,
                        uses_fsdp, wait_for_everyone)
-from script_config import configure, constants_of, parse_overrides, save_config
+from tes_grpo.script_config import configure, constants_of, parse_overrides, save_config
 
 MODEL_ID = "openai/gpt-oss-20b"  # hub id or local folder of an MXFP4 gpt-oss checkpoint; "tiny" = embedded tiny model
 OUT = "runs/grpo-gpt-oss-20b"  # run folder: adapter, checkpoints, train_config.json, metrics.jsonl, completions.csv
@@ -206,7 +206,7 @@ def model_dtype(cuda: bool | None = None):
 def resolve_model_path(model_id: str) -> str:
     """MODEL_ID as from_pretrained takes it; "tiny" builds (once, on rank 0 first) and returns its folder."""
     if model_id == _TINY_MODEL_ID:
-        from tiny_model import ensure_tiny_checkpoint
+        from tes_grpo.tiny_model import ensure_tiny_checkpoint
 
         if is_main_process():
             path = ensure_tiny_checkpoint()
@@ -303,7 +303,7 @@ def load_policy_tokenizer(model_id: str):
     path = resolve_model_path(model_id)
     if (Path(path) / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(path)
-    from gpt_oss_tokenizer import load_tokenizer, tokenizer_source
+    from tes_grpo.gpt_oss_tokenizer import load_tokenizer, tokenizer_source
 
     say(f"tokenizer: {tokenizer_source()} (no tokenizer.json in {path})")
     return load_tokenizer()
@@ -503,7 +503,7 @@ def apply_decode_graphs(model, enabled: bool, cuda: bool, sharded: bool = False)
     if sharded:
         raise SettingsError("DECODE_GRAPHS cannot run under FSDP (every decode step gathers sharded weights); use "
                             "configs/accelerate/ddp.yaml or DECODE_GRAPHS=0")
-    from graph_decode import GraphDecodeGenerate, causal_lm
+    from tes_grpo.graph_decode import GraphDecodeGenerate, causal_lm
 
     inner = causal_lm(model)
     if not isinstance(inner.generate, GraphDecodeGenerate):
@@ -743,7 +743,7 @@ def drop_log_rows_after(out: Path, step: int, completion_log: Path) -> None:
     """On resume, removes metrics and completion-log rows of steps after the checkpoint (they will be redone)."""
     import pandas as pd
 
-    from fileio import write_csv_atomic
+    from tes_grpo.fileio import write_csv_atomic
 
     metrics = out / "metrics.jsonl"
     if metrics.is_file():

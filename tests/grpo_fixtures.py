@@ -29,8 +29,7 @@ def fixture_series():
     """A fixed 4-day tes_env.Series: CO2 factors with a daily dip, cooling load in business hours."""
     import math
 
-    import tes_env
-
+    from tes_grpo import tes_env
     start = datetime(2024, 7, 1)
     hours = range(tes_env.SERIES_HOURS)
     co2 = tuple(round(0.40 + 0.07 * math.cos(2 * math.pi * (h % 24 - 13) / 24) + 0.01 * (h // 24), 3) for h in hours)
@@ -40,7 +39,7 @@ def fixture_series():
 
 
 def harmony_prompt(tokenizer, timestep: int, energy: float, reasoning_effort: str = "medium") -> str:
-    import tes_env
+    from tes_grpo import tes_env
     from convert_to_harmony import render_harmony_prompt
 
     system, user = tes_env.build_prompt(fixture_series(), timestep, energy)

@@ -11,11 +11,11 @@ import pandas as pd
 import pytest
 import torch
 
-import llm_policy
+from tes_grpo import llm_policy
 import test_lora_adapter as adapter_test
 import test_lora_adapter_quantized
-from fileio import InputError
-from llm_policy import Completion
+from tes_grpo.fileio import InputError
+from tes_grpo.llm_policy import Completion
 
 REPO = Path(__file__).resolve().parents[1]
 EVAL_DIR = REPO / "data" / "eval"
@@ -45,7 +45,7 @@ def make_lora_adapter(base: Path, folder: Path, b_std: float, seed: int = 1) -> 
 
 @pytest.fixture(scope="module")
 def tiny_base() -> Path:
-    from tiny_model import ensure_tiny_checkpoint
+    from tes_grpo.tiny_model import ensure_tiny_checkpoint
 
     return ensure_tiny_checkpoint()
 

@@ -9,8 +9,7 @@ import pytest
 
 import check_data
 import make_example_data
-import tes_env
-
+from tes_grpo import tes_env
 DATA = Path(__file__).resolve().parents[1] / "data"
 
 

@@ -12,7 +12,7 @@ import pytest
 import data_reward
 from data_reward import (LOG_COLUMNS, apply_reasoning_effort, check_prompt_lengths, load_training_frames,
                          reward_fn, set_reasoning_effort)
-from fileio import InputError
+from tes_grpo.fileio import InputError
 from grpo_fixtures import EVAL_ROWS, TRAIN_ROWS, write_fixture_data
 
 A_F = "<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>final<|message|>"

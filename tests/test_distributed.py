@@ -146,8 +146,7 @@ def test_adapter_saved_once_loads_on_one_process(run):
 # ---------------------------------------------------------------------------------------------------------------
 
 def test_one_process_helpers_act_like_plain_code(capsys, monkeypatch):
-    import processes
-
+    from tes_grpo import processes
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "ACCELERATE_USE_FSDP"):
         monkeypatch.delenv(name, raising=False)
     assert (processes.process_count(), processes.process_rank(), processes.is_main_process()) == (1, 0, True)
@@ -256,7 +255,7 @@ RESUME_PROCESSES = [
 
 @pytest.mark.parametrize("files, processes, refused", RESUME_PROCESSES)
 def test_resume_needs_the_same_number_of_processes(tmp_path, files, processes, refused):
-    from fileio import InputError
+    from tes_grpo.fileio import InputError
 
     for name in files:
         (tmp_path / name).write_bytes(b"")

@@ -11,9 +11,9 @@ import pandas as pd
 import pytest
 
 import evaluate_policy as ev
-import tes_env
+from tes_grpo import tes_env
 from data_reward import parse_action
-from llm_policy import Completion
+from tes_grpo.llm_policy import Completion
 
 REPO = Path(__file__).resolve().parents[1]
 EVAL_DIR = REPO / "data" / "eval"
@@ -174,7 +174,7 @@ def test_votes_pick_the_majority_and_count_invalid_samples(eval_series, tmp_path
 
 
 def test_llm_prompts_are_the_datasets_prompts(eval_series):
-    from gpt_oss_tokenizer import load_tokenizer
+    from tes_grpo.gpt_oss_tokenizer import load_tokenizer
 
     series = eval_series[0]
     frame = pd.read_csv(EVAL_DIR / f"{series.name}_q_dataset_harmony.csv")
@@ -199,7 +199,7 @@ def decide_optimally(decider, optimal, states):
 
 def test_end_to_end_with_the_tiny_model(tmp_path, capsys):
     from test_adapter_eval import make_lora_adapter
-    from tiny_model import ensure_tiny_checkpoint
+    from tes_grpo.tiny_model import ensure_tiny_checkpoint
 
     adapter = make_lora_adapter(ensure_tiny_checkpoint(), tmp_path / "adapter", b_std=0.05)
     out = tmp_path / "eval"

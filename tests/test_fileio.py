@@ -3,7 +3,7 @@
 import os
 import stat
 
-from fileio import give_default_modes, temporary_folder
+from tes_grpo.fileio import give_default_modes, temporary_folder
 
 
 def test_temporary_folder_then_default_modes(tmp_path):

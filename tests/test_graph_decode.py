@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import GenerationConfig, GptOssConfig, GptOssForCausalLM
 
-import graph_decode
+from tes_grpo import graph_decode
 import train_grpo
 
 PAD, VOCAB = 5, 512

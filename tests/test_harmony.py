@@ -18,9 +18,9 @@ from openai_harmony import (Conversation, DeveloperContent, Message, ReasoningEf
 
 import convert_to_harmony as ch
 import make_series
-import tes_env
-from fileio import InputError
-from gpt_oss_tokenizer import harmony_encoding
+from tes_grpo import tes_env
+from tes_grpo.fileio import InputError
+from tes_grpo.gpt_oss_tokenizer import harmony_encoding
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE_ONLY_SUFFIX = "\n\n"  # the named difference (module docstring)

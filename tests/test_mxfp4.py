@@ -10,7 +10,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, GptOssConfig, GptOssForCausalLM, Mxfp4Config
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from mxfp4 import (
+from tes_grpo.mxfp4 import (
     FP4_VALUES,
     MODULES_TO_NOT_CONVERT,
     SafetensorsCheckpoint,

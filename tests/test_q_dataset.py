@@ -11,8 +11,7 @@ import pytest
 
 import make_q_dataset
 import make_series
-import tes_env
-
+from tes_grpo import tes_env
 REPO = Path(__file__).resolve().parents[1]
 
 

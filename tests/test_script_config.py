@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from script_config import ConfigError, configure, constants_of, convert_value, parse_overrides, save_config
+from tes_grpo.script_config import ConfigError, configure, constants_of, convert_value, parse_overrides, save_config
 
 DEFAULTS = {"STEPS": 10, "LR": 1e-5, "NAME": "run", "FLAG": False, "ON": True, "OUT": Path("runs/x"),
             "LAYERS": [], "SIZES": [1, 2], "PATHS": [], "LIMIT": None, "RATIO": None, "TAG": None}

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import tes_env
-from fileio import InputError
+from tes_grpo import tes_env
+from tes_grpo.fileio import InputError
 
 START = datetime(2024, 6, 3)
 

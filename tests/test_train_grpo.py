@@ -18,7 +18,7 @@ from transformers import TrainerCallback
 
 import train_grpo
 from data_reward import LOG_COLUMNS
-from fileio import InputError
+from tes_grpo.fileio import InputError
 from grpo_fixtures import rewards_by_prompt, write_fixture_data
 
 FIRST_STEPS, SAVE_STEPS, RESUMED_TO = 20, 10, 12
@@ -184,7 +184,7 @@ def test_cpu_scoring_patch_is_idempotent():
 def test_tiny_checkpoint_is_in_the_real_mxfp4_layout():
     from safetensors import safe_open
 
-    from mxfp4 import fake_quantize_expert_param
+    from tes_grpo.mxfp4 import fake_quantize_expert_param
 
     folder = Path(train_grpo.resolve_model_path("tiny"))
     config = json.loads((folder / "config.json").read_text())

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from fileio import InputError
+from tes_grpo.fileio import InputError
 
 ADAPTER_CONFIG = "adapter_config.json"
 TRAIN_CONFIG = "train_config.json"  # train_grpo.py's resolved settings, in the run folder (a checkpoint's parent)
@@ -238,7 +238,7 @@ def load_tokenizer_for(base_model_id: str):
 
     folder = Path(base_model_id)
     if folder.is_dir() and not (folder / "tokenizer.json").is_file():
-        from gpt_oss_tokenizer import load_tokenizer, tokenizer_source
+        from tes_grpo.gpt_oss_tokenizer import load_tokenizer, tokenizer_source
 
         print(f"tokenizer: {tokenizer_source()} (no tokenizer.json in {folder})")
         return load_tokenizer()
@@ -315,7 +315,7 @@ def adapter_switch(policy: PolicyModel, use_adapter: bool):
 def decode_experts_context(policy: PolicyModel, batch_len: int):
     """Keeps grouped_mm experts while decoding for large GPU batches (see GROUPED_MM_MIN_BATCH); else no change."""
     if policy.device == "cuda" and not policy.experts_quantized and batch_len >= GROUPED_MM_MIN_BATCH:
-        from gpt_oss_shapes import keep_experts_implementation_for_decode
+        from tes_grpo.gpt_oss_shapes import keep_experts_implementation_for_decode
 
         return keep_experts_implementation_for_decode(policy.model)
     return contextlib.nullcontext()

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 HUB_ID = "openai/gpt-oss-20b"
-REPO_ROOT = Path(__file__).resolve().parent
+REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_TOKENIZER = REPO_ROOT.parent / "shared" / "gpt-oss-tokenizer"
 
 

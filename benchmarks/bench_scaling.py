@@ -2,12 +2,12 @@
 
 Run on a machine with several GPUs (the tokenizer folder must be reachable: GPT_OSS_TOKENIZER=<folder>):
 
-    NCCL_NVLS_ENABLE=0 python bench_scaling.py --PROCESSES=2 --STEPS=2 --MAX_COMPLETION_LEN=128
-    python bench_scaling.py --RUNS=fsdp2          # just one of them (results are appended to RESULTS)
-    python bench_scaling.py --SUMMARY_ONLY=1      # the table again, from RESULTS
+    NCCL_NVLS_ENABLE=0 python benchmarks/bench_scaling.py --PROCESSES=2 --STEPS=2 --MAX_COMPLETION_LEN=128
+    python benchmarks/bench_scaling.py --RUNS=fsdp2          # just one of them (results are appended to RESULTS)
+    python benchmarks/bench_scaling.py --SUMMARY_ONLY=1      # the table again, from RESULTS
 
 Each run is bench_grpo.py (real GRPO steps through train_grpo's wiring, random weights, every completion at
-MAX_COMPLETION_LEN) in a fresh process: `python bench_grpo.py` for one GPU, `accelerate launch` with
+MAX_COMPLETION_LEN) in a fresh process: `python benchmarks/bench_grpo.py` for one GPU, `accelerate launch` with
 configs/accelerate/ddp.yaml or fsdp2.yaml for PROCESSES GPUs. The batch settings are per process, so N GPUs train
 N times the completions of one GPU per optimizer step; the table compares completions per second of the last
 step, and scaling efficiency = (completions/s on N GPUs) / (N x completions/s on one GPU).
@@ -15,13 +15,20 @@ step, and scaling efficiency = (completions/s on N GPUs) / (N x completions/s on
 
 from __future__ import annotations
 
+import sys as _sys
+from pathlib import Path as _Path
+
+# Run as `python benchmarks/<name>.py` from the repo root: Python puts benchmarks/ on sys.path, not the root
+# that holds train_grpo.py and the tes_grpo package.
+_sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))
+
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from script_config import configure
+from tes_grpo.script_config import configure
 
 RUNS = "single,ddp,fsdp2"  # which runs, in order: single (python, 1 GPU), ddp, fsdp2 (accelerate launch)
 PROCESSES = 2  # GPUs for the ddp and fsdp2 runs
@@ -31,12 +38,12 @@ RESULTS = "runs/bench-scaling/results.jsonl"  # every step of every run is appen
 TIMEOUT_S = 900  # a run that takes longer is stopped (and reported) so the others still run
 SUMMARY_ONLY = False  # print the table from RESULTS without running anything
 
-_REPO = Path(__file__).resolve().parent
+_REPO = Path(__file__).resolve().parents[1]
 _CONFIGS = {"ddp": "configs/accelerate/ddp.yaml", "fsdp2": "configs/accelerate/fsdp2.yaml"}
 
 
 def run_command(name: str) -> list[str]:
-    bench = [str(_REPO / "bench_grpo.py"), f"--STEPS={STEPS}", f"--MAX_COMPLETION_LEN={MAX_COMPLETION_LEN}",
+    bench = [str(_REPO / "benchmarks" / "bench_grpo.py"), f"--STEPS={STEPS}", f"--MAX_COMPLETION_LEN={MAX_COMPLETION_LEN}",
              f"--RESULTS={RESULTS}", f"--OUT=runs/bench-scaling/{name}"]
     if name == "single":
         return [sys.executable, *bench]

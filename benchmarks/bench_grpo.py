@@ -2,10 +2,10 @@
 
 Run on the GPU machine (the tokenizer folder must be reachable: GPT_OSS_TOKENIZER=<folder>):
 
-    python bench_grpo.py --STEPS=2 --MAX_COMPLETION_LEN=512 --DECODE_EXPERTS=auto
-    python bench_grpo.py --STEPS=2 --MAX_COMPLETION_LEN=512 --DECODE_GRAPHS=1    # graph_decode.py's CUDA graphs
-    accelerate launch --config_file configs/accelerate/ddp.yaml bench_grpo.py --STEPS=2     # several GPUs
-    accelerate launch --config_file configs/accelerate/fsdp2.yaml bench_grpo.py --STEPS=2   # sharded weights
+    python benchmarks/bench_grpo.py --STEPS=2 --MAX_COMPLETION_LEN=512 --DECODE_EXPERTS=auto
+    python benchmarks/bench_grpo.py --STEPS=2 --MAX_COMPLETION_LEN=512 --DECODE_GRAPHS=1    # graph_decode.py's CUDA graphs
+    accelerate launch --config_file configs/accelerate/ddp.yaml benchmarks/bench_grpo.py --STEPS=2     # several GPUs
+    accelerate launch --config_file configs/accelerate/fsdp2.yaml benchmarks/bench_grpo.py --STEPS=2   # sharded weights
 
 It builds the 20B architecture in bf16 on the GPU (gpt_oss_shapes.py), takes the real TES prompts from data/,
 and runs train_grpo.build_trainer(...).train() for STEPS optimizer steps at train_grpo's default batch settings
@@ -19,6 +19,13 @@ prints each step with the peak memory of every GPU and the completions per secon
 
 from __future__ import annotations
 
+import sys as _sys
+from pathlib import Path as _Path
+
+# Run as `python benchmarks/<name>.py` from the repo root: Python puts benchmarks/ on sys.path, not the root
+# that holds train_grpo.py and the tes_grpo package.
+_sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))
+
 import json
 import time
 from pathlib import Path
@@ -27,9 +34,9 @@ import torch
 from transformers import TrainerCallback
 
 import train_grpo
-from gpt_oss_shapes import build_random_model, stack_versions
-from processes import gather_on_main, is_main_process, local_rank, process_count, say, start_process_group, uses_fsdp
-from script_config import configure
+from tes_grpo.gpt_oss_shapes import build_random_model, stack_versions
+from tes_grpo.processes import gather_on_main, is_main_process, local_rank, process_count, say, start_process_group, uses_fsdp
+from tes_grpo.script_config import configure
 
 STEPS = 2  # optimizer steps to time (the first includes compilation and warm-up)
 MAX_COMPLETION_LEN = 512  # tokens per completion (random weights always reach it)
@@ -140,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     start_process_group()
     torch.cuda.set_device(local_rank())
     say(stack_versions())
-    from gpt_oss_tokenizer import load_tokenizer
+    from tes_grpo.gpt_oss_tokenizer import load_tokenizer
 
     overrides = dict(OUT=OUT, TOTAL_STEPS=STEPS, MAX_COMPLETION_LEN=MAX_COMPLETION_LEN, SAVE_STEPS=10_000,
                      DECODE_EXPERTS=DECODE_EXPERTS, DECODE_GRAPHS=DECODE_GRAPHS)

@@ -38,10 +38,10 @@ from pathlib import Path
 
 import torch
 
-from fileio import give_default_modes, temporary_folder
-from script_config import configure, constants_of
+from tes_grpo.fileio import give_default_modes, temporary_folder
+from tes_grpo.script_config import configure, constants_of
 
-_REPO_ROOT = Path(__file__).resolve().parent
+_REPO_ROOT = Path(__file__).resolve().parents[1]
 
 TINY_DIR = str(_REPO_ROOT / "runs" / "tiny-gpt-oss")  # where the tiny checkpoint is built and cached
 SEED = 1234  # seeds the random weights, the warm-up prompts and the warm-up actions
@@ -93,7 +93,7 @@ def build_tiny_model(config, seed: int):
     """Random-weight GptOssForCausalLM in float32, experts already on the MXFP4 grid (so writing them is exact)."""
     from transformers import GptOssForCausalLM
 
-    from mxfp4 import fake_quantize_expert_param
+    from tes_grpo.mxfp4 import fake_quantize_expert_param
 
     torch.manual_seed(seed)
     model = GptOssForCausalLM(config).to(torch.float32)
@@ -117,8 +117,7 @@ def random_series(rng: torch.Generator):
     """A random 4-day TES input series (tes_env.Series): smooth CO2 factors, load in business hours only."""
     from datetime import datetime, timedelta
 
-    import tes_env
-
+    from tes_grpo import tes_env
     start = datetime(2024, 6, 1) + timedelta(days=int(torch.randint(0, 90, (1,), generator=rng)))
     hours = tes_env.SERIES_HOURS
     phase = float(torch.rand(1, generator=rng)) * 6.28
@@ -137,7 +136,7 @@ def warmup_prompt(tokenizer, rng: torch.Generator) -> str:
     Same instructions, table layout and length (~850 tokens) as the training prompts, with random numbers and a
     random reasoning effort, so the format the warm-up teaches carries over to the real prompts.
     """
-    import tes_env
+    from tes_grpo import tes_env
     from convert_to_harmony import render_harmony_prompt
 
     series = random_series(rng)
@@ -214,7 +213,7 @@ def write_tiny_checkpoint(model, tokenizer, out_dir: str | os.PathLike, info: di
     """MXFP4 checkpoint (mxfp4.write_mxfp4_checkpoint) + tokenizer + generation config + build info, in out_dir."""
     from transformers import GenerationConfig
 
-    from mxfp4 import write_mxfp4_checkpoint
+    from tes_grpo.mxfp4 import write_mxfp4_checkpoint
 
     out_dir = Path(out_dir)
     model.config.architectures = ["GptOssForCausalLM"]  # as in openai/gpt-oss-20b's config.json
@@ -247,7 +246,7 @@ def stale_reason(path: str | os.PathLike, settings: dict | None = None) -> str |
 
 def build_tiny_checkpoint(out_dir: str | os.PathLike, settings: dict | None = None) -> Path:
     """Builds, warms up and writes the tiny model into out_dir (via a temporary folder renamed at the end)."""
-    from gpt_oss_tokenizer import load_tokenizer, tokenizer_source
+    from tes_grpo.gpt_oss_tokenizer import load_tokenizer, tokenizer_source
 
     s = settings or current_settings()
     out_dir = Path(out_dir)

@@ -29,7 +29,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Callable, Sequence
 
-from fileio import InputError, parse_finite
+from tes_grpo.fileio import InputError, parse_finite
 
 RATED_KW = 100.0  # ASHP rated cooling output (kW); one hour at ratio 1 schedules 100 kWh
 COP = 4.0  # ASHP coefficient of performance (kWh cooling per kWh electricity), constant

@@ -2,8 +2,8 @@
 
 Run on the GPU machine (the numbers go to BENCHMARKS.md):
 
-    python bench_generate.py --NUM_SEQS=64 --NEW_TOKENS=128
-    python bench_generate.py --NUM_SEQS=64 --NEW_TOKENS=128 --VARIANTS=grouped_mm,static,graphs --COMPARE_SEQS=8
+    python benchmarks/bench_generate.py --NUM_SEQS=64 --NEW_TOKENS=128
+    python benchmarks/bench_generate.py --NUM_SEQS=64 --NEW_TOKENS=128 --VARIANTS=grouped_mm,static,graphs --COMPARE_SEQS=8
 
 It builds the 20B architecture in bf16 straight on the GPU (no download), then times generation (prefill
 included) for each variant in VARIANTS. `default` is transformers' generate as shipped, which switches `grouped_mm`
@@ -17,6 +17,13 @@ transformers' decoding and graph_decode's give those tokens are from one full fo
 
 from __future__ import annotations
 
+import sys as _sys
+from pathlib import Path as _Path
+
+# Run as `python benchmarks/<name>.py` from the repo root: Python puts benchmarks/ on sys.path, not the root
+# that holds train_grpo.py and the tes_grpo package.
+_sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))
+
 import contextlib
 import time
 
@@ -24,8 +31,8 @@ import torch
 
 from transformers import GenerationConfig
 
-from gpt_oss_shapes import build_random_model, keep_experts_implementation_for_decode, stack_versions
-from script_config import configure
+from tes_grpo.gpt_oss_shapes import build_random_model, keep_experts_implementation_for_decode, stack_versions
+from tes_grpo.script_config import configure
 
 NUM_SEQS = 64  # sequences decoded together
 PROMPT_LEN = 1316  # prompt tokens per sequence (the TES prompts are about this long)
@@ -55,8 +62,7 @@ def variant_generate_kwargs(variant: str) -> dict:
 def run_generate(model, input_ids, new_tokens: int, variant: str, **extra):
     """One generation of exactly new_tokens per sequence (random weights: no end token is waited for)."""
     if variant in ("static", "graphs"):
-        import graph_decode
-
+        from tes_grpo import graph_decode
         config = GenerationConfig(max_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_p=1.0,
                                   pad_token_id=199999, eos_token_id=None)
         return graph_decode.generate(model, input_ids, torch.ones_like(input_ids), config, graphs=variant == "graphs")
@@ -105,8 +111,7 @@ def profile_generate(model, input_ids, new_tokens: int, label: str, **extra) -> 
 def compare_logprobs(model, seqs: int, tokens: int) -> None:
     """Prints |log p| differences of transformers' decoding and graph_decode's (graphs on) against a full forward, on
     the same sampled completions of left-padded prompts."""
-    import graph_decode
-
+    from tes_grpo import graph_decode
     ids = torch.randint(0, 199998, (seqs, PROMPT_LEN), device=model.device)
     mask = torch.ones_like(ids)
     for row in range(1, seqs, 2):

@@ -1,7 +1,9 @@
-"""Shared `--NAME=value` overrides for every script's module-level constants.
+"""Shared `--NAME=value` overrides for every script's module-level constants, resolved once into one object.
 
-Each script keeps its settings as UPPER_CASE constants at the top (nanoGPT style) and ends its
-constant block with `configure(globals())`. Then, for any constant `FOO_BAR`:
+Each script keeps its settings as UPPER_CASE constants at the top (nanoGPT style); its `main(argv)` calls
+`settings = resolve(globals(), argv)` once and passes `settings` (a read-only `Settings`: `settings.LR` or
+`settings["LR"]`) down. The module's constants are never rewritten, so they always mean the defaults and `main()` can
+run twice in one process. Then, for any constant `FOO_BAR`:
 
     python script.py --FOO_BAR=3        # exact name
     python script.py --foo-bar 3        # the same, argparse style
@@ -11,6 +13,9 @@ constant block with `configure(globals())`. Then, for any constant `FOO_BAR`:
 
 An unknown name or a value of the wrong type is an error that lists the valid names (exit 2).
 The value's type comes from the constant's default (or its annotation when the default is None).
+
+Presets are data: `resolve(..., presets={"MODEL_ID": {"tiny": {...}}})` replaces the defaults of the names in the
+preset, unless given on the command line, when MODEL_ID resolves to "tiny"; `--help` lists every preset.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import re
 import sys
 import types
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -97,13 +103,17 @@ def _doc_lines(namespace: dict) -> dict:
     return comments
 
 
-def usage(namespace: dict, positional: str | None = None) -> str:
+def usage(namespace: dict, positional: str | None = None, presets: dict | None = None) -> str:
     script = Path(namespace.get("__file__", "script.py")).name
     doc = (namespace.get("__doc__") or "").strip()
     comments = _doc_lines(namespace)
     lines = [doc, "", f"usage: python {script} [--NAME=value ...]" + (f" [{positional} ...]" if positional else ""), ""]
     for name, value in constants_of(namespace).items():
         lines.append(f"  --{name}={value!s:<24} {comments.get(name, '')}".rstrip())
+    for key, by_value in (presets or {}).items():
+        for value, preset in by_value.items():
+            lines += ["", f"preset {key}={value} (replaces these defaults unless given):"]
+            lines += [f"  --{name}={preset_value}" for name, preset_value in preset.items()]
     return "\n".join(lines)
 
 
@@ -145,6 +155,90 @@ def parse_overrides(argv: list[str], defaults: dict, annotations: dict | None = 
     return result
 
 
+class Settings(Mapping):
+    """A script's resolved settings: read-only, by attribute (`settings.LR`) or key (`settings["LR"]`).
+
+    given: the names set on the command line; preset: the names a preset replaced (name -> (default, preset value)).
+    """
+
+    def __init__(self, values: dict, given=(), preset: dict | None = None):
+        object.__setattr__(self, "_values", dict(values))
+        object.__setattr__(self, "given", frozenset(given))
+        object.__setattr__(self, "preset", dict(preset or {}))
+
+    def __getattr__(self, name: str):
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(f"no setting {name}; valid: {', '.join(sorted(self._values))}") from None
+
+    def __setattr__(self, name, value):
+        raise AttributeError("settings are read-only; use settings.replace(NAME=value)")
+
+    def __getitem__(self, name: str):
+        return self._values[name]
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"Settings({self._values!r})"
+
+    def replace(self, **changes) -> "Settings":
+        """A copy with some values changed; unknown names raise KeyError listing the valid ones."""
+        unknown = sorted(set(changes) - set(self._values))
+        if unknown:
+            raise KeyError(f"unknown setting(s) {', '.join(unknown)}; valid: {', '.join(sorted(self._values))}")
+        return Settings({**self._values, **changes}, self.given | set(changes), self.preset)
+
+
+def settings_from(namespace: dict, overrides: dict | None = None, presets: dict | None = None,
+                  given=None) -> Settings:
+    """The namespace's constants with overrides (NAME=value) applied, then any matching preset for names not given.
+
+    Unknown override names raise ConfigError listing the valid ones (for tests and other Python callers).
+    """
+    defaults = constants_of(namespace)
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - set(defaults))
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {', '.join(unknown)}. Valid names: {', '.join(sorted(defaults))}")
+    given = set(overrides) if given is None else set(given)
+    values = {**defaults, **overrides}
+    applied = {}
+    for key, by_value in (presets or {}).items():
+        for name, preset_value in by_value.get(values.get(key), {}).items():
+            if name not in given:
+                applied[name] = (values[name], preset_value)
+                values[name] = preset_value
+    return Settings(values, given, applied)
+
+
+def resolve(namespace: dict, argv: list[str] | None = None, positional: str | None = None,
+            presets: dict | None = None) -> Settings:
+    """The script's settings from its constants and the command line (the one way every script reads them).
+
+    Prints the constants (and presets) and exits 0 on --help; prints `error: ...` with the valid names and exits 2
+    on an unknown name or a value of the wrong type. The namespace itself is left as written.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    defaults = constants_of(namespace)
+    if positional is not None and positional not in defaults:
+        raise KeyError(f"positional constant {positional} is not defined")
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(usage(namespace, positional, presets))
+        raise SystemExit(0)
+    try:
+        overrides = parse_overrides(argv, defaults, namespace.get("__annotations__", {}), positional)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return settings_from(namespace, overrides, presets)
+
+
 def configure(namespace: dict, argv: list[str] | None = None, positional: str | None = None) -> dict:
     """Applies command-line overrides to a script's constants in place; returns the resolved config.
 
@@ -169,11 +263,13 @@ def configure(namespace: dict, argv: list[str] | None = None, positional: str | 
 
 def save_config(config: dict, path: str | os.PathLike) -> Path:
     """Writes the resolved constants as JSON (atomically) so a run folder records how it was made."""
-    from fileio import atomic_write_text
+    from tes_grpo.fileio import atomic_write_text
 
+    config = dict(config)
     serialisable = {k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v)
                     for k, v in config.items()}
     return atomic_write_text(path, json.dumps(serialisable, indent=2, sort_keys=True) + "\n")
 
 
-__all__ = ["ConfigError", "configure", "constants_of", "convert_value", "parse_overrides", "save_config", "usage"]
+__all__ = ["ConfigError", "Settings", "constants_of", "convert_value", "parse_overrides", "resolve", "save_config",
+           "settings_from", "usage"]
