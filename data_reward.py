@@ -1,47 +1,51 @@
 """Training data and reward for GRPO on the TES task: load and check the Harmony CSVs, score completions.
 
-Not a script: `train_grpo.py` imports it. The pieces:
+    .venv/bin/python data_reward.py runs/grpo-tiny/completions.csv   # re-score a completion log, print the summary
+
+Imported by train_grpo.py (and run on its own to re-score a completion log with today's parser). The pieces:
 
 - `load_training_frames(data_dir, eval_dir)`: every `*_harmony.csv` under `data_dir` except those under
   `eval_dir`, columns checked (errors name file, row, column and value).
 - `check_prompt_lengths(...)`: prompts longer than the token limit fail (naming file and row) or are skipped
-  with a printed count; never cut, which would drop the Harmony header.
+  with a printed count; never cut, which would drop the Harmony header. Adds each prompt's token count.
 - `set_reasoning_effort(prompt, effort)`: rewrites the `Reasoning:` line of a rendered Harmony prompt.
 - `parse_action(text)`: the action in a completion's final channel, or None.
 - `reward_fn(completions, reward_action_0, ..., reward_action_3, **kwargs)`: TRL reward function; the row's
-  `reward_action_<k>` for the parsed action k, NaN when the completion has no valid final answer.
+  `reward_action_<k>` for the parsed action k, `invalid_reward` when the completion has no valid final answer or
+  was cut at the length limit (NaN by default: TRL 1.x then leaves it out of the group statistics, no gradient).
+  train_grpo.py binds `invalid_reward=INVALID_REWARD` and its `CompletionLog` with `bind_reward` (a partial, as
+  open-r1 binds reward parameters).
 
-Completion log (written by `reward_fn` while training; environment variables so TRL need not know of it):
-`GRPO_LOG_COMPLETIONS` (default 1) turns it on, `GRPO_COMPLETION_LOG_PATH` names the CSV (train_grpo.py sets it
-to `OUT/completions.csv` unless you set it), `GRPO_STEPS_PER_GENERATION` (set by train_grpo.py) says how many
-micro-steps one generation batch feeds. Columns: step, micro_step, prompt, completion, action, reward,
-target_action, rank (the process that generated the row; 0 on one GPU). On several processes every rank's rows
-are gathered to rank 0, which alone writes; rows are appended (a resumed run continues the file) and the file is
-closed after every batch.
+Completion log (`CompletionLog`, written by the bound reward function while training): columns step, micro_step,
+prompt, completion, action, reward, truncated, target_action, rank (the process that generated the row; 0 on one
+GPU). On several processes every rank's rows are gathered to rank 0, which alone writes; rows are appended (a
+resumed run continues the file) and the file is closed after every batch.
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import functools
 import itertools
 import math
 import os
 import re
+import sys
 from pathlib import Path
 
 import pandas as pd
 
 from tes_grpo.fileio import InputError
 from tes_grpo.processes import gather_on_main, process_rank, say
+from tes_grpo.tes_env import N_ACTIONS as NUM_ACTIONS  # the plant decides how many actions there are
 
-NUM_ACTIONS = 4
 REWARD_COLUMNS = [f"reward_action_{k}" for k in range(NUM_ACTIONS)]
 REQUIRED_COLUMNS = ["prompt", "optimal_action", *REWARD_COLUMNS]
 # What StepStream hands to TRL per row; TRL passes every column but `prompt` to reward_fn as a keyword list.
 RECORD_COLUMNS = ["prompt", "optimal_action", *REWARD_COLUMNS]
 HARMONY_GLOB = "*_harmony.csv"
-LOG_COLUMNS = ["step", "micro_step", "prompt", "completion", "action", "reward", "target_action", "rank"]
+LOG_COLUMNS = ["step", "micro_step", "prompt", "completion", "action", "reward", "truncated", "target_action", "rank"]
 
 # Harmony special tokens (o200k_harmony ids) that matter for reading a completion.
 END_MARKERS = ("<|return|>", "<|end|>", "<|call|>")  # close a message
@@ -183,7 +187,7 @@ def check_prompt_lengths(frame: pd.DataFrame, tokenizer, max_prompt_len: int,
                          "PROMPT_TOO_LONG=skip", row=int(row), column="prompt")
     if too_long:
         say(f"skipped {len(too_long)} of {len(frame)} prompts longer than MAX_PROMPT_LEN={max_prompt_len} tokens")
-    kept = frame.drop(index=frame.index[too_long]).reset_index(drop=True)
+    kept = frame.assign(prompt_tokens=lengths).drop(index=frame.index[too_long]).reset_index(drop=True)
     if len(kept) == 0:
         raise InputError("training data", f"every prompt is longer than MAX_PROMPT_LEN={max_prompt_len} tokens")
     say(f"prompt lengths: {min(lengths)}..{max(lengths)} tokens, {len(kept)} prompts kept")
@@ -236,42 +240,64 @@ def completion_text(completion, ids: list[int] | None) -> str:
     return completion
 
 
-def score_completion(text: str, ids: list[int] | None, rewards: list[float]) -> tuple[int | None, float]:
-    """(action, reward) for one completion; reward is NaN when the action is invalid or generation was cut."""
-    if ids is not None and (len(ids) == 0 or ids[-1] not in STOP_TOKEN_IDS):
-        return None, math.nan  # cut at MAX_COMPLETION_LEN: the model never finished its answer
+def is_truncated(ids: list[int] | None) -> bool:
+    """Whether generation was cut at the length limit (no stop token at the end); unknown (False) without ids."""
+    return ids is not None and (len(ids) == 0 or ids[-1] not in STOP_TOKEN_IDS)
+
+
+def score_completion(text: str, ids: list[int] | None, rewards: list[float],
+                     invalid_reward: float = math.nan) -> tuple[int | None, float]:
+    """(action, reward) for one completion; `invalid_reward` when the action is invalid or generation was cut."""
+    if is_truncated(ids):
+        return None, invalid_reward  # cut at MAX_COMPLETION_LEN: the model never finished its answer
     action = parse_action(text)
     if action is None:
-        return None, math.nan
+        return None, invalid_reward
     return action, float(rewards[action])
 
 
 def reward_fn(completions, reward_action_0, reward_action_1, reward_action_2, reward_action_3,
               completion_ids=None, prompts=None, optimal_action=None, trainer_state=None, log_metric=None,
+              invalid_reward: float = math.nan, completion_log: CompletionLog | None = None,
               **kwargs) -> list[float]:
-    """TRL reward function: the completion's row reward for its parsed action, NaN when invalid or truncated.
+    """TRL reward function: the completion's row reward for its parsed action; `invalid_reward` when it is invalid
+    or truncated.
 
-    TRL 1.16 passes `completions` decoded with skip_special_tokens=True (the channel markers are gone), so when
-    `completion_ids` is given the text is decoded again with the markers kept. Row i's rewards come from the
-    i-th entries of the reward_action_<k> lists, which TRL takes from the same dataset row as prompt i.
+    invalid_reward: NaN (default) masks such completions as TRL 1.x does ("unscorable": advantage 0, no gradient);
+    a number (train_grpo.py's INVALID_REWARD, 0.0 by default, what the original recipe's TRL 0.23 did in effect)
+    scores them, so the group pushes them down against valid answers. TRL 1.16 passes `completions` decoded with
+    skip_special_tokens=True (the channel markers are gone), so when `completion_ids` is given the text is decoded
+    again with the markers kept. Row i's rewards come from the i-th entries of the reward_action_<k> lists, which
+    TRL takes from the same dataset row as prompt i. Logs action/valid_fraction, action/truncated_fraction and
+    action/optimal_fraction through TRL's log_metric, and the rows to completion_log when one is bound.
     """
     reward_lists = (reward_action_0, reward_action_1, reward_action_2, reward_action_3)
     ids_list = completion_ids if completion_ids is not None else [None] * len(completions)
-    texts, actions, rewards = [], [], []
+    texts, actions, rewards, truncated = [], [], [], []
     for i, (completion, ids) in enumerate(zip(completions, ids_list, strict=True)):
         text = completion_text(completion, ids)
-        action, reward = score_completion(text, ids, [float(column[i]) for column in reward_lists])
+        action, reward = score_completion(text, ids, [float(column[i]) for column in reward_lists], invalid_reward)
         texts.append(text)
         actions.append(action)
         rewards.append(reward)
+        truncated.append(is_truncated(ids))
     if log_metric is not None and rewards:
         log_metric("action/valid_fraction", sum(a is not None for a in actions) / len(actions))
+        log_metric("action/truncated_fraction", sum(truncated) / len(truncated))
         if optimal_action is not None:
             hits = sum(a is not None and a == int(t) for a, t in zip(actions, optimal_action, strict=True))
             log_metric("action/optimal_fraction", hits / len(actions))
-    if completion_log_enabled():
-        write_completion_log(prompts, texts, actions, rewards, optimal_action, reward_lists, trainer_state)
+    if completion_log is not None:
+        completion_log.write(log_rows(prompts, texts, actions, rewards, truncated, optimal_action, reward_lists,
+                                      trainer_state, completion_log.steps_per_generation))
     return rewards
+
+
+def bind_reward(invalid_reward: float, completion_log: CompletionLog | None):
+    """reward_fn with invalid_reward and the completion log bound, keeping reward_fn's name (TRL names the reward
+    metrics after it: rewards/reward_fn/mean)."""
+    bound = functools.partial(reward_fn, invalid_reward=invalid_reward, completion_log=completion_log)
+    return functools.update_wrapper(bound, reward_fn)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -281,15 +307,27 @@ def reward_fn(completions, reward_action_0, reward_action_1, reward_action_2, re
 _calls_without_state = itertools.count(1)
 
 
-def completion_log_path() -> Path | None:
-    path = os.environ.get("GRPO_COMPLETION_LOG_PATH", "")
-    return Path(path) if path else None
+@dataclasses.dataclass(frozen=True)
+class CompletionLog:
+    """Where the bound reward function appends every completion (CSV), and how many micro-steps one generation
+    batch feeds (to label each row's micro_step)."""
 
+    path: Path
+    steps_per_generation: int = 1
 
-def completion_log_enabled() -> bool:
-    """On when GRPO_LOG_COMPLETIONS is not 0/false/no/off and GRPO_COMPLETION_LOG_PATH names a file."""
-    flag = os.environ.get("GRPO_LOG_COMPLETIONS", "1").strip().lower()
-    return flag not in ("0", "false", "no", "off") and completion_log_path() is not None
+    def write(self, rows: list[list]) -> None:
+        """Appends this batch's rows, every process's, to the CSV (header first when the file is new). Called on
+        every process (TRL scores each process's completions there); rank 0 gathers the rows and writes."""
+        rows = gather_on_main(rows)
+        if rows is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        new_file = not self.path.exists() or self.path.stat().st_size == 0
+        with open(self.path, "a", encoding="utf-8", newline="") as handle:
+            writer = csv.writer(handle, lineterminator="\n")
+            if new_file:
+                writer.writerow(LOG_COLUMNS)
+            writer.writerows(rows)
 
 
 def target_actions(optimal_action, reward_lists, count: int) -> list[int]:
@@ -299,48 +337,88 @@ def target_actions(optimal_action, reward_lists, count: int) -> list[int]:
     return [max(range(NUM_ACTIONS), key=lambda k: float(reward_lists[k][i])) for i in range(count)]
 
 
-def log_rows(prompts, texts, actions, rewards, optimal_action, reward_lists, trainer_state) -> list[list]:
+def log_rows(prompts, texts, actions, rewards, truncated, optimal_action, reward_lists, trainer_state,
+             steps_per_generation: int = 1) -> list[list]:
     """Completion-log rows for one reward call (one generation batch).
 
     step: the optimizer step these completions train (1-based, as in metrics.jsonl and TensorBoard); taken from
     TRL's trainer_state, else a count of calls. micro_step: the slot (0-based) of the row's prompt among the
-    GRPO_STEPS_PER_GENERATION micro-steps that this generation batch feeds (TRL shuffles completions across
-    those micro-steps after scoring, so it labels the generation order, not the backward pass).
+    steps_per_generation micro-steps that this generation batch feeds (TRL shuffles completions across those
+    micro-steps after scoring, so it labels the generation order, not the backward pass).
     """
     count = len(texts)
     step = trainer_state.global_step + 1 if trainer_state is not None else next(_calls_without_state)
-    slots = max(1, int(os.environ.get("GRPO_STEPS_PER_GENERATION", "1")))
-    rows_per_slot = max(1, count // slots)
+    rows_per_slot = max(1, count // max(1, steps_per_generation))
     targets = target_actions(optimal_action, reward_lists, count)
     prompt_texts = prompts if prompts is not None else [""] * count
     rank = process_rank()
     return [
         [step, i // rows_per_slot, prompt_texts[i], texts[i], "" if actions[i] is None else actions[i],
-         "" if math.isnan(rewards[i]) else rewards[i], targets[i], rank]
+         "" if math.isnan(rewards[i]) else rewards[i], int(truncated[i]), targets[i], rank]
         for i in range(count)
     ]
 
 
-def write_completion_log(prompts, texts, actions, rewards, optimal_action, reward_lists, trainer_state) -> None:
-    """Appends this batch's rows, every process's, to the completion log (header first when the file is new).
+# ---------------------------------------------------------------------------------------------------------------
+# Re-scoring a completion log (python data_reward.py completions.csv)
+# ---------------------------------------------------------------------------------------------------------------
 
-    Called on every process (TRL scores each process's completions there); rank 0 gathers the rows and writes.
-    """
-    rows = gather_on_main(log_rows(prompts, texts, actions, rewards, optimal_action, reward_lists, trainer_state))
-    if rows is None:
-        return
-    path = completion_log_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    new_file = not path.exists() or path.stat().st_size == 0
-    with open(path, "a", encoding="utf-8", newline="") as handle:
-        writer = csv.writer(handle, lineterminator="\n")
-        if new_file:
-            writer.writerow(LOG_COLUMNS)
-        writer.writerows(rows)
+PATH = "runs/grpo-tiny/completions.csv"  # completion log to re-score (train_grpo.py writes OUT_DIR/completions.csv)
+
+
+def rescore_log(path: Path) -> dict:
+    """Re-parses every logged completion with parse_action; returns counts of valid, truncated and optimal answers
+    and how many parsed actions differ from the logged ones."""
+    header, rows = _read_log(path)
+    column = {name: header.index(name) for name in ("completion", "action", "target_action")}
+    valid = optimal = changed = 0
+    for row in rows:
+        action = parse_action(row[column["completion"]])
+        valid += action is not None
+        optimal += action is not None and str(action) == row[column["target_action"]]
+        changed += ("" if action is None else str(action)) != row[column["action"]]
+    truncated = sum(row[header.index("truncated")] == "1" for row in rows) if "truncated" in header else None
+    return {"completions": len(rows), "valid": valid, "optimal": optimal, "truncated": truncated,
+            "actions_differing_from_log": changed}
+
+
+def _read_log(path: Path) -> tuple[list[str], list[list[str]]]:
+    from tes_grpo.run_folder import read_completion_log
+
+    header, rows = read_completion_log(path)
+    missing = [name for name in ("completion", "action", "target_action") if name not in header]
+    if missing:
+        raise InputError(path, f"not a completion log: missing column(s) {', '.join(missing)}")
+    return header, rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tes_grpo.script_config import resolve
+
+    # only PATH is a setting here; the module's other constants describe the data format
+    settings = resolve({"PATH": PATH, "__doc__": __doc__, "__file__": __file__}, argv, positional="PATH")
+    path = Path(settings.PATH)
+    try:
+        if not path.is_file():
+            raise InputError(path, "no such completion log (train_grpo.py writes OUT_DIR/completions.csv)")
+        summary = rescore_log(path)
+    except (InputError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    n = max(1, summary["completions"])
+    print(f"{path}: {summary['completions']} completions, valid {summary['valid'] / n:.1%}, optimal "
+          f"{summary['optimal'] / n:.1%}"
+          + (f", truncated {summary['truncated'] / n:.1%}" if summary["truncated"] is not None else "")
+          + f"; {summary['actions_differing_from_log']} parsed actions differ from the logged ones")
+    return 0
 
 
 __all__ = [
     "LOG_COLUMNS", "NUM_ACTIONS", "RECORD_COLUMNS", "REQUIRED_COLUMNS", "REWARD_COLUMNS", "STOP_TOKEN_IDS",
-    "apply_reasoning_effort", "check_frame", "check_prompt_lengths", "completion_log_enabled", "load_training_frames",
-    "parse_action", "reward_fn", "set_reasoning_effort", "training_csv_paths",
+    "CompletionLog", "apply_reasoning_effort", "bind_reward", "check_frame", "check_prompt_lengths",
+    "load_training_frames", "parse_action", "reward_fn", "set_reasoning_effort", "training_csv_paths",
 ]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

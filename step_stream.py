@@ -1,4 +1,7 @@
-"""StepStream: the endless, seeded stream of training prompts that GRPO reads (not a script).
+"""StepStream: the endless, seeded stream of training prompts that GRPO reads; run it to preview a run's prompts.
+
+    .venv/bin/python step_stream.py                     # the first 3 optimizer steps' prompts at train_grpo's defaults
+    .venv/bin/python step_stream.py --STEPS=10 --SEED=7 # any of train_grpo.py's stream settings can be given
 
 It draws the prompts of `steps_per_draw` micro-steps at a time, PROMPTS_PER_STEP per micro-step, all distinct
 (without replacement within a draw, with replacement across draws), and yields each one as a record carrying its
@@ -22,6 +25,7 @@ skips the batches it already trained on, it sees the prompts the uninterrupted r
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -88,4 +92,46 @@ def stream_records(stream: StepStream) -> Iterator[dict]:
     yield from stream
 
 
+STEPS = 3  # optimizer steps to print
+DATA_DIR = "data"  # as train_grpo.py: every *_harmony.csv below it, EVAL_DIR left out
+EVAL_DIR = "data/eval"  # evaluation split, never trained on
+PROMPTS_PER_STEP = 1  # as train_grpo.py
+GRADIENT_ACCUMULATION_STEPS = 4  # as train_grpo.py: micro-steps whose prompts are drawn together
+SEED = 42  # as train_grpo.py
+
+
+def preview(settings) -> list[str]:
+    """One line per micro-step of the first STEPS optimizer steps: which rows (file:row) and optimal actions."""
+    from data_reward import load_training_frames
+
+    frame = load_training_frames(settings.DATA_DIR, settings.EVAL_DIR)
+    stream = StepStream(frame, settings.PROMPTS_PER_STEP, seed=settings.SEED, columns=["source", "optimal_action"],
+                        steps_per_draw=settings.GRADIENT_ACCUMULATION_STEPS)
+    micro = stream.micro_steps()
+    lines = []
+    for step in range(1, settings.STEPS + 1):
+        for slot in range(settings.GRADIENT_ACCUMULATION_STEPS):
+            rows = next(micro)
+            lines.append(f"step {step} micro-step {slot}: " + ", ".join(
+                f"{row['source']} (optimal {row['optimal_action']})" for row in rows))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tes_grpo.fileio import InputError
+    from tes_grpo.script_config import resolve
+
+    settings = resolve(globals(), argv)
+    try:
+        print("\n".join(preview(settings)))
+    except (InputError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
 __all__ = ["StepStream", "stream_records"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

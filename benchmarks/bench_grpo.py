@@ -3,7 +3,7 @@
 Run on the GPU machine (the tokenizer folder must be reachable: GPT_OSS_TOKENIZER=<folder>):
 
     python benchmarks/bench_grpo.py --STEPS=2 --MAX_COMPLETION_LEN=512 --DECODE_EXPERTS=auto
-    python benchmarks/bench_grpo.py --STEPS=2 --MAX_COMPLETION_LEN=512 --DECODE_GRAPHS=1    # graph_decode.py's CUDA graphs
+    python benchmarks/bench_grpo.py --STEPS=2 --MAX_COMPLETION_LEN=512 --DECODE_GRAPHS=0    # transformers' generate
     accelerate launch --config_file configs/accelerate/ddp.yaml benchmarks/bench_grpo.py --STEPS=2     # several GPUs
     accelerate launch --config_file configs/accelerate/fsdp2.yaml benchmarks/bench_grpo.py --STEPS=2   # sharded weights
 
@@ -35,16 +35,18 @@ from transformers import TrainerCallback
 
 import train_grpo
 from tes_grpo.gpt_oss_shapes import build_random_model, stack_versions
-from tes_grpo.processes import gather_on_main, is_main_process, local_rank, process_count, say, start_process_group, uses_fsdp
-from tes_grpo.script_config import configure
+from tes_grpo.processes import (gather_on_main, is_main_process, local_rank, process_count, say, start_process_group,
+                                uses_fsdp)
+from tes_grpo.script_config import resolve
 
 STEPS = 2  # optimizer steps to time (the first includes compilation and warm-up)
 MAX_COMPLETION_LEN = 512  # tokens per completion (random weights always reach it)
 DECODE_EXPERTS = "auto"  # train_grpo's DECODE_EXPERTS: auto | grouped_mm | transformers (its batched_mm switch)
-DECODE_GRAPHS = False  # train_grpo's DECODE_GRAPHS: generate with graph_decode.py (static cache, CUDA graphs)
-TRAIN_BATCH_SIZE = 0  # completions per forward/backward; 0 = train_grpo's default
+DECODE_GRAPHS = "auto"  # train_grpo's DECODE_GRAPHS: auto (on, on a GPU), 1, 0 (transformers' generate)
+TRAIN_BATCH_SIZE = "auto"  # train_grpo's TRAIN_BATCH_SIZE: auto (from TRAIN_TOKENS_PER_PASS) or a number
+TRAIN_TOKENS_PER_PASS = 40000  # train_grpo's auto micro-batch budget (tokens per forward/backward, worst case)
 PROMPT_TOKENS = 1316  # lengthen each data/ prompt to about this many tokens (issue 3's measured length); 0 = as is
-OUT = "runs/bench-grpo"  # run folder (adapter, logs) on the GPU machine
+OUT_DIR = "runs/bench-grpo"  # run folder (adapter, logs) on the GPU machine
 RESULTS = "runs/bench-grpo/results.jsonl"  # one JSON line per timed step is appended here
 HBM_TB_PER_S = 3.0  # measured device-to-device copy rate of the H100 here (KINDS.md)
 BF16_TFLOPS = 800.0  # measured bf16 matrix rate of the H100 here (KINDS.md)
@@ -100,8 +102,10 @@ class GenerationTimer:
 class StepTimer(TrainerCallback):
     """Per optimizer step: wall time, the generation share of it, tokens/s, peak memory, ratios to the limits."""
 
-    def __init__(self, timer: GenerationTimer | None, weight_bytes: int, prompt_tokens: int, results: Path):
+    def __init__(self, timer: GenerationTimer | None, weight_bytes: int, prompt_tokens: int, results: Path, bench,
+                 layout: dict):
         self.timer, self.weight_bytes, self.prompt_tokens, self.results = timer, weight_bytes, prompt_tokens, results
+        self.bench, self.layout = bench, layout
         self.rows: list[dict] = []
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -114,9 +118,10 @@ class StepTimer(TrainerCallback):
         torch.cuda.synchronize()
         total = time.perf_counter() - self.start
         gen, tokens, seqs = (now - then for now, then in
-                             zip((self.timer.seconds, self.timer.tokens, self.timer.sequences), self.before))
+                             zip((self.timer.seconds, self.timer.tokens, self.timer.sequences), self.before, strict=True))
         # every process's generation time and peak memory, on rank 0 (a collective: every rank gets here each step)
-        per_gpu = gather_on_main([(gen, torch.cuda.max_memory_allocated() / 2**30)])
+        per_gpu = gather_on_main([(gen, torch.cuda.max_memory_allocated() / 2**30,
+                                   torch.cuda.max_memory_reserved() / 2**30)])
         if per_gpu is None:
             return
         train_s = total - gen
@@ -127,12 +132,15 @@ class StepTimer(TrainerCallback):
                    completion_tokens=tokens, gen_tokens_per_s=tokens / gen if gen else 0.0, gen_share=gen / total,
                    decode_limit_tokens_per_s=decode_limit,
                    train_mfu=trained_tokens * TRAIN_GFLOP_PER_TOKEN * 1e9 / max(train_s, 1e-9) / (BF16_TFLOPS * 1e12),
-                   decode_experts=DECODE_EXPERTS, decode_graphs=DECODE_GRAPHS, max_completion_len=MAX_COMPLETION_LEN,
-                   prompt_tokens=self.prompt_tokens)
+                   decode_experts=self.bench.DECODE_EXPERTS, decode_graphs=str(self.bench.DECODE_GRAPHS),
+                   max_completion_len=self.bench.MAX_COMPLETION_LEN, prompt_tokens=self.prompt_tokens,
+                   train_batch_size=self.layout["train_batch_size"],
+                   passes=self.layout["gradient_accumulation_steps"])
         processes = process_count()
         row.update(processes=processes, sharding="fsdp2" if uses_fsdp() else "ddp" if processes > 1 else "none",
-                   generation_s_per_gpu=[g for g, _ in per_gpu], peak_gib_per_gpu=[m for _, m in per_gpu],
-                   peak_gib=max(m for _, m in per_gpu), completions_per_step=seqs * processes,
+                   generation_s_per_gpu=[g for g, _, _ in per_gpu], peak_gib_per_gpu=[m for _, m, _ in per_gpu],
+                   peak_gib=max(m for _, m, _ in per_gpu), reserved_gib=max(r for _, _, r in per_gpu),
+                   completions_per_step=seqs * processes,
                    completions_per_s=seqs * processes / total)
         self.rows.append(row)
         with self.results.open("a") as f:
@@ -143,47 +151,49 @@ class StepTimer(TrainerCallback):
 
 
 def main(argv: list[str] | None = None) -> None:
-    configure(globals(), argv)
+    bench = resolve(globals(), argv)
     start_process_group()
     torch.cuda.set_device(local_rank())
     say(stack_versions())
     from tes_grpo.gpt_oss_tokenizer import load_tokenizer
 
-    overrides = dict(OUT=OUT, TOTAL_STEPS=STEPS, MAX_COMPLETION_LEN=MAX_COMPLETION_LEN, SAVE_STEPS=10_000,
-                     DECODE_EXPERTS=DECODE_EXPERTS, DECODE_GRAPHS=DECODE_GRAPHS)
-    if TRAIN_BATCH_SIZE:
-        overrides["TRAIN_BATCH_SIZE"] = TRAIN_BATCH_SIZE
-    settings = train_grpo.default_settings(**overrides)
+    settings = train_grpo.default_settings(
+        OUT_DIR=bench.OUT_DIR, TOTAL_STEPS=bench.STEPS, MAX_COMPLETION_LEN=bench.MAX_COMPLETION_LEN, SAVE_STEPS=10_000,
+        DECODE_EXPERTS=bench.DECODE_EXPERTS, DECODE_GRAPHS=bench.DECODE_GRAPHS, TRAIN_BATCH_SIZE=bench.TRAIN_BATCH_SIZE,
+        TRAIN_TOKENS_PER_PASS=bench.TRAIN_TOKENS_PER_PASS)
+    train_grpo.check_settings(settings)
     tokenizer = load_tokenizer()
     frame = train_grpo.load_training_data(settings, tokenizer)
-    if PROMPT_TOKENS:
-        frame = lengthen_prompts(frame, tokenizer, PROMPT_TOKENS)
-    prompt_tokens = int(sum(len(tokenizer(p).input_ids) for p in frame["prompt"]) / len(frame))
-    say(f"prompts: {len(frame)} rows, mean {prompt_tokens} tokens")
+    if bench.PROMPT_TOKENS:
+        frame = lengthen_prompts(frame, tokenizer, bench.PROMPT_TOKENS)
+    lengths = [len(tokenizer(p, add_special_tokens=False).input_ids) for p in frame["prompt"]]
+    prompt_tokens = int(sum(lengths) / len(lengths))
+    layout = train_grpo.batch_layout(settings, max(lengths))
+    say(f"prompts: {len(frame)} rows, mean {prompt_tokens} tokens, longest {max(lengths)}; layout {layout}")
     model = build_random_model(attn_implementation="flex_attention", device=f"cuda:{local_rank()}")
     model.config.use_cache = True
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    results = Path(RESULTS)
+    results = Path(bench.RESULTS)
     results.parent.mkdir(parents=True, exist_ok=True)
-    step_timer = StepTimer(None, weight_bytes, prompt_tokens, results)
-    trainer = train_grpo.build_trainer(settings, model, tokenizer, train_grpo.build_train_dataset(frame, settings),
-                                       callbacks=[step_timer])
+    step_timer = StepTimer(None, weight_bytes, prompt_tokens, results, bench, layout)
+    dataset = train_grpo.build_stream(frame, settings).to_iterable_dataset()
+    trainer = train_grpo.build_trainer(settings, model, tokenizer, dataset, layout, callbacks=[step_timer])
     step_timer.timer = GenerationTimer(model)  # outermost, around whichever generate() build_trainer installed
     trainer.train()
     if not is_main_process():
         return
     print(f"\n{stack_versions()}, {process_count()} process(es), sharding {step_timer.rows[0]['sharding']}")
-    print(f"DECODE_EXPERTS={DECODE_EXPERTS}, DECODE_GRAPHS={DECODE_GRAPHS}, MAX_COMPLETION_LEN={MAX_COMPLETION_LEN}, "
-          f"prompt {prompt_tokens} tokens, {settings['NUM_GENERATIONS']} generations x "
-          f"{settings['GRADIENT_ACCUMULATION_STEPS']} accumulation")
+    print(f"DECODE_EXPERTS={bench.DECODE_EXPERTS}, DECODE_GRAPHS={bench.DECODE_GRAPHS}, MAX_COMPLETION_LEN="
+          f"{bench.MAX_COMPLETION_LEN}, prompt {prompt_tokens} tokens, {settings.NUM_GENERATIONS} generations x "
+          f"{settings.GRADIENT_ACCUMULATION_STEPS} accumulation, {layout['train_batch_size']} completions a pass")
     print(f"{'step':>4}{'step s':>8}{'gen s':>8}{'train s':>8}{'gen %':>7}{'tok/s':>8}{'of limit':>9}"
-          f"{'train MFU':>10}{'compl/s':>8}  peak GiB per GPU")
+          f"{'train MFU':>10}{'compl/s':>8}  peak GiB per GPU (reserved)")
     for r in step_timer.rows:
         print(f"{r['step']:>4}{r['step_s']:>8.1f}{r['generation_s']:>8.1f}{r['training_s']:>8.1f}"
               f"{100 * r['gen_share']:>6.0f}%{r['gen_tokens_per_s']:>8.0f}"
               f"{100 * r['gen_tokens_per_s'] / r['decode_limit_tokens_per_s']:>8.1f}%"
               f"{100 * r['train_mfu']:>9.1f}%{r['completions_per_s']:>8.2f}  "
-              + " / ".join(f"{m:.1f}" for m in r["peak_gib_per_gpu"]))
+              + " / ".join(f"{m:.1f}" for m in r["peak_gib_per_gpu"]) + f" ({r['reserved_gib']:.1f})")
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ _CONFIGS = {"ddp": "configs/accelerate/ddp.yaml", "fsdp2": "configs/accelerate/f
 
 def run_command(name: str) -> list[str]:
     bench = [str(_REPO / "benchmarks" / "bench_grpo.py"), f"--STEPS={STEPS}", f"--MAX_COMPLETION_LEN={MAX_COMPLETION_LEN}",
-             f"--RESULTS={RESULTS}", f"--OUT=runs/bench-scaling/{name}"]
+             f"--RESULTS={RESULTS}", f"--OUT_DIR=runs/bench-scaling/{name}"]
     if name == "single":
         return [sys.executable, *bench]
     if name not in _CONFIGS:

@@ -92,3 +92,86 @@ def load_tokenizer_for(model_path, say=print):
         say(f"tokenizer: {tokenizer_source()} (no tokenizer.json in {folder})")
         return load_tokenizer()
     return AutoTokenizer.from_pretrained(str(model_path))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The policy for training (train_grpo.py): dequantized MXFP4, one process per GPU or FSDP
+# ---------------------------------------------------------------------------------------------------------------
+
+TINY_MODEL_ID = "tiny"
+
+
+def resolve_model_path(model_id: str) -> str:
+    """MODEL_ID as from_pretrained takes it; "tiny" builds the tiny checkpoint (once, rank 0 first) -> its folder."""
+    if model_id != TINY_MODEL_ID:
+        return model_id
+    from tes_grpo.processes import is_main_process, wait_for_everyone
+    from tes_grpo.tiny_model import ensure_tiny_checkpoint
+
+    if is_main_process():
+        path = ensure_tiny_checkpoint()
+        wait_for_everyone()
+    else:
+        wait_for_everyone()  # rank 0 builds it; the others then find it cached
+        path = ensure_tiny_checkpoint()
+    return str(path)
+
+
+def model_device_map(cuda: bool, fsdp: bool, processes: int, local_rank: int):
+    """Where from_pretrained puts the weights: this process's GPU; the CPU for FSDP (accelerate shards them onto
+    the GPUs; with fsdp_cpu_ram_efficient_loading only rank 0 holds real weights) and without a GPU."""
+    if not cuda or fsdp:
+        return None
+    return {"": local_rank} if processes > 1 else "cuda"
+
+
+def loads_weights_here(cuda: bool, fsdp: bool, processes: int, rank: int) -> bool:
+    """False on the ranks > 0 of an FSDP run on GPUs: FSDP broadcasts rank 0's weights to them while sharding
+    (fsdp_cpu_ram_efficient_loading), so they need the model's structure only, not a CPU copy of its weights
+    (transformers 5.x would otherwise load the whole checkpoint in every process: 8 x 218 GiB for gpt-oss-120b)."""
+    return not (cuda and fsdp and processes > 1 and rank != 0)
+
+
+def empty_policy_model(path: str, dtype, attn: str):
+    """The dequantized model's structure with its parameters on the meta device (buffers such as the rotary
+    frequencies are real: FSDP does not broadcast non-persistent buffers)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    if getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config  # as after Mxfp4Config(dequantize=True): plain bf16 experts
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+    model.config.use_cache = True
+    return model
+
+
+def load_training_model(path: str, attn_implementation: str = "auto", dtype=None, say=print):
+    """An MXFP4 gpt-oss checkpoint loaded dequantized (`Mxfp4Config(dequantize=True)`) for LoRA training.
+
+    dtype and attention follow resolve_dtype/resolve_attention ("auto"). On the GPU when there is one; under FSDP
+    on the CPU on rank 0 and without weights on the other ranks (loads_weights_here).
+    """
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    from tes_grpo.processes import local_rank, process_count, process_rank, uses_fsdp
+
+    device = resolve_device("auto")
+    cuda = device == "cuda"
+    attn = resolve_attention(attn_implementation, device)
+    dtype = dtype or resolve_dtype("auto", device)
+    fsdp, processes = uses_fsdp(), process_count()
+    if not loads_weights_here(cuda, fsdp, processes, process_rank()):
+        return empty_policy_model(path, dtype, attn)
+    device_map = model_device_map(cuda, fsdp, processes, local_rank())
+    where = "cpu" if device_map is None else f"cuda:{local_rank()}"
+    if cuda and device_map is None:
+        where += ", then sharded onto the GPUs by FSDP"
+    say(f"loading {path} with Mxfp4Config(dequantize=True) as {dtype_name(dtype)}, attention {attn}, on {where}")
+    model = AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=Mxfp4Config(dequantize=True), dtype=dtype, attn_implementation=attn,
+        device_map=device_map)
+    # Generation keeps its KV cache although gradient checkpointing is on for training (TRL's generation_kwargs).
+    model.config.use_cache = True
+    return model

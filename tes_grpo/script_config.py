@@ -109,7 +109,7 @@ def usage(namespace: dict, positional: str | None = None, presets: dict | None =
     comments = _doc_lines(namespace)
     lines = [doc, "", f"usage: python {script} [--NAME=value ...]" + (f" [{positional} ...]" if positional else ""), ""]
     for name, value in constants_of(namespace).items():
-        lines.append(f"  --{name}={value!s:<24} {comments.get(name, '')}".rstrip())
+        lines.append(f"  {f'--{name}={value!s}':<40} {comments.get(name, '')}".rstrip())
     for key, by_value in (presets or {}).items():
         for value, preset in by_value.items():
             lines += ["", f"preset {key}={value} (replaces these defaults unless given):"]

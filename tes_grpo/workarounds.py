@@ -40,3 +40,124 @@ def grouped_mm_experts_for_decode(model, say=_say):
     finally:
         if kept:
             del inner._optimize_model_for_decode
+
+
+def _completion_positions_only(original):
+    def use_compact_scoring(device):
+        return device.type == "cpu" or original(device)
+
+    use_compact_scoring.wraps_original = original
+    return use_compact_scoring
+
+
+def score_only_completion_tokens_on_cpu(say=_say) -> bool:
+    """TRL 1.16: makes its fused LM head score only completion positions on CPU too, as it does on CUDA.
+
+    TRL picks "compact" scoring (log-probs only where labels are set, i.e. the completion tokens) only when Triton
+    runs on the device; on CPU it pushes every prompt position through the 201,088-token head, forward and
+    backward, which makes a CPU step minutes long for ~870-token prompts. The result is the same either way (prompt
+    positions are masked out afterwards). Patches the private `trl.trainer.utils._use_triton` for CPU devices only;
+    the kernels keep TRL's own CPU fallback. Returns False (and says so) if this TRL lacks the hook.
+    """
+    import trl.trainer.utils as trl_utils
+
+    current = getattr(trl_utils, "_use_triton", None)
+    if current is None:
+        say("note: this TRL has no trl.trainer.utils._use_triton; CPU steps score every prompt position")
+        return False
+    if not hasattr(current, "wraps_original"):
+        trl_utils._use_triton = _completion_positions_only(current)
+        say("CPU: TRL's fused LM head set to score completion positions only (as on CUDA)")
+    return True
+
+
+class AllRewardsNoneFilter:
+    """Logging filter for quiet_all_rewards_none_warning."""
+
+    def filter(self, record) -> bool:
+        message = record.getMessage()
+        if "All reward functions returned None" in message:
+            return False
+        # TensorBoard's complaint about a None reward metric (other None metrics still warn)
+        return not ('log a value of "None"' in message and "reward" in message)
+
+
+def quiet_all_rewards_none_warning() -> None:
+    """TRL 1.16 / transformers 5.x: drops the warnings a step with no scorable completion causes, every step.
+
+    With INVALID_REWARD=nan a step can have no scorable completion: TRL's "All reward functions returned None"
+    then prints a whole ~870-token prompt, and TensorBoard's "attempting to log a value of None" fires for each
+    reward metric TRL logs as None. The share of such completions is logged as action/valid_fraction instead.
+    """
+    import logging
+
+    logging.getLogger("trl.trainer.grpo_trainer").addFilter(AllRewardsNoneFilter())
+    logging.getLogger("transformers.integrations.integration_utils").addFilter(AllRewardsNoneFilter())
+
+
+class SyncedGenerate:
+    """Wraps a model's generate() to pass synced_gpus=True (see sync_generation_across_processes)."""
+
+    def __init__(self, generate):
+        self.generate = generate
+
+    def __call__(self, *args, **kwargs):
+        kwargs.setdefault("synced_gpus", True)
+        return self.generate(*args, **kwargs)
+
+
+def sync_generation_across_processes(model, sharded: bool, processes: int, say=_say) -> bool:
+    """transformers 5.17-5.23 + accelerate 1.x FSDP2: makes generate() keep all processes in step.
+
+    Under FSDP every process must run the same number of forward passes (each gathers the sharded weights), so a
+    process whose completions all ended keeps stepping until every process is done. transformers sets
+    synced_gpus itself only for its own FSDP integration, not for accelerate's. Returns whether it wrapped.
+    """
+    if not (sharded and processes > 1):
+        return False
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not isinstance(inner.generate, SyncedGenerate):
+        inner.generate = SyncedGenerate(inner.generate)
+    say("FSDP: generate() runs with synced_gpus=True (processes step together until all completions end)")
+    return True
+
+
+def give_trainable_weights_storage(model) -> int:
+    """accelerate 1.x FSDP2: gives trainable parameters left on the meta device real (uninitialised) CPU storage.
+
+    On FSDP ranks > 0 the base model is built without weights (meta) and PEFT adds its LoRA weights there too.
+    accelerate maps the optimizer's parameters to their sharded copies by data_ptr(), which is 0 for every meta
+    tensor: left on meta, all LoRA weights would map to one tensor and never be trained on that rank. FSDP
+    overwrites the storage with rank 0's values while sharding. The frozen base weights stay on meta. Returns how
+    many parameters moved.
+    """
+    import torch
+
+    moved = 0
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.requires_grad and param.is_meta:
+                setattr(module, name, torch.nn.Parameter(torch.empty_like(param, device="cpu"), requires_grad=True))
+                moved += 1
+    return moved
+
+
+def point_tensorboard(trainer, log_dir, resume_step: int | None = None) -> bool:
+    """transformers 5.x: sends the Trainer's TensorBoard events to log_dir, and after a resume hides the events of
+    the steps that will be redone.
+
+    transformers 5 takes TensorBoard's folder only from the TENSORBOARD_LOGGING_DIR environment variable (read when
+    the callback is made), and its SummaryWriter has no purge_step, so a resumed run left two points for every redone
+    step. Here the callback gets its folder directly and, on resume, a SummaryWriter with purge_step=resume_step+1
+    (TensorBoard then drops older events at or after that step). Returns False when the run has no TensorBoard
+    callback (e.g. on ranks > 0 nothing is written anyway).
+    """
+    from transformers.integrations import TensorBoardCallback
+
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, TensorBoardCallback):
+            callback.logging_dir = str(log_dir)
+            if resume_step is not None and callback._SummaryWriter is not None and trainer.is_world_process_zero():
+                callback.tb_writer = callback._SummaryWriter(log_dir=str(log_dir), purge_step=resume_step + 1)
+            return True
+    return False

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 import data_reward
-from data_reward import (LOG_COLUMNS, apply_reasoning_effort, check_prompt_lengths, load_training_frames,
+from data_reward import (LOG_COLUMNS, CompletionLog, apply_reasoning_effort, check_prompt_lengths, load_training_frames,
                          reward_fn, set_reasoning_effort)
 from tes_grpo.fileio import InputError
 from grpo_fixtures import EVAL_ROWS, TRAIN_ROWS, write_fixture_data
@@ -126,10 +126,11 @@ def test_long_prompts_skipped_with_count(data, tokenizer, capsys):
 # Completion log
 # ---------------------------------------------------------------------------------------------------------------
 
-def call_reward(prompts, actions, rewards_rows, state=None, optimal=None):
+def call_reward(prompts, actions, rewards_rows, state=None, optimal=None, log=None):
     completions = [f"{A_F}[{a}]<|return|>" if a is not None else "garbage" for a in actions]
     cols = {f"reward_action_{k}": [row[k] for row in rewards_rows] for k in range(4)}
-    return reward_fn(completions, **cols, prompts=prompts, optimal_action=optimal, trainer_state=state)
+    return reward_fn(completions, **cols, prompts=prompts, optimal_action=optimal, trainer_state=state,
+                     completion_log=log)
 
 
 def read_log(path):
@@ -137,30 +138,28 @@ def read_log(path):
         return list(csv.reader(handle))
 
 
-def test_completion_log_rows_and_columns(tmp_path, monkeypatch):
+def test_completion_log_rows_and_columns(tmp_path):
     path = tmp_path / "sub" / "completions.csv"
-    monkeypatch.setenv("GRPO_COMPLETION_LOG_PATH", str(path))
-    monkeypatch.setenv("GRPO_STEPS_PER_GENERATION", "2")
-    monkeypatch.delenv("GRPO_LOG_COMPLETIONS", raising=False)
     rows = [[0.1, 0.2, 0.3, 0.4], [0.1, 0.2, 0.3, 0.4], [0.9, 0.0, 0.05, 0.05], [0.9, 0.0, 0.05, 0.05]]
     state = SimpleNamespace(global_step=6, is_world_process_zero=True)
-    rewards = call_reward(["p\n1", "p\n1", "p,2", "p,2"], [3, None, 0, 2], rows, state, optimal=[3, 3, 0, 0])
+    rewards = call_reward(["p\n1", "p\n1", "p,2", "p,2"], [3, None, 0, 2], rows, state, optimal=[3, 3, 0, 0],
+                          log=CompletionLog(path, steps_per_generation=2))
     assert rewards[:1] + rewards[2:] == [0.4, 0.9, 0.05] and math.isnan(rewards[1])
     log = read_log(path)
     assert log[0] == LOG_COLUMNS
     # step is global_step + 1 (the step these completions train); micro_step splits the batch in 2 slots
-    # rank: the process that generated the row (0 without a launcher)
-    assert log[1:] == [["7", "0", "p\n1", f"{A_F}[3]<|return|>", "3", "0.4", "3", "0"],
-                       ["7", "0", "p\n1", "garbage", "", "", "3", "0"],
-                       ["7", "1", "p,2", f"{A_F}[0]<|return|>", "0", "0.9", "0", "0"],
-                       ["7", "1", "p,2", f"{A_F}[2]<|return|>", "2", "0.05", "0", "0"]]
+    # truncated: 0 without completion ids; rank: the process that generated the row (0 without a launcher)
+    assert log[1:] == [["7", "0", "p\n1", f"{A_F}[3]<|return|>", "3", "0.4", "0", "3", "0"],
+                       ["7", "0", "p\n1", "garbage", "", "", "0", "3", "0"],
+                       ["7", "1", "p,2", f"{A_F}[0]<|return|>", "0", "0.9", "0", "0", "0"],
+                       ["7", "1", "p,2", f"{A_F}[2]<|return|>", "2", "0.05", "0", "0", "0"]]
 
 
-def test_completion_log_appends_without_second_header(tmp_path, monkeypatch):
+def test_completion_log_appends_without_second_header(tmp_path):
     path = tmp_path / "completions.csv"
-    monkeypatch.setenv("GRPO_COMPLETION_LOG_PATH", str(path))
     for step in (0, 1):
-        call_reward(["p"], [1], [[0, 1, 0, 0]], SimpleNamespace(global_step=step, is_world_process_zero=True))
+        call_reward(["p"], [1], [[0, 1, 0, 0]], SimpleNamespace(global_step=step, is_world_process_zero=True),
+                    log=CompletionLog(path))
     log = read_log(path)
     assert [r[0] for r in log] == ["step", "1", "2"]
 
@@ -169,24 +168,47 @@ def test_completion_log_main_process_only(tmp_path, monkeypatch):
     # rank 1 of 2 without a process group to gather through: only rank 0 may write (tests/test_distributed.py
     # checks the gathered rows of a real two-process run)
     path = tmp_path / "completions.csv"
-    monkeypatch.setenv("GRPO_COMPLETION_LOG_PATH", str(path))
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
-    call_reward(["p"], [1], [[0, 1, 0, 0]], SimpleNamespace(global_step=0, is_world_process_zero=False))
+    call_reward(["p"], [1], [[0, 1, 0, 0]], SimpleNamespace(global_step=0, is_world_process_zero=False),
+                log=CompletionLog(path))
     assert not path.exists()
 
 
-def test_completion_log_off(tmp_path, monkeypatch):
-    path = tmp_path / "completions.csv"
-    monkeypatch.setenv("GRPO_COMPLETION_LOG_PATH", str(path))
-    monkeypatch.setenv("GRPO_LOG_COMPLETIONS", "0")
+def test_no_completion_log_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     call_reward(["p"], [1], [[0, 1, 0, 0]])
-    assert not path.exists()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_completion_log_target_from_rewards_without_optimal_column(tmp_path, monkeypatch):
     path = tmp_path / "completions.csv"
-    monkeypatch.setenv("GRPO_COMPLETION_LOG_PATH", str(path))
     monkeypatch.setattr(data_reward, "_calls_without_state", iter([5]))
-    call_reward(["p"], [1], [[0.1, 0.2, 0.6, 0.1]])
-    assert read_log(path)[1] == ["5", "0", "p", f"{A_F}[1]<|return|>", "1", "0.2", "2", "0"]
+    call_reward(["p"], [1], [[0.1, 0.2, 0.6, 0.1]], log=CompletionLog(path))
+    assert read_log(path)[1] == ["5", "0", "p", f"{A_F}[1]<|return|>", "1", "0.2", "0", "2", "0"]
+
+
+# (log rows (action logged, completion), expected summary): python data_reward.py re-scores a completion log
+RESCORE_CASES = [
+    ([("1", f"{A_F}[1]<|return|>")], {"completions": 1, "valid": 1, "optimal": 1, "actions_differing_from_log": 0}),
+    ([("", "garbage"), ("2", f"{A_F}[2]<|return|>")],
+     {"completions": 2, "valid": 1, "optimal": 0, "actions_differing_from_log": 0}),
+    ([("3", f"{A_F}[1]<|return|>")], {"completions": 1, "valid": 1, "optimal": 1, "actions_differing_from_log": 1}),
+]
+
+
+@pytest.mark.parametrize("rows, expected", RESCORE_CASES)
+def test_rescore_log(tmp_path, rows, expected, capsys):
+    path = tmp_path / "completions.csv"
+    with open(path, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle, lineterminator="\n")
+        writer.writerow(LOG_COLUMNS)
+        writer.writerows([[1, 0, "p", completion, action, "", 0, 1, 0] for action, completion in rows])
+    summary = data_reward.rescore_log(path)
+    assert {k: summary[k] for k in expected} == expected
+    assert data_reward.main([str(path)]) == 0 and "completions" in capsys.readouterr().out
+
+
+def test_rescore_missing_log_is_an_error(tmp_path, capsys):
+    assert data_reward.main([str(tmp_path / "none.csv")]) == 1
+    assert capsys.readouterr().err.startswith("error: ")

@@ -51,8 +51,7 @@ def rewards_for(completions, completion_ids=None):
 
 
 @pytest.mark.parametrize("text, expected", CASES)
-def test_reward_fn_on_text(text, expected, monkeypatch):
-    monkeypatch.setenv("GRPO_LOG_COMPLETIONS", "0")
+def test_reward_fn_on_text(text, expected):
     [reward] = rewards_for([text])
     if expected is None:
         assert math.isnan(reward)
@@ -61,9 +60,8 @@ def test_reward_fn_on_text(text, expected, monkeypatch):
 
 
 @pytest.mark.parametrize("text, expected", [c for c in CASES if c[0].endswith(("<|return|>", "<|call|>"))])
-def test_reward_fn_decodes_completion_ids_with_special_tokens(text, expected, tokenizer, monkeypatch):
+def test_reward_fn_decodes_completion_ids_with_special_tokens(text, expected, tokenizer):
     """TRL passes completions decoded without special tokens; the ids are decoded again with them."""
-    monkeypatch.setenv("GRPO_LOG_COMPLETIONS", "0")
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     stripped = tokenizer.decode(ids, skip_special_tokens=True)  # what TRL hands over as `completions`
     [reward] = rewards_for([stripped], completion_ids=[ids])
@@ -79,17 +77,45 @@ STOP_CASES = [
 
 
 @pytest.mark.parametrize("text, valid", STOP_CASES)
-def test_reward_fn_nan_when_generation_was_cut(text, valid, tokenizer, monkeypatch):
-    monkeypatch.setenv("GRPO_LOG_COMPLETIONS", "0")
+def test_reward_fn_nan_when_generation_was_cut(text, valid, tokenizer):
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     [reward] = rewards_for([tokenizer.decode(ids, skip_special_tokens=True)], completion_ids=[ids])
     assert (reward == ROW[1]) if valid else math.isnan(reward)
 
 
-def test_each_completion_scored_with_its_own_row(monkeypatch):
-    monkeypatch.setenv("GRPO_LOG_COMPLETIONS", "0")
+def test_each_completion_scored_with_its_own_row():
     completions = [f"{A}x{END}{F}[{k}]{RET}" for k in (0, 3, 3, 1)]
     cols = {f"reward_action_{k}": [10 * i + k for i in range(4)] for k in range(4)}
     assert reward_fn(completions, **cols) == [0, 13, 23, 31]
 
 
+
+
+# (invalid_reward bound, completion, expected reward): what INVALID_REWARD gives an invalid or truncated completion
+INVALID_CASES = [
+    (0.0, f"{A}x{END}{F}[2]{RET}", ROW[2]),  # valid answers keep their row reward
+    (0.0, f"{A}I would answer [2].{END}", 0.0),  # the default: invalid scores 0, below every valid reward here
+    (-1.0, f"{A}x{END}{F}[9]{RET}", -1.0),  # any finite value
+    (math.nan, f"{A}x{END}{F}[9]{RET}", math.nan),  # nan: left to TRL's masking (no gradient)
+]
+
+
+@pytest.mark.parametrize("invalid_reward, text, expected", INVALID_CASES)
+def test_bound_reward_scores_invalid_completions(invalid_reward, text, expected):
+    from data_reward import bind_reward
+
+    reward = bind_reward(invalid_reward, None)
+    assert reward.__name__ == "reward_fn"  # TRL names its reward metrics after it
+    [got] = reward([text], **{f"reward_action_{k}": [ROW[k]] for k in range(4)})
+    assert (math.isnan(got) if math.isnan(expected) else got == expected)
+
+
+def test_truncated_completion_gets_the_invalid_reward_and_is_counted(tokenizer):
+    from data_reward import bind_reward
+
+    ids = tokenizer(f"{A}x{END}{F}[1]{END}", add_special_tokens=False)["input_ids"]  # cut: no stop token at the end
+    logged = {}
+    [reward] = bind_reward(0.0, None)([""], **{f"reward_action_{k}": [ROW[k]] for k in range(4)},
+                                      completion_ids=[ids], log_metric=logged.__setitem__)
+    assert reward == 0.0
+    assert logged == {"action/valid_fraction": 0.0, "action/truncated_fraction": 1.0}

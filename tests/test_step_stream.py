@@ -108,11 +108,11 @@ def test_grpo_trainer_sees_each_prompt_num_generations_times_with_its_rewards(tm
 
     tokenizer = load_tokenizer()
     model = GptOssForCausalLM(tiny_config(len(tokenizer), {**current_settings(), "NUM_LAYERS": 1}))
-    settings = train_grpo.default_settings(OUT=str(tmp_path / "run"), PROMPTS_PER_STEP=2, NUM_GENERATIONS=3,
-                                           GRADIENT_ACCUMULATION_STEPS=2, TOTAL_STEPS=3)
+    settings = train_grpo.default_settings(OUT_DIR=str(tmp_path / "run"), PROMPTS_PER_STEP=2, NUM_GENERATIONS=3,
+                                           GRADIENT_ACCUMULATION_STEPS=2, TOTAL_STEPS=3, TRAIN_BATCH_SIZE="6")
     rows = [{**r, "reward_action_2": 0.0, "reward_action_3": 0.0} for r in ROWS]
     stream = train_grpo.build_stream(rows, settings, processes=1)
-    args = train_grpo.build_grpo_config(settings, cuda=False)
+    args = train_grpo.build_grpo_config(settings, train_grpo.batch_layout(settings, 100), cuda=False)
     trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=args, train_dataset=stream.to_iterable_dataset(),
                           processing_class=tokenizer)
     per_device, spg, group = args.per_device_train_batch_size, args.steps_per_generation, 3
@@ -132,3 +132,13 @@ def test_grpo_trainer_sees_each_prompt_num_generations_times_with_its_rewards(tm
             # NUM_GENERATIONS copies in a row, PROMPTS_PER_STEP distinct prompts, in StepStream's order
             assert prompts == [row["prompt"] for row in expected_groups[generation * spg + slot] for _ in range(group)]
             assert all(record == by_prompt[record["prompt"]] for record in micro)
+
+
+def test_preview_prints_each_micro_step_of_the_first_steps(capsys):
+    import step_stream
+
+    assert step_stream.main(["--STEPS=2", "--GRADIENT_ACCUMULATION_STEPS=3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == [f"step {s} micro-step {m}" for s in (1, 2) for m in range(3)]
+    sources = [line.split(": ", 1)[1] for line in lines[:3]]
+    assert len(set(sources)) == 3  # the prompts of one optimizer step are distinct

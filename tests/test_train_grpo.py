@@ -18,7 +18,7 @@ from transformers import TrainerCallback
 
 import train_grpo
 from data_reward import LOG_COLUMNS
-from tes_grpo.fileio import InputError
+from tes_grpo.model_loading import load_training_model, resolve_model_path
 from grpo_fixtures import rewards_by_prompt, write_fixture_data
 
 FIRST_STEPS, SAVE_STEPS, RESUMED_TO = 20, 10, 12
@@ -28,39 +28,84 @@ FIRST_STEPS, SAVE_STEPS, RESUMED_TO = 20, 10, 12
 # Settings and wiring (no training)
 # ---------------------------------------------------------------------------------------------------------------
 
-# (overrides, completions per optimizer step, prompts per step, per-pass batch, accumulation steps)
+# (overrides, longest prompt, GRPO_STEPS_PER_GENERATION, completions per step, per-pass batch, passes, generations)
 LAYOUTS = [
-    ({}, 64, 4, 16, 4),  # the 20B defaults: 1 prompt x 16 generations x 4 micro-steps
-    ({"TRAIN_BATCH_SIZE": 8}, 64, 4, 8, 8),  # smaller passes, same 64 completions per step
-    ({"PROMPTS_PER_STEP": 2, "NUM_GENERATIONS": 8, "GRADIENT_ACCUMULATION_STEPS": 2}, 32, 4, 16, 2),
-    ({"NUM_GENERATIONS": 8, "GRADIENT_ACCUMULATION_STEPS": 1}, 8, 1, 8, 1),
+    ({}, 871, None, 64, 8, 8, 8),  # the defaults on the shipped data: 8 x (871 + 4000) tokens fit 40,000
+    ({}, 1316, None, 64, 4, 16, 16),  # longer prompts: smaller passes, same 64 completions, still one generation
+    ({"MAX_COMPLETION_LEN": 1024}, 871, None, 64, 16, 4, 4),  # shorter completions: bigger passes
+    ({"MAX_COMPLETION_LEN": 100000}, 871, None, 64, 1, 64, 64),  # never below one completion a pass
+    ({"TRAIN_BATCH_SIZE": "8"}, 871, None, 64, 8, 8, 8),  # a number is taken as is
+    ({"TRAIN_TOKENS_PER_PASS": 24000}, 871, None, 64, 4, 16, 16),  # a smaller budget
+    ({}, 871, 2, 64, 8, 8, 2),  # GRPO_STEPS_PER_GENERATION=2: a generation every 2 passes, as exported
+    ({"PROMPTS_PER_STEP": 2, "NUM_GENERATIONS": 8, "GRADIENT_ACCUMULATION_STEPS": 2}, 871, None, 32, 8, 4, 4),
+    ({"MODEL_ID": "tiny"}, 871, None, 16, 16, 1, 1),  # the tiny preset: 1 x 8 generations x 2, 48 tokens
 ]
 
 
-@pytest.mark.parametrize("overrides, per_step, prompts, micro, accumulation", LAYOUTS)
-def test_batch_layout(overrides, per_step, prompts, micro, accumulation):
-    layout = train_grpo.batch_layout(train_grpo.default_settings(**overrides))
-    assert layout == {"completions_per_step": per_step, "prompts_per_step": prompts, "train_batch_size": micro,
-                      "gradient_accumulation_steps": accumulation}
+@pytest.mark.parametrize("overrides, longest, steps_per_generation, per_step, micro, passes, generation", LAYOUTS)
+def test_batch_layout(overrides, longest, steps_per_generation, per_step, micro, passes, generation):
+    settings = train_grpo.default_settings(**overrides)
+    layout = train_grpo.batch_layout(settings, longest, steps_per_generation)
+    assert (layout["completions_per_step"], layout["train_batch_size"], layout["gradient_accumulation_steps"],
+            layout["steps_per_generation"]) == (per_step, micro, passes, generation)
+    if settings.TRAIN_BATCH_SIZE == "auto" and micro > 1:
+        assert layout["worst_case_tokens_per_pass"] <= settings.TRAIN_TOKENS_PER_PASS
 
 
-# (overrides, words of the SettingsError)
+# (overrides, GRPO_STEPS_PER_GENERATION, words of the SettingsError)
+BAD_LAYOUTS = [
+    ({"TRAIN_BATCH_SIZE": "24"}, None, "must divide the 64"),  # 64 completions do not split into 24s
+    ({"TRAIN_BATCH_SIZE": "8"}, 3, "GRPO_STEPS_PER_GENERATION=3"),  # 3 does not divide 8 passes
+    ({"TRAIN_BATCH_SIZE": "4"}, 2, "whole groups"),  # 2 x 4 = 8 completions: half a group of 16
+]
+
+
+@pytest.mark.parametrize("overrides, steps_per_generation, words", BAD_LAYOUTS)
+def test_bad_layouts(overrides, steps_per_generation, words):
+    with pytest.raises(train_grpo.SettingsError, match=words):
+        train_grpo.batch_layout(train_grpo.default_settings(**overrides), 871, steps_per_generation)
+
+
+NAN, INF = float("nan"), float("inf")
+# (overrides, words of the SettingsError: the setting and its value)
 BAD_SETTINGS = [
-    ({"NUM_GENERATIONS": 1}, "at least 2"),
-    ({"TRAIN_BATCH_SIZE": 24}, "must divide the 64"),
+    ({"NUM_GENERATIONS": 1}, "NUM_GENERATIONS=1: must be at least 2"),
     ({"LORA_EXPERT_LAYERS": ["seven"]}, "not a layer number"),
-    ({"PROMPT_TOO_LONG": "cut"}, "'error' or 'skip'"),
-    ({"SCALE_REWARDS": "std"}, "none, group or batch"),
-    ({"REASONING_EFFORT": "max"}, "low, medium, high"),
-    ({"DECODE_EXPERTS": "fast"}, "auto, grouped_mm or transformers"),
-    ({"MAX_COMPLETION_LEN": 0}, "MAX_COMPLETION_LEN must be at least 1"),
+    ({"PROMPT_TOO_LONG": "cut"}, "PROMPT_TOO_LONG='cut'"),
+    ({"SCALE_REWARDS": "std"}, "SCALE_REWARDS='std'"),
+    ({"REASONING_EFFORT": "max"}, "REASONING_EFFORT='max'"),
+    ({"DECODE_EXPERTS": "fast"}, "DECODE_EXPERTS='fast'"),
+    ({"DECODE_GRAPHS": "maybe"}, "DECODE_GRAPHS='maybe'"),
+    ({"MAX_COMPLETION_LEN": 0}, "MAX_COMPLETION_LEN=0: must be at least 1"),
+    ({"TRAIN_TOKENS_PER_PASS": 0}, "TRAIN_TOKENS_PER_PASS=0"),
+    ({"TRAIN_BATCH_SIZE": "big"}, "TRAIN_BATCH_SIZE='big'"),
+    ({"TRAIN_BATCH_SIZE": "0"}, "TRAIN_BATCH_SIZE='0'"),
+    ({"LR": NAN}, "LR=nan"),  # issue 14: nan, inf and negative learning rates were accepted
+    ({"LR": INF}, "LR=inf"),
+    ({"LR": -1e-5}, "LR=-1e-05"),
+    ({"TEMPERATURE": 0.0}, "TEMPERATURE=0.0"),  # 0 would divide the logits by zero
+    ({"TEMPERATURE": NAN}, "TEMPERATURE=nan"),
+    ({"BETA": -0.1}, "BETA=-0.1"),
+    ({"WARMUP_RATIO": 5.0}, "WARMUP_RATIO=5.0"),
+    ({"LR_SCHEDULER": "sawtooth"}, "LR_SCHEDULER='sawtooth'"),  # unknown scheduler
+    ({"LOSS_TYPE": "ppo"}, "LOSS_TYPE='ppo'"),
+    ({"OUT_DIR": ""}, "OUT_DIR=''"),
+    ({"OUT_DIR": "  "}, "OUT_DIR='  '"),
+    ({"INVALID_REWARD": INF}, "INVALID_REWARD=inf"),  # nan is allowed (TRL's masking), inf is not
+    ({"VLLM_GPU_MEMORY_UTILIZATION": 1.5}, "VLLM_GPU_MEMORY_UTILIZATION=1.5"),
+    ({"USE_VLLM": True, "DECODE_GRAPHS": "1"}, "both choose how completions are generated"),
 ]
 
 
 @pytest.mark.parametrize("overrides, words", BAD_SETTINGS)
 def test_bad_settings(overrides, words):
-    with pytest.raises(train_grpo.SettingsError, match=words):
+    with pytest.raises(train_grpo.SettingsError) as err:
         train_grpo.check_settings(train_grpo.default_settings(**overrides))
+    assert words in str(err.value)
+
+
+def test_nan_invalid_reward_is_a_valid_setting():
+    train_grpo.check_settings(train_grpo.default_settings(INVALID_REWARD=NAN))
 
 
 def test_default_settings_rejects_unknown_names():
@@ -68,31 +113,100 @@ def test_default_settings_rejects_unknown_names():
         train_grpo.default_settings(NUM_GENERATION=4)
 
 
-def test_tiny_defaults_apply_only_to_tiny_and_not_over_explicit_values(capsys):
+def test_tiny_preset_applies_only_to_tiny_and_not_over_explicit_values():
     big = train_grpo.default_settings()
-    assert train_grpo.apply_tiny_defaults(big, set()) == big
-    tiny = train_grpo.apply_tiny_defaults(train_grpo.default_settings(MODEL_ID="tiny", TOTAL_STEPS=7), {"TOTAL_STEPS"})
-    assert tiny["TOTAL_STEPS"] == 7 and tiny["NUM_GENERATIONS"] == train_grpo.TINY_DEFAULTS["NUM_GENERATIONS"]
-    assert "MODEL_ID=tiny: tiny defaults" in capsys.readouterr().out
+    assert big.preset == {} and big.NUM_GENERATIONS == 16
+    tiny = train_grpo.default_settings(MODEL_ID="tiny", TOTAL_STEPS=7)
+    preset = train_grpo.PRESETS["MODEL_ID"]["tiny"]
+    assert tiny.TOTAL_STEPS == 7 and tiny.NUM_GENERATIONS == preset["NUM_GENERATIONS"]
+    assert "TOTAL_STEPS" not in tiny.preset and tiny.preset["LR"] == (train_grpo.LR, preset["LR"])
+
+
+def test_help_shows_the_tiny_preset_quickly():
+    import subprocess
+    import sys
+    import time
+
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "train_grpo.py", "--help"], capture_output=True, text=True, check=True)
+    assert time.perf_counter() - start < 10  # generous for a loaded CI machine; ~0.1 s idle (no torch import)
+    assert "preset MODEL_ID=tiny" in done.stdout and "--MAX_COMPLETION_LEN=48" in done.stdout
+    assert "--MAX_COMPLETION_LEN=4000" in done.stdout and "--INVALID_REWARD=0.0" in done.stdout
+
+
+def test_defaults_are_the_reference_recipe():
+    s = train_grpo.default_settings()
+    recipe = {"LORA_R": 4, "LORA_ALPHA": 8, "LR": 5e-5, "LR_SCHEDULER": "linear", "TOTAL_STEPS": 200, "SAVE_STEPS": 20,
+              "NUM_GENERATIONS": 16, "GRADIENT_ACCUMULATION_STEPS": 4, "PROMPTS_PER_STEP": 1,
+              "MAX_COMPLETION_LEN": 4000, "REASONING_EFFORT": "medium", "LOSS_TYPE": "dr_grpo",
+              "SCALE_REWARDS": "none", "BETA": 0.0, "INVALID_REWARD": 0.0}
+    assert {name: s[name] for name in recipe} == recipe
+
+
+# (environment, expected, error words)
+ENVIRONMENTS = [
+    ({}, {"log_completions": True, "completion_log_path": "", "steps_per_generation": None}, None),
+    ({"GRPO_STEPS_PER_GENERATION": "2"}, {"log_completions": True, "completion_log_path": "",
+                                          "steps_per_generation": 2}, None),  # an exported value wins
+    ({"GRPO_LOG_COMPLETIONS": "0", "GRPO_COMPLETION_LOG_PATH": "x.csv"},
+     {"log_completions": False, "completion_log_path": "x.csv", "steps_per_generation": None}, None),
+    ({"GRPO_STEPS_PER_GENERATION": "two"}, None, "GRPO_STEPS_PER_GENERATION='two'"),
+    ({"GRPO_LOG_COMPLETIONS": "maybe"}, None, "GRPO_LOG_COMPLETIONS='maybe'"),
+]
+
+
+@pytest.mark.parametrize("environ, expected, words", ENVIRONMENTS)
+def test_read_environment(environ, expected, words):
+    if words is None:
+        assert train_grpo.read_environment(environ) == expected
+    else:
+        with pytest.raises(train_grpo.SettingsError, match=words):
+            train_grpo.read_environment(environ)
+
+
+# (DECODE_GRAPHS, USE_VLLM, cuda, FSDP, used?)
+DECODE_GRAPH_CASES = [
+    ("auto", False, True, False, True),  # on by default on a GPU
+    ("auto", False, False, False, False),  # off on the CPU (transformers' generate)
+    ("auto", True, True, False, False),  # vLLM generates
+    ("auto", False, True, True, False),  # FSDP gathers weights every step
+    ("1", False, False, False, True),  # asked for: eager steps on the CPU
+    ("0", False, True, False, False),
+]
+
+
+@pytest.mark.parametrize("value, vllm, cuda, fsdp, used", DECODE_GRAPH_CASES)
+def test_decode_graphs_wanted(value, vllm, cuda, fsdp, used):
+    settings = train_grpo.default_settings(DECODE_GRAPHS=value, USE_VLLM=vllm)
+    assert train_grpo.decode_graphs_wanted(settings, cuda, fsdp)[0] is used
+
+
+def test_decode_graphs_refused_under_fsdp():
+    with pytest.raises(train_grpo.SettingsError, match="FSDP"):
+        train_grpo.decode_graphs_wanted(train_grpo.default_settings(DECODE_GRAPHS="1"), True, True)
 
 
 def test_grpo_config_uses_cache_stream_options_and_loss(tmp_path):
-    settings = train_grpo.default_settings(OUT=str(tmp_path))
-    args = train_grpo.build_grpo_config(settings, cuda=False)
+    settings = train_grpo.default_settings(OUT_DIR=str(tmp_path))
+    layout = train_grpo.batch_layout(settings, 871)
+    args = train_grpo.build_grpo_config(settings, layout, cuda=False)
     assert args.generation_kwargs == {"use_cache": True}  # generation keeps its KV cache under checkpointing
     assert args.shuffle_dataset is False and args.max_steps == settings["TOTAL_STEPS"]
-    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.steps_per_generation) == (16, 4, 4)
-    assert args.generation_batch_size == 64 and args.num_generations == 16
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.steps_per_generation) == (8, 8, 8)
+    assert args.generation_batch_size == 64 and args.num_generations == 16  # one generation batch per step
     assert args.loss_type == "dr_grpo" and args.scale_rewards == "none" and args.beta == 0.0
-    assert args.max_completion_length == 512 and args.gradient_checkpointing is True
+    assert args.max_completion_length == 4000 and args.gradient_checkpointing is True
+    assert args.learning_rate == 5e-5 and args.lr_scheduler_type == "linear" and args.save_steps == 20
     assert args.bf16 is False  # float32 on CPU (bf16=True is asked for on CUDA only)
 
 
-@pytest.mark.parametrize("cuda, expected", [(True, "flex_attention"), (False, "eager")])
-def test_attention_and_dtype_by_device(cuda, expected):
-    assert train_grpo.attention_implementation("auto", cuda=cuda) == expected
-    assert train_grpo.attention_implementation("sdpa", cuda=cuda) == "sdpa"
-    assert train_grpo.model_dtype(cuda) == (torch.bfloat16 if cuda else torch.float32)
+@pytest.mark.parametrize("device, expected", [("cuda", "flex_attention"), ("cpu", "eager")])
+def test_attention_and_dtype_by_device(device, expected):
+    from tes_grpo.model_loading import resolve_attention, resolve_dtype
+
+    assert resolve_attention("auto", device) == expected
+    assert resolve_attention("sdpa", device) == "sdpa"
+    assert resolve_dtype("auto", device) == (torch.bfloat16 if device == "cuda" else torch.float32)
 
 
 @pytest.mark.parametrize("layers, expected", [
@@ -101,79 +215,20 @@ def test_attention_and_dtype_by_device(cuda, expected):
                "layers.15.mlp.experts.gate_up_proj", "layers.15.mlp.experts.down_proj"]),
 ])
 def test_lora_config(layers, expected):
-    config = train_grpo.build_lora_config(16, 32, layers)
-    assert config.target_modules == "all-linear" and config.lora_dropout == 0.0
+    config = train_grpo.build_lora_config(4, 8, layers)
+    assert config.target_modules == "all-linear" and config.lora_dropout == 0.0 and config.r == 4
     assert (sorted(config.target_parameters) if config.target_parameters else None) == (
         sorted(expected) if expected else None)
-
-
-def make_checkpoint(out: Path, step: int, padded: bool = True) -> Path:
-    folder = out / (f"checkpoint-{step:06d}" if padded else f"checkpoint-{step}")
-    folder.mkdir(parents=True)
-    (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
-    return folder
-
-
-def test_resume_picks_newest_checkpoint_by_number(tmp_path):
-    for step, padded in ((5, True), (20, False), (10, True)):
-        make_checkpoint(tmp_path, step, padded)
-    settings = train_grpo.default_settings(OUT=str(tmp_path), RESUME="1")
-    assert train_grpo.resume_checkpoint(settings) == tmp_path / "checkpoint-20"
-    explicit = train_grpo.default_settings(OUT=str(tmp_path), RESUME=str(tmp_path / "checkpoint-000005"))
-    assert train_grpo.resume_checkpoint(explicit) == tmp_path / "checkpoint-000005"
-
-
-# (what OUT holds, RESUME, error words or None)
-RESUME_CASES = [
-    ([], "", None),  # new run in an empty folder
-    (["checkpoint"], "", "--RESUME=1"),  # refuses to start over an existing run
-    (["metrics.jsonl"], "", "already holds a run"),
-    ([], "1", "no checkpoint-. folder"),
-    ([], "/nonexistent/checkpoint-3", "without trainer_state.json"),
-]
-
-
-@pytest.mark.parametrize("contents, resume, words", RESUME_CASES)
-def test_resume_rules(tmp_path, contents, resume, words):
-    if "checkpoint" in contents:
-        make_checkpoint(tmp_path, 4)
-    if "metrics.jsonl" in contents:
-        (tmp_path / "metrics.jsonl").write_text("{}\n")
-    settings = train_grpo.default_settings(OUT=str(tmp_path), RESUME=resume)
-    if words is None:
-        assert train_grpo.resume_checkpoint(settings) is None
-    else:
-        with pytest.raises(InputError, match=words):
-            train_grpo.resume_checkpoint(settings)
-
-
-def test_drop_log_rows_after_checkpoint(tmp_path, capsys):
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward": 0.1}) + "\n" for s in (1, 2, 3, 4)))
-    log = tmp_path / "completions.csv"
-    pd.DataFrame({"step": [1, 2, 3, 3, 4], "micro_step": 0, "prompt": "p\nq", "completion": "c", "action": "",
-                  "reward": "", "target_action": 1}).to_csv(log, index=False)
-    train_grpo.drop_log_rows_after(tmp_path, 2, log)
-    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
-    kept = pd.read_csv(log, keep_default_na=False)
-    assert kept["step"].tolist() == [1, 2] and kept["prompt"].tolist() == ["p\nq", "p\nq"]
-    assert "dropped 2 metrics line(s)" in capsys.readouterr().out
-
-
-def test_zero_padded_checkpoint_rename(tmp_path):
-    from types import SimpleNamespace
-
-    make_checkpoint(tmp_path, 30, padded=False)
-    state = SimpleNamespace(global_step=30, is_world_process_zero=True)
-    train_grpo.ZeroPaddedCheckpointNames().on_save(SimpleNamespace(output_dir=str(tmp_path)), state, None)
-    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-000030"]
 
 
 def test_cpu_scoring_patch_is_idempotent():
     import trl.trainer.utils as trl_utils
 
-    assert train_grpo.score_only_completion_tokens_on_cpu()
+    from tes_grpo.workarounds import score_only_completion_tokens_on_cpu
+
+    assert score_only_completion_tokens_on_cpu()
     patched = trl_utils._use_triton
-    assert train_grpo.score_only_completion_tokens_on_cpu() and trl_utils._use_triton is patched
+    assert score_only_completion_tokens_on_cpu() and trl_utils._use_triton is patched
     assert patched(torch.device("cpu")) is True
 
 
@@ -186,7 +241,7 @@ def test_tiny_checkpoint_is_in_the_real_mxfp4_layout():
 
     from tes_grpo.mxfp4 import fake_quantize_expert_param
 
-    folder = Path(train_grpo.resolve_model_path("tiny"))
+    folder = Path(resolve_model_path("tiny"))
     config = json.loads((folder / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "mxfp4" and config["model_type"] == "gpt_oss"
     assert config["vocab_size"] == 201088 and config["architectures"] == ["GptOssForCausalLM"]
@@ -197,7 +252,7 @@ def test_tiny_checkpoint_is_in_the_real_mxfp4_layout():
         assert f.get_tensor("model.layers.0.mlp.experts.gate_up_proj_blocks").dtype == torch.uint8
     assert {"model.layers.1.mlp.experts.down_proj_blocks", "model.layers.1.mlp.experts.down_proj_scales"} <= keys
     assert not any(k.endswith(("experts.gate_up_proj", "experts.down_proj")) for k in keys)
-    model = train_grpo.load_policy_model("tiny")  # through Mxfp4Config(dequantize=True), like the 20B
+    model = load_training_model(resolve_model_path("tiny"))  # through Mxfp4Config(dequantize=True), like the 20B
     experts = model.model.layers[0].mlp.experts.gate_up_proj.detach()
     assert model.dtype == torch.float32 and model.config._attn_implementation == "eager"
     assert torch.equal(fake_quantize_expert_param(experts).float(), experts)  # exactly on the MXFP4 grid
@@ -210,15 +265,16 @@ def test_tiny_checkpoint_is_in_the_real_mxfp4_layout():
 def test_generation_uses_kv_cache_with_gradient_checkpointing(tmp_path, tokenizer):
     data = write_fixture_data(tmp_path, tokenizer)
     settings = train_grpo.default_settings(
-        MODEL_ID="tiny", DATA_DIR=str(data), EVAL_DIR=str(data / "eval"), OUT=str(tmp_path / "run"), TOTAL_STEPS=1,
+        MODEL_ID="tiny", DATA_DIR=str(data), EVAL_DIR=str(data / "eval"), OUT_DIR=str(tmp_path / "run"), TOTAL_STEPS=1,
         NUM_GENERATIONS=2, GRADIENT_ACCUMULATION_STEPS=1, MAX_COMPLETION_LEN=6, GRADIENT_CHECKPOINTING=True)
-    model = train_grpo.load_policy_model("tiny")
+    model = load_training_model(resolve_model_path("tiny"))
     frame = train_grpo.load_training_data(settings, tokenizer)
+    layout = train_grpo.batch_layout(settings, int(frame["prompt_tokens"].max()))
     calls = []
     model.model.embed_tokens.register_forward_hook(
         lambda module, inputs, output: calls.append((inputs[0].shape[1], torch.is_grad_enabled())))
-    trainer = train_grpo.build_trainer(settings, model, tokenizer, train_grpo.build_train_dataset(frame, settings),
-                                       completion_log_path=str(tmp_path / "c.csv"))
+    dataset = train_grpo.build_stream(frame, settings).to_iterable_dataset()
+    trainer = train_grpo.build_trainer(settings, model, tokenizer, dataset, layout)
     trainer.train()
     generation = [length for length, grad in calls if not grad]
     prompt_len = generation[0]
@@ -226,6 +282,54 @@ def test_generation_uses_kv_cache_with_gradient_checkpointing(tmp_path, tokenize
     assert generation[1:] == [1] * (len(generation) - 1)  # one new token per step: the cache holds the prefix
     assert any(grad and length > prompt_len for length, grad in calls)  # then the training forward
     assert trainer.model.base_model.model.is_gradient_checkpointing
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# INVALID_REWARD: invalid completions get a learning signal (through TRL's own advantage computation)
+# ---------------------------------------------------------------------------------------------------------------
+
+def group_advantages(tmp_path, tokenizer, monkeypatch, invalid_reward: float) -> list[float]:
+    """One real GRPO step on the tiny model (one prompt x 8 completions) in which every other completion answers
+    action 1 and the others are invalid; returns the advantages TRL handed to the loss, sorted."""
+    import data_reward
+
+    data = write_fixture_data(tmp_path, tokenizer)
+    settings = train_grpo.default_settings(
+        MODEL_ID="tiny", DATA_DIR=str(data), EVAL_DIR=str(data / "eval"), OUT_DIR=str(tmp_path / "run"), TOTAL_STEPS=1,
+        GRADIENT_ACCUMULATION_STEPS=1, INVALID_REWARD=invalid_reward)
+    calls = iter(range(10**6))
+    monkeypatch.setattr(data_reward, "is_truncated", lambda ids: False)
+    monkeypatch.setattr(data_reward, "parse_action", lambda text: 1 if next(calls) % 2 == 0 else None)
+    frame = train_grpo.load_training_data(settings, tokenizer)
+    layout = train_grpo.batch_layout(settings, int(frame["prompt_tokens"].max()))
+    trainer = train_grpo.build_trainer(settings, load_training_model(resolve_model_path("tiny")), tokenizer,
+                                       train_grpo.build_stream(frame, settings).to_iterable_dataset(), layout)
+    seen = []
+    compute_loss = trainer.compute_loss
+
+    def record(model, inputs, *args, **kwargs):
+        seen.extend(inputs["advantages"].tolist())
+        return compute_loss(model, inputs, *args, **kwargs)
+
+    trainer.compute_loss = record
+    trainer.train()
+    assert len(seen) == 8
+    return sorted(seen)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("invalid_reward", [0.0, float("nan")])
+def test_invalid_completions_advantage(tmp_path, tokenizer, monkeypatch, invalid_reward):
+    advantages = group_advantages(tmp_path, tokenizer, monkeypatch, invalid_reward)
+    if invalid_reward == 0.0:
+        # the default: 4 valid at r (the prompt's reward_action_1: 0.40 or 0.85), 4 invalid at 0 -> group mean r/2,
+        # so the invalid ones are pushed down and the valid ones pulled up (Dr. GRPO: advantages not scaled)
+        reward = 2 * advantages[-1]
+        assert reward == pytest.approx(0.40) or reward == pytest.approx(0.85)
+        assert advantages == pytest.approx([-reward / 2] * 4 + [reward / 2] * 4)
+    else:
+        # nan: TRL leaves the invalid ones out of the mean and gives them advantage 0 (no gradient at all)
+        assert advantages == pytest.approx([0.0] * 8)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -254,7 +358,7 @@ def run(tmp_path_factory, tokenizer):
     root = tmp_path_factory.mktemp("e2e")
     data = write_fixture_data(root, tokenizer)
     out = root / "run"
-    argv = ["--MODEL_ID=tiny", f"--DATA_DIR={data}", f"--EVAL_DIR={data / 'eval'}", f"--OUT={out}",
+    argv = ["--MODEL_ID=tiny", f"--DATA_DIR={data}", f"--EVAL_DIR={data / 'eval'}", f"--OUT_DIR={out}",
             "--NUM_GENERATIONS=16", "--GRADIENT_ACCUMULATION_STEPS=1", f"--SAVE_STEPS={SAVE_STEPS}"]
     watcher = WeightWatcher()
     with pytest.MonkeyPatch.context() as mp:
@@ -280,7 +384,7 @@ def test_run_writes_adapter_checkpoints_config_and_logs(run):
         assert (out / name).is_file(), name
     assert list((out / "tensorboard").rglob("events.out.tfevents.*"))
     config = json.loads((out / "train_config.json").read_text())
-    assert config["MODEL_ID"] == "tiny" and config["NUM_GENERATIONS"] == 16 and config["REASONING_EFFORT"] == "low"
+    assert config["MODEL_ID"] == "tiny" and config["NUM_GENERATIONS"] == 16 and config["REASONING_EFFORT"] == "medium"
     assert config["derived"]["completions_per_step"] == 16 and config["derived"]["attn_implementation"] == "eager"
     metrics = [json.loads(line) for line in first["metrics"]]
     assert [m["step"] for m in metrics if "reward" in m] == list(range(1, FIRST_STEPS + 1))
@@ -296,7 +400,7 @@ def test_adapter_loads_with_peft_and_only_lora_weights_changed(run):
     assert lora and base
     assert any(not torch.equal(begin[n], end[n]) for n in lora if "lora_B" in n)  # LoRA B starts at zero, then moves
     assert all(torch.equal(begin[n], end[n]) for n in base)  # base weights untouched
-    model = PeftModel.from_pretrained(train_grpo.load_policy_model("tiny"), str(run["out"]))
+    model = PeftModel.from_pretrained(load_training_model(resolve_model_path("tiny")), str(run["out"]))
     saved = load_file(run["first"]["adapter"])
     loaded = {n: p for n, p in model.named_parameters() if "lora_B" in n}
     assert len(loaded) == sum("lora_B" in k for k in saved) > 0
@@ -311,7 +415,7 @@ def test_completion_log_scores_each_completion_with_its_own_prompt(run):
     log = run["first"]["completions"]
     assert list(log.columns) == LOG_COLUMNS
     assert len(log) == 16 * FIRST_STEPS and log.groupby("step")["prompt"].nunique().eq(1).all()
-    table = rewards_by_prompt(run["tokenizer"], "low")
+    table = rewards_by_prompt(run["tokenizer"], "medium")
     assert set(log["prompt"]) <= set(table)  # every prompt is a training prompt (never the eval one)
     valid = 0
     for _, row in log.iterrows():
@@ -322,7 +426,7 @@ def test_completion_log_scores_each_completion_with_its_own_prompt(run):
             assert row["completion"].rstrip().endswith("<|return|>")
             valid += 1
         else:
-            assert row["reward"] == ""
+            assert float(row["reward"]) == train_grpo.INVALID_REWARD  # scored, so the group pushes it down
     assert valid / len(log) > 0.5  # the warm-up taught the format
 
 
@@ -366,9 +470,9 @@ def test_mean_reward_rises(run):
     from safetensors.torch import load_file
 
     log, tokenizer = run["first"]["completions"], run["tokenizer"]
-    contexts = answer_contexts(log, rewards_by_prompt(tokenizer, "low"))
+    contexts = answer_contexts(log, rewards_by_prompt(tokenizer, "medium"))
     assert len({text.split("<|start|>assistant")[0] for text, _ in contexts}) == 4  # every training prompt
-    model = PeftModel.from_pretrained(train_grpo.load_policy_model("tiny"), str(run["out"]))
+    model = PeftModel.from_pretrained(load_training_model(resolve_model_path("tiny")), str(run["out"]))
     set_peft_model_state_dict(model, load_file(run["first"]["adapter"]))  # the step-20 adapter of the first run
     model.eval()
     trained = expected_reward(model, tokenizer, contexts)
@@ -397,12 +501,12 @@ def test_resume_continues_at_the_right_step(run):
 
 
 def test_bad_setting_exits_with_error(tmp_path, capsys):
-    assert train_grpo.main([f"--OUT={tmp_path}", "--NUM_GENERATIONS=1"]) == 1
-    assert "error: NUM_GENERATIONS must be at least 2" in capsys.readouterr().err
+    assert train_grpo.main([f"--OUT_DIR={tmp_path}", "--NUM_GENERATIONS=1"]) == 1
+    assert "error: NUM_GENERATIONS=1: must be at least 2" in capsys.readouterr().err
 
 
 def test_missing_data_exits_with_error(tmp_path, capsys):
-    assert train_grpo.main(["--MODEL_ID=tiny", f"--DATA_DIR={tmp_path / 'none'}", f"--OUT={tmp_path / 'o'}"]) == 1
+    assert train_grpo.main(["--MODEL_ID=tiny", f"--DATA_DIR={tmp_path / 'none'}", f"--OUT_DIR={tmp_path / 'o'}"]) == 1
     assert "no training files" in capsys.readouterr().err
 
 
@@ -422,4 +526,6 @@ def test_all_rewards_none_filter(message, shown):
     import logging
 
     record = logging.LogRecord("x", logging.WARNING, __file__, 1, message, None, None)
-    assert train_grpo.AllRewardsNoneFilter().filter(record) is shown
+    from tes_grpo.workarounds import AllRewardsNoneFilter
+
+    assert AllRewardsNoneFilter().filter(record) is shown

@@ -1,0 +1,74 @@
+"""Trainer callbacks of train_grpo.py: the appended metrics file, one progress line per step, zero-padded
+checkpoint names. Imports transformers at import time (TrainerCallback), so scripts import it inside main()."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from tes_grpo.processes import wait_for_everyone
+from tes_grpo.run_folder import rename_checkpoint
+
+
+class JsonlMetricsCallback(TrainerCallback):
+    """Appends every logged metrics dict, with its step and time, to a JSON-lines file (main process only)."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        record = {"step": state.global_step, "time": round(time.time(), 3), **logs}
+        with open(self.path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record, default=float) + "\n")
+
+
+def format_metric(value) -> str:
+    """Short text for a logged metric; TRL logs None when every reward of a step was NaN."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "nan"
+    return f"{value:.3g}" if isinstance(value, (int, float)) else str(value)
+
+
+PROGRESS_FIELDS = (("reward", "reward"), ("action/valid_fraction", "valid"),
+                   ("action/truncated_fraction", "truncated"), ("action/optimal_fraction", "optimal"),
+                   ("loss", "loss"), ("completions/mean_length", "len"))
+
+
+class ProgressLineCallback(TrainerCallback):
+    """One line per logged step: step, reward, valid/truncated/optimal fractions, loss, length, seconds per step."""
+
+    def __init__(self):
+        self.started = None
+        self.first_step = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.started = time.time()
+        self.first_step = state.global_step
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs or "reward" not in logs:
+            return
+        done = max(1, state.global_step - self.first_step)
+        per_step = (time.time() - self.started) / done
+        parts = [f"step {state.global_step}/{state.max_steps}"]
+        parts += [f"{label} {format_metric(logs[key])}" for key, label in PROGRESS_FIELDS if key in logs]
+        parts.append(f"{per_step:.1f} s/step")
+        print("  ".join(parts), flush=True)
+
+
+class ZeroPaddedCheckpointNames(TrainerCallback):
+    """Renames the Trainer's checkpoint-N folders to checkpoint-00000N so they sort by name (run_folder.py).
+    On several processes each writes its own RNG state into the folder, so all meet before rank 0 renames it."""
+
+    def on_save(self, args, state, control, **kwargs):
+        wait_for_everyone()
+        if state.is_world_process_zero:
+            rename_checkpoint(Path(args.output_dir), state.global_step)
+        wait_for_everyone()

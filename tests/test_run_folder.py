@@ -1,0 +1,147 @@
+"""tes_grpo/run_folder.py: checkpoint names, which checkpoint a resume takes, and logs trimmed on resume, torn files
+included (a run killed mid-write: disk full, SIGKILL). Table-driven; no model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tes_grpo.fileio import InputError
+from tes_grpo.run_folder import (checkpoints_in, drop_log_rows_after, prepare_resume, rename_checkpoint,
+                                 resume_checkpoint)
+
+HEADER = "step,micro_step,prompt,completion,action,reward,truncated,target_action,rank\n"
+
+
+def make_checkpoint(out: Path, step: int, padded: bool = True, state: str | None = None) -> Path:
+    folder = out / (f"checkpoint-{step:06d}" if padded else f"checkpoint-{step}")
+    folder.mkdir(parents=True)
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}) if state is None else state)
+    return folder
+
+
+def test_resume_picks_newest_checkpoint_by_number(tmp_path):
+    for step, padded in ((5, True), (20, False), (10, True)):
+        make_checkpoint(tmp_path, step, padded)
+    assert resume_checkpoint(tmp_path, "1") == tmp_path / "checkpoint-20"
+    assert resume_checkpoint(tmp_path, str(tmp_path / "checkpoint-000005")) == tmp_path / "checkpoint-000005"
+    assert [step for step, _ in checkpoints_in(tmp_path)] == [5, 10, 20]
+
+
+# (what OUT_DIR holds, RESUME, error words or None)
+RESUME_CASES = [
+    ([], "", None),  # new run in an empty folder
+    (["checkpoint"], "", "--RESUME=1"),  # refuses to start over an existing run
+    (["metrics.jsonl"], "", "already holds a run"),
+    ([], "1", "no complete checkpoint"),
+    (["torn"], "1", "no complete checkpoint"),  # the only checkpoint is torn
+    ([], "/nonexistent/checkpoint-3", "without trainer_state.json"),
+]
+
+
+@pytest.mark.parametrize("contents, resume, words", RESUME_CASES)
+def test_resume_rules(tmp_path, contents, resume, words):
+    if "checkpoint" in contents:
+        make_checkpoint(tmp_path, 4)
+    if "torn" in contents:
+        make_checkpoint(tmp_path, 4, state='{"global_st')
+    if "metrics.jsonl" in contents:
+        (tmp_path / "metrics.jsonl").write_text("{}\n")
+    if words is None:
+        assert resume_checkpoint(tmp_path, resume) is None
+    else:
+        with pytest.raises(InputError, match=words):
+            resume_checkpoint(tmp_path, resume)
+
+
+# (trainer_state.json of the newest checkpoint (step 20); step 10's is complete)
+TORN_STATES = [
+    '{"global_step": 2',  # cut mid-write
+    "",  # empty: the write never happened
+    '{"best_metric": null}',  # no global_step
+    "\xff\xfe",  # garbage
+]
+
+
+@pytest.mark.parametrize("state", TORN_STATES)
+def test_resume_falls_back_to_previous_complete_checkpoint(tmp_path, state):
+    make_checkpoint(tmp_path, 10)
+    make_checkpoint(tmp_path, 20, state=state)
+    said = []
+    assert resume_checkpoint(tmp_path, "1", said.append) == tmp_path / "checkpoint-000010"
+    assert any("skipping checkpoint-000020" in line for line in said)
+
+
+def test_explicit_torn_checkpoint_is_an_error(tmp_path):
+    folder = make_checkpoint(tmp_path, 20, state='{"global_')
+    with pytest.raises(InputError, match="not a complete trainer state"):
+        resume_checkpoint(tmp_path, str(folder))
+
+
+def metrics_lines(steps) -> str:
+    return "".join(json.dumps({"step": s, "reward": 0.1}) + "\n" for s in steps)
+
+
+def log_rows(steps) -> str:
+    return "".join(f'{s},0,"p\nq",c{s},1,0.5,0,1,0\n' for s in steps)
+
+
+# (metrics.jsonl, completions.csv, steps kept in each, notes expected)
+TRIM_CASES = [
+    (metrics_lines([1, 2, 3, 4]), HEADER + log_rows([1, 2, 3, 3, 4]), [1, 2], [1, 2], ["dropped 2 metrics"]),
+    # torn last metrics line (disk full): dropped with a note, not a JSONDecodeError
+    (metrics_lines([1, 2]) + '{"step": 3, "rew', HEADER + log_rows([1, 2]), [1, 2], [1, 2], ["torn last line"]),
+    # torn last completion-log row inside a quoted prompt: dropped, not a ParserError
+    (metrics_lines([1, 2]), HEADER + log_rows([1, 2]) + '3,0,"p\nq', [1, 2], [1, 2], ["torn last row"]),
+    # torn last row cut between fields
+    (metrics_lines([1, 2]), HEADER + log_rows([1, 2]) + "3,0,", [1, 2], [1, 2], ["torn last row"]),
+    # nothing to trim: files left byte for byte
+    (metrics_lines([1, 2]), HEADER + log_rows([1, 2]), [1, 2], [1, 2], []),
+]
+
+
+@pytest.mark.parametrize("metrics, log, kept_metrics, kept_log, notes", TRIM_CASES)
+def test_drop_log_rows_after_checkpoint(tmp_path, metrics, log, kept_metrics, kept_log, notes):
+    import pandas as pd
+
+    (tmp_path / "metrics.jsonl").write_text(metrics)
+    path = tmp_path / "completions.csv"
+    path.write_text(log)
+    said = []
+    drop_log_rows_after(tmp_path, 2, path, said.append)
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == kept_metrics
+    frame = pd.read_csv(path, keep_default_na=False)
+    assert frame["step"].tolist() == kept_log and set(frame["prompt"]) == {"p\nq"}
+    for note in notes:
+        assert any(note in line for line in said), (note, said)
+    if not notes:
+        assert (tmp_path / "metrics.jsonl").read_text() == metrics and path.read_text() == log
+
+
+def test_bad_row_in_the_middle_is_an_error_naming_it(tmp_path):
+    path = tmp_path / "completions.csv"
+    path.write_text(HEADER + log_rows([1]) + "2,0\n" + log_rows([3]))
+    with pytest.raises(InputError, match="row 3 has 2 fields"):
+        drop_log_rows_after(tmp_path, 2, path)
+
+
+def test_prepare_resume_trims_before_any_model_load(tmp_path):
+    make_checkpoint(tmp_path, 1)
+    (tmp_path / "metrics.jsonl").write_text(metrics_lines([1, 2]) + '{"st')
+    checkpoint, step = prepare_resume(tmp_path, "1", tmp_path / "completions.csv", processes=1, say=lambda _: None)
+    assert (checkpoint.name, step) == ("checkpoint-000001", 1)
+    assert (tmp_path / "metrics.jsonl").read_text() == metrics_lines([1])
+
+
+def test_zero_padded_checkpoint_rename(tmp_path):
+    from tes_grpo.callbacks import ZeroPaddedCheckpointNames
+
+    make_checkpoint(tmp_path, 30, padded=False)
+    state = SimpleNamespace(global_step=30, is_world_process_zero=True)
+    ZeroPaddedCheckpointNames().on_save(SimpleNamespace(output_dir=str(tmp_path)), state, None)
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-000030"]
+    rename_checkpoint(tmp_path, 30)  # already padded: nothing to do
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-000030"]
