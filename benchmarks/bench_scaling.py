@@ -28,7 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tes_grpo.script_config import configure
+from tes_grpo.script_config import resolve
 
 RUNS = "single,ddp,fsdp2"  # which runs, in order: single (python, 1 GPU), ddp, fsdp2 (accelerate launch)
 PROCESSES = 2  # GPUs for the ddp and fsdp2 runs
@@ -42,15 +42,16 @@ _REPO = Path(__file__).resolve().parents[1]
 _CONFIGS = {"ddp": "configs/accelerate/ddp.yaml", "fsdp2": "configs/accelerate/fsdp2.yaml"}
 
 
-def run_command(name: str) -> list[str]:
-    bench = [str(_REPO / "benchmarks" / "bench_grpo.py"), f"--STEPS={STEPS}", f"--MAX_COMPLETION_LEN={MAX_COMPLETION_LEN}",
-             f"--RESULTS={RESULTS}", f"--OUT_DIR=runs/bench-scaling/{name}"]
+def run_command(name: str, s) -> list[str]:
+    bench = [str(_REPO / "benchmarks" / "bench_grpo.py"), f"--STEPS={s.STEPS}",
+             f"--MAX_COMPLETION_LEN={s.MAX_COMPLETION_LEN}", f"--RESULTS={s.RESULTS}",
+             f"--OUT_DIR=runs/bench-scaling/{name}"]
     if name == "single":
         return [sys.executable, *bench]
     if name not in _CONFIGS:
         raise SystemExit(f"error: RUNS: unknown run {name!r}; valid: single, {', '.join(_CONFIGS)}")
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(_REPO / _CONFIGS[name]),
-            "--num_processes", str(PROCESSES), *bench]
+            "--num_processes", str(s.PROCESSES), *bench]
 
 
 def summary(rows: list[dict]) -> str:
@@ -73,22 +74,22 @@ def summary(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    configure(globals(), argv)
-    results = Path(RESULTS)
+    s = resolve(globals(), argv)
+    results = Path(s.RESULTS)
     failed = []
-    if not SUMMARY_ONLY:
+    if not s.SUMMARY_ONLY:
         results.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "NCCL_NVLS_ENABLE": "0"}  # NVLink multicast stays off on the shared machines
-        for name in [n.strip() for n in RUNS.split(",") if n.strip()]:
-            command = run_command(name)
+        for name in [n.strip() for n in s.RUNS.split(",") if n.strip()]:
+            command = run_command(name, s)
             # one process seeing several GPUs would make the Trainer use nn.DataParallel, which TRL refuses
             run_env = {**env, "CUDA_VISIBLE_DEVICES": env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]} \
                 if name == "single" else env
             print(f"\n=== {name}: {' '.join(command)}", flush=True)
             try:
-                code = subprocess.run(command, cwd=_REPO, env=run_env, timeout=TIMEOUT_S).returncode
+                code = subprocess.run(command, cwd=_REPO, env=run_env, timeout=s.TIMEOUT_S).returncode
             except subprocess.TimeoutExpired:
-                code = f"timeout after {TIMEOUT_S} s"
+                code = f"timeout after {s.TIMEOUT_S} s"
             if code != 0:
                 failed.append(f"{name} ({code})")
                 print(f"=== {name} failed: {code}", flush=True)
