@@ -117,7 +117,8 @@ def write_gguf_lora(adapter_path: str | Path, out_path: str | Path, outtype: str
         lora_a, lora_b = factors["lora_A"].float(), factors["lora_B"].float()
         rank = lora_a.shape[0]
         if lora_b.shape[1] != rank:
-            raise GGUFExportError(f"{module}: lora_A {tuple(lora_a.shape)} and lora_B {tuple(lora_b.shape)} disagree on rank")
+            raise GGUFExportError(f"{module}: lora_A {tuple(lora_a.shape)} and lora_B {tuple(lora_b.shape)} "
+                                  f"disagree on rank")
         # llama.cpp applies alpha / rank with the file's single alpha; fold any other PEFT scaling into lora_b
         lora_b = lora_b * (module_scale(config, module, rank) / (alpha / rank))
         base = gguf_tensor_base(name_map, module)
@@ -145,19 +146,21 @@ def write_gguf_lora(adapter_path: str | Path, out_path: str | Path, outtype: str
             "skipped": experts, "path": str(out_path)}
 
 
-def main() -> None:
-    from tes_grpo.script_config import configure
+def main(argv: list[str] | None = None) -> int:
+    from tes_grpo.script_config import resolve
 
-    configure(globals())
+    settings = resolve(globals(), argv)
     try:
-        if Path(OUT_PATH).exists() and not OVERWRITE:
-            raise GGUFExportError(f"{OUT_PATH} already exists; pass --OVERWRITE to replace it")
-        result = write_gguf_lora(ADAPTER_PATH, OUT_PATH, OUTTYPE, SKIP_EXPERT_LORA)
+        if Path(settings.OUT_PATH).exists() and not settings.OVERWRITE:
+            raise GGUFExportError(f"{settings.OUT_PATH} already exists; pass --OVERWRITE to replace it")
+        result = write_gguf_lora(settings.ADAPTER_PATH, settings.OUT_PATH, settings.OUTTYPE,
+                                 settings.SKIP_EXPERT_LORA)
     except GGUFExportError as err:
         print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
-    print(f"wrote {result['path']}: {len(result['tensors'])} tensors, alpha {result['alpha']}, type {OUTTYPE}")
+        return 1
+    print(f"wrote {result['path']}: {len(result['tensors'])} tensors, alpha {result['alpha']}, type {settings.OUTTYPE}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

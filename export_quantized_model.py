@@ -2,33 +2,42 @@
 
     python export_quantized_model.py --ADAPTER_PATH=runs/grpo-gpt-oss-20b --OUT_DIR=runs/export/gpt-oss-tes-mxfp4
     python export_quantized_model.py --CHECK            # also reload the export and compare weights and logits
-    HF_TOKEN=... python export_quantized_model.py --PUSH_TO_HUB --HF_REPO_ID=you/gpt-oss-20b-tes
+    export HF_TOKEN=hf_...; export HF_REPO_ID=you/gpt-oss-20b-tes; python export_quantized_model.py   # + private upload
 
 Loads the base with `Mxfp4Config(dequantize=True)` (bf16), applies the adapter with PEFT,
 `merge_and_unload()`s it, and writes the MoE experts as `*_blocks` / `*_scales` (uint8) and everything
 else bf16, with `quantization_config: {quant_method: mxfp4, ...}`: about 13 GB for gpt-oss-20b, not 42.
 Expert weights the adapter did not touch (all of them unless training used `target_parameters`) are
 copied bit for bit from the base checkpoint's blocks and scales, not re-quantized. The tokenizer, chat
-template and a generation config ending on `<|return|>` / `<|call|>` go with it. The folder is written
-under a temporary name and renamed when complete, so a failed export never leaves a half-written model.
+template (also inside tokenizer_config.json, where Ollama reads it) and a generation config ending on
+`<|return|>` / `<|call|>` go with it; config.json also carries the original checkpoint's `rope_theta`,
+`rope_scaling` and `experts_per_token`, which Ollama's converter reads. The folder is written under a temporary
+name and renamed when complete, so a failed export never leaves a half-written model.
+
+Upload: with a repo id (HF_REPO_ID in the environment, or --HUB_REPO_ID) the folder goes to that Hub repo, created
+private. The token (HF_TOKEN), the repo id's form, the token's validity and the repo's visibility are checked
+before the slow export; an existing public repo is refused unless --ALLOW_PUBLIC_REPO=1. The token is never printed.
 """
 
 from __future__ import annotations
 
 import errno
+import importlib
 import json
 import os
+import re
 import shutil
 import sys
 import typing
 from pathlib import Path
 
 from tes_grpo.fileio import give_default_modes, temporary_folder
+from tes_grpo.model_loading import checkpoint_is_mxfp4, native_mxfp4_blockers
 
 if typing.TYPE_CHECKING:  # annotations only; the module is imported where it is used
     from tes_grpo.mxfp4 import SafetensorsCheckpoint
 
-ADAPTER_PATH = "runs/grpo-gpt-oss-20b"  # folder with adapter_config.json + adapter_model.safetensors (train_grpo.py's OUT)
+ADAPTER_PATH = "runs/grpo-gpt-oss-20b"  # PEFT LoRA folder (adapter_config.json + adapter_model.safetensors)
 BASE_MODEL_ID = ""  # base checkpoint (hub id or folder); "" = the adapter's base_model_name_or_path
 ALLOW_OTHER_BASE = False  # merge even when BASE_MODEL_ID differs from the base the adapter names (shapes still checked)
 OUT_DIR = "runs/export/gpt-oss-tes-mxfp4"  # export folder (the Modelfile's FROM points here)
@@ -38,9 +47,9 @@ DISK_MARGIN_GB = 1.0  # free space required on top of the estimated export size,
 CHECK = False  # after writing, reload the export and compare weights and logits with the merged model
 LOGIT_RTOL = 1e-3  # --CHECK: largest logit difference to the FP4-rounded merged model, relative to the largest logit
 CHECK_TEXT = "The storage tank is charged at night when the grid is cleanest."  # text whose logits --CHECK compares
-PUSH_TO_HUB = False  # upload OUT_DIR to the Hugging Face Hub (token from the HF_TOKEN environment variable)
-HF_REPO_ID = ""  # hub repo for the upload, e.g. "you/gpt-oss-20b-tes-mxfp4"
-HF_PRIVATE = True  # create the hub repo as private
+PUSH_TO_HUB = True  # upload OUT_DIR when a repo id is given (HF_REPO_ID or --HUB_REPO_ID); 0 = never upload
+HUB_REPO_ID = ""  # Hub repo "owner/name" for the upload; "" = the HF_REPO_ID environment variable (neither: no upload)
+ALLOW_PUBLIC_REPO = False  # upload into an existing PUBLIC repo (new repos are always created private)
 # gpt-oss's Harmony end tokens: <|return|> ends a final answer, <|call|> a tool call.
 _END_TOKENS = ("<|return|>", "<|call|>")
 _END_TOKEN_IDS = (200002, 200012)  # their ids in o200k_harmony; checked against the tokenizer
@@ -55,6 +64,10 @@ class ExportError(RuntimeError):
 
 class CheckFailed(AssertionError):
     """--CHECK found the export's weights or logits off; the message names the tensor."""
+
+
+class HubError(RuntimeError):
+    """The Hub upload cannot go ahead or failed; the message says why (never the token)."""
 
 
 def read_adapter_config(adapter_path: str | os.PathLike) -> dict:
@@ -153,8 +166,9 @@ def check_adapter_fits_base(adapter_path: Path, base_folder: Path) -> None:
             if dims and feature_dim not in dims:
                 problems.append(f"{key}: shape {shape} fits none of {module_name}'s expert parameters")
     if problems:
+        more = f"\n  ... {len(problems) - 10} more" if len(problems) > 10 else ""
         raise ExportError(f"adapter {adapter_path} was made for another base than {base_folder}:\n  "
-                          + "\n  ".join(problems[:10]) + (f"\n  ... {len(problems) - 10} more" if len(problems) > 10 else ""))
+                          + "\n  ".join(problems[:10]) + more)
 
 
 def checkpoint_bytes(folder: Path) -> int:
@@ -224,26 +238,34 @@ def export_generation_config(base_folder: Path, tokenizer):
 
     ids = [tokenizer.convert_tokens_to_ids(token) for token in _END_TOKENS]
     if tuple(ids) != _END_TOKEN_IDS:
-        raise ExportError(f"tokenizer maps {_END_TOKENS} to {ids}, expected {_END_TOKEN_IDS}: not the gpt-oss tokenizer")
+        raise ExportError(f"tokenizer maps {_END_TOKENS} to {ids}, expected {_END_TOKEN_IDS}: "
+                          f"not the gpt-oss tokenizer")
     if (base_folder / "generation_config.json").is_file():
         generation = GenerationConfig.from_pretrained(base_folder)
     else:
         generation = GenerationConfig()
     generation.eos_token_id = list(ids)
     generation.bos_token_id = tokenizer.convert_tokens_to_ids("<|startoftext|>")
-    generation.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    generation.pad_token_id = (tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                               else tokenizer.convert_tokens_to_ids("<|endoftext|>"))
     generation.do_sample, generation.temperature, generation.top_p = True, 1.0, 1.0
     return generation
 
 
 def write_export(merged, touched: set[str], base_folder: Path, adapter_path: Path, out_dir: Path,
-                 overwrite: bool = False, max_shard_bytes: int | None = None, disk_margin_bytes: int = 0) -> dict:
-    """Writes the merged model as an MXFP4 folder at `out_dir` via a temporary sibling folder; returns stats."""
+                 overwrite: bool = False, max_shard_bytes: int | None = None, disk_margin_bytes: int = 0,
+                 settings_record: dict | None = None) -> dict:
+    """Writes the merged model as an MXFP4 folder at `out_dir` via a temporary sibling folder; returns stats.
+
+    settings_record: the script's settings, written as export_config.json inside the folder.
+    """
     from tes_grpo.mxfp4 import (
         DEFAULT_MAX_SHARD_BYTES,
         estimate_checkpoint_bytes,
+        save_tokenizer_files,
         write_mxfp4_checkpoint,
     )
+    from tes_grpo.script_config import save_config
 
     if out_dir.exists() and not overwrite:
         raise ExportError(f"{out_dir} already exists; pass --OVERWRITE to replace it")
@@ -258,12 +280,14 @@ def write_export(merged, touched: set[str], base_folder: Path, adapter_path: Pat
     try:
         stats = write_mxfp4_checkpoint(state_dict, config, temp, passthrough=passthrough,
                                        max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
-        tokenizer.save_pretrained(temp)
+        save_tokenizer_files(tokenizer, temp)
         generation.save_pretrained(temp)
         info = {"adapter": str(adapter_path), "base": str(base_folder), "tokenizer": tokenizer_from,
                 "experts_copied_from_base": stats["copied"], "experts_quantized": stats["quantized"],
                 "adapted_expert_parameters": sorted(touched), "bytes": stats["bytes"]}
         (temp / "export_info.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+        if settings_record is not None:
+            save_config(settings_record, temp / "export_config.json")
         give_default_modes(temp)
         replace_folder(temp, out_dir)
     except OSError as err:
@@ -335,20 +359,10 @@ def compare_weights(loaded_state: dict, merged_state: dict, export: "Safetensors
     return {"max_expert_rounding_error": worst}
 
 
-def checkpoint_is_mxfp4(model_id: str | os.PathLike) -> bool:
-    """Whether a checkpoint's config declares MXFP4 (read before loading: transformers drops it on dequantizing)."""
-    from transformers import AutoConfig
-
-    quantization = getattr(AutoConfig.from_pretrained(model_id), "quantization_config", None) or {}
-    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization, "quant_method", None)
-    return str(getattr(method, "value", method)) == "mxfp4"
-
-
 def expert_load_path(model, source_is_mxfp4: bool, dequantize_requested: bool = False) -> str:
     """How transformers loaded a model's MoE experts: kept in MXFP4, or dequantized to bf16 and why."""
     import torch
     from transformers.integrations.mxfp4 import Mxfp4GptOssExperts
-    from transformers.utils import is_kernels_available, is_triton_available
 
     if any(isinstance(m, Mxfp4GptOssExperts) for m in model.modules()):
         return "native MXFP4: expert weights stay quantized (triton kernels)"
@@ -356,13 +370,7 @@ def expert_load_path(model, source_is_mxfp4: bool, dequantize_requested: bool = 
         return "not an MXFP4 checkpoint: experts loaded as stored"
     if dequantize_requested:
         return "dequantized to bf16 as requested (Mxfp4Config(dequantize=True))"
-    reasons = []
-    if not torch.cuda.is_available():
-        reasons.append("no GPU (transformers runs MXFP4 on CPU only with use_kernels=True)")
-    if not is_triton_available():
-        reasons.append("triton missing")
-    if not is_kernels_available():
-        reasons.append("the `kernels` package missing")
+    reasons = native_mxfp4_blockers("cuda" if torch.cuda.is_available() else "cpu")
     return ("FELL BACK: transformers dequantized the MXFP4 experts to bf16 while loading ("
             + ("; ".join(reasons) or "reason not reported") + ")")
 
@@ -396,8 +404,12 @@ def fake_quantized_copy_logits(merged, export: "SafetensorsCheckpoint", input_id
                 params[name].copy_(value)
 
 
-def verify_export(out_dir: Path, merged, touched: set[str], check_text: str | None = None) -> dict:
-    """Reloads the export (dequantized, then as-is) and compares weights and logits with `merged`."""
+def verify_export(out_dir: Path, merged, touched: set[str], check_text: str, logit_rtol: float) -> dict:
+    """Reloads the export (dequantized, then as-is) and compares weights and logits with `merged`.
+
+    check_text: the text whose logits are compared; logit_rtol: the largest allowed logit difference to the
+    FP4-rounded merged model, relative to the largest logit.
+    """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, Mxfp4Config
 
@@ -408,7 +420,7 @@ def verify_export(out_dir: Path, merged, touched: set[str], check_text: str | No
     dequantized = AutoModelForCausalLM.from_pretrained(out_dir, quantization_config=Mxfp4Config(dequantize=True),
                                                        dtype=torch.bfloat16).eval()
     report = compare_weights(dequantized.state_dict(), merged_state, export, touched)
-    input_ids = AutoTokenizer.from_pretrained(out_dir)(check_text or CHECK_TEXT, return_tensors="pt").input_ids
+    input_ids = AutoTokenizer.from_pretrained(out_dir)(check_text, return_tensors="pt").input_ids
     with torch.no_grad():
         export_logits = dequantized(input_ids=input_ids).logits.float()
         merged_logits = merged(input_ids=input_ids).logits.float()
@@ -417,9 +429,9 @@ def verify_export(out_dir: Path, merged, touched: set[str], check_text: str | No
     report["logit_diff_vs_merged"] = (export_logits - merged_logits).abs().max().item()
     report["logit_scale"] = merged_logits.abs().max().item()
     # same weights, same ops: only float noise may separate them
-    if report["logit_diff_vs_merged_with_fp4_experts"] > LOGIT_RTOL * report["logit_scale"]:
+    if report["logit_diff_vs_merged_with_fp4_experts"] > logit_rtol * report["logit_scale"]:
         raise CheckFailed(f"export logits differ from the merged model's (with FP4-rounded experts) by "
-                          f"{report['logit_diff_vs_merged_with_fp4_experts']:.4g}, more than {LOGIT_RTOL} of their "
+                          f"{report['logit_diff_vs_merged_with_fp4_experts']:.4g}, more than {logit_rtol} of their "
                           f"scale {report['logit_scale']:.4g}")
     del dequantized
     try:
@@ -435,74 +447,194 @@ def verify_export(out_dir: Path, merged, touched: set[str], check_text: str | No
     return report
 
 
-def push_folder_to_hub(out_dir: Path, repo_id: str, private: bool) -> str:
-    """Uploads `out_dir` to `repo_id`; the token comes from HF_TOKEN (or a cached login) and is never printed."""
-    from huggingface_hub import HfApi
+# ---------------------------------------------------------------------------------------------------------------
+# Hub upload: everything checked before the export, the token passed down and never printed
+# ---------------------------------------------------------------------------------------------------------------
 
+_REPO_ID_FORM = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def hub_connection_errors() -> tuple[type[BaseException], ...]:
+    """The HTTP client's transport errors (no network, DNS, timeout): httpx under huggingface_hub 1.x, httpx2 under
+    2.x. Only these and the Hub's HTTP errors are turned into an `error:` line; anything else is a bug to see."""
+    found = []
+    for name in ("httpx", "httpx2"):
+        try:
+            found.append(importlib.import_module(name).TransportError)
+        except ImportError:
+            continue
+    return tuple(found)
+
+
+def hub_target(settings, environ: typing.Mapping[str, str]) -> tuple[str, str] | None:
+    """(repo id, token) for the upload, or None when there is nothing to upload to; HubError on bad input.
+
+    The repo id is --HUB_REPO_ID, else the HF_REPO_ID environment variable; the token is HF_TOKEN.
+    """
+    if not settings.PUSH_TO_HUB:
+        return None
+    repo_id = (settings.HUB_REPO_ID or environ.get("HF_REPO_ID", "")).strip()
     if not repo_id:
-        raise ExportError("--PUSH_TO_HUB needs --HF_REPO_ID (e.g. you/gpt-oss-20b-tes-mxfp4)")
-    api = HfApi(token=os.environ.get("HF_TOKEN") or None)
-    url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-    api.upload_folder(folder_path=str(out_dir), repo_id=repo_id, repo_type="model",
-                      commit_message="MXFP4 export of gpt-oss with a merged GRPO LoRA adapter")
-    return str(url)
+        return None
+    source = "--HUB_REPO_ID" if settings.HUB_REPO_ID else "HF_REPO_ID"
+    if not _REPO_ID_FORM.match(repo_id):
+        raise HubError(f"{source}={repo_id!r} is not a Hub repo id of the form owner/name (e.g. "
+                       f"you/gpt-oss-20b-tes-mxfp4)")
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise HubError(f"{source}={repo_id!r} is not a valid Hub repo id ({err})") from None
+    token = environ.get("HF_TOKEN", "").strip()
+    if not token:
+        raise HubError(f"{source}={repo_id} asks for an upload, but HF_TOKEN is not set: export HF_TOKEN=<a token "
+                       f"with write access> (or --PUSH_TO_HUB=0 to export without uploading)")
+    return repo_id, token
 
 
-def run_export(adapter_path: str, base_model_id: str, out_dir: str, overwrite: bool = False,
-               allow_other_base: bool = False, check: bool = False, max_shard_gb: float = MAX_SHARD_GB,
-               disk_margin_gb: float = DISK_MARGIN_GB) -> dict:
-    """The whole export; returns a summary dict (and the check report under "check" when `check`)."""
-    adapter = Path(adapter_path)
+def hub_call(what: str, call, *args, **kwargs):
+    """Runs one Hub call; connection failures and HTTP errors become a HubError naming `what` (not the token)."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        return call(*args, **kwargs)
+    except HfHubHTTPError as err:
+        status = getattr(getattr(err, "response", None), "status_code", None)
+        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise HubError(f"{what}: the Hub answered {status or 'an error'}: {detail}") from None
+    except hub_connection_errors() as err:
+        raise HubError(f"{what}: cannot reach the Hugging Face Hub ({type(err).__name__}: {err})") from None
+
+
+def repo_visibility(api, repo_id: str) -> str | None:
+    """"private" or "public" for an existing repo, None when it does not exist (or is not visible to the token)."""
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    try:
+        info = api.repo_info(repo_id, repo_type="model")
+    except RepositoryNotFoundError:
+        return None
+    return "private" if info.private else "public"
+
+
+def check_hub_access(api, repo_id: str, allow_public: bool) -> str:
+    """Before the export: the token is valid and may write to the repo's namespace, and an existing repo is private
+    (or public with allow_public). Returns what will happen to the repo, for the log."""
+    who = hub_call("checking HF_TOKEN", api.whoami)
+    role = ((who.get("auth") or {}).get("accessToken") or {}).get("role")
+    if role == "read":
+        raise HubError(f"HF_TOKEN belongs to {who.get('name')} but is a read-only token: uploading to {repo_id} needs "
+                       f"a token with write access")
+    owner = repo_id.split("/", 1)[0]
+    namespaces = {who.get("name")} | {org.get("name") for org in who.get("orgs") or []}
+    if owner not in namespaces:
+        raise HubError(f"HF_TOKEN belongs to {who.get('name')}, which cannot write to {owner}/ (its namespaces: "
+                       f"{', '.join(sorted(n for n in namespaces if n))})")
+    visibility = hub_call(f"looking up {repo_id}", repo_visibility, api, repo_id)
+    if visibility == "public" and not allow_public:
+        raise HubError(f"{repo_id} exists and is PUBLIC: the upload would publish the model. Make the repo private "
+                       f"on the Hub, choose another repo id, or pass --ALLOW_PUBLIC_REPO=1")
+    return f"existing {visibility} repo" if visibility else "new private repo"
+
+
+def push_folder_to_hub(api, out_dir: Path, repo_id: str, allow_public: bool) -> tuple[str, str]:
+    """Uploads `out_dir` to `repo_id` (created private if missing); returns (url, the repo's real visibility)."""
+    later = f"the export is complete in {out_dir}; upload it later with `hf upload {repo_id} {out_dir}`"
+    try:
+        url = hub_call(f"creating {repo_id}", api.create_repo, repo_id, private=True, exist_ok=True,
+                       repo_type="model")
+        # create_repo(exist_ok=True) leaves an existing repo as it is: read what it really is
+        visibility = hub_call(f"looking up {repo_id}", repo_visibility, api, repo_id) or "unknown visibility"
+        if visibility != "private" and not allow_public:
+            raise HubError(f"{repo_id} is {visibility.upper()}, not private: not uploading (pass "
+                           f"--ALLOW_PUBLIC_REPO=1 to publish)")
+        hub_call(f"uploading to {repo_id}", api.upload_folder, folder_path=str(out_dir), repo_id=repo_id,
+                 repo_type="model", commit_message="MXFP4 export of gpt-oss with a merged GRPO LoRA adapter")
+    except HubError as err:
+        raise HubError(f"{err}; {later}") from None
+    return str(url), visibility
+
+
+def redact(text: str, secret: str | None) -> str:
+    """`text` with every occurrence of `secret` replaced, for messages that might quote a request."""
+    return text.replace(secret, "<HF_TOKEN>") if secret else text
+
+
+def run_export(settings) -> dict:
+    """The whole export for a script's `settings`; returns a summary dict (the check report under "check")."""
+    adapter = Path(settings.ADAPTER_PATH)
     adapter_config = read_adapter_config(adapter)
     named_base = adapter_config.get("base_model_name_or_path")
-    base_id = base_model_id or named_base
+    base_id = settings.BASE_MODEL_ID or named_base
     if not base_id:
         raise ExportError(f"{adapter}/adapter_config.json names no base model; set --BASE_MODEL_ID")
-    if not same_base(base_id, named_base) and not allow_other_base:
+    if not same_base(base_id, named_base) and not settings.ALLOW_OTHER_BASE:
         raise ExportError(f"adapter {adapter} was trained on {named_base!r}, not {base_id!r}; pass "
                           f"--BASE_MODEL_ID={named_base} or --ALLOW_OTHER_BASE if it is the same model elsewhere")
-    out = Path(out_dir)
-    if out.exists() and not overwrite:
+    out = Path(settings.OUT_DIR)
+    if out.exists() and not settings.OVERWRITE:
         raise ExportError(f"{out} already exists; pass --OVERWRITE to replace it")
     base_folder = resolve_base_folder(base_id)
     if not (base_folder / "config.json").is_file():
         raise ExportError(f"base {base_folder} has no config.json")
     check_adapter_fits_base(adapter, base_folder)
-    margin = int(disk_margin_gb * 1e9)
+    margin = int(settings.DISK_MARGIN_GB * 1e9)
     check_free_space(out, checkpoint_bytes(base_folder) + margin)  # early estimate, before the slow load
     print(f"loading base {base_id} (dequantized to bf16) and merging adapter {adapter}")
     merged, touched = load_merged_model(base_folder, adapter)
     print(f"adapter changes {len(touched)} expert parameter(s)" + (f": {sorted(touched)}" if touched else
           " (attention LoRA only): every expert is copied bit for bit from the base"))
-    stats = write_export(merged, touched, base_folder, adapter, out, overwrite=overwrite,
-                         max_shard_bytes=int(max_shard_gb * 1e9), disk_margin_bytes=margin)
+    stats = write_export(merged, touched, base_folder, adapter, out, overwrite=settings.OVERWRITE,
+                         max_shard_bytes=int(settings.MAX_SHARD_GB * 1e9), disk_margin_bytes=margin,
+                         settings_record=dict(settings))
     summary = {"out_dir": str(out), **stats}
     print(f"wrote {out}: {stats['bytes'] / 1e9:.2f} GB in {len(stats['files'])} file(s); experts copied from base "
           f"{stats['copied']}, re-quantized {stats['quantized']}; tokenizer from {stats['tokenizer']}")
-    if check:
-        report = verify_export(out, merged, touched)
+    if settings.CHECK:
+        report = verify_export(out, merged, touched, settings.CHECK_TEXT, settings.LOGIT_RTOL)
         summary["check"] = report
         for key, value in report.items():
             print(f"check: {key} = {value}")
     return summary
 
 
-def main() -> None:
-    from tes_grpo.script_config import configure, save_config
+def main(argv: list[str] | None = None, environ: typing.Mapping[str, str] | None = None) -> int:
+    """Export (and upload when a repo id is given); environ: where HF_TOKEN / HF_REPO_ID are read (os.environ)."""
+    from tes_grpo.script_config import resolve
 
-    config = configure(globals())
+    settings = resolve(globals(), argv)
+    environ = os.environ if environ is None else environ
+    token = None
     try:
-        summary = run_export(ADAPTER_PATH, BASE_MODEL_ID, OUT_DIR, overwrite=OVERWRITE,
-                             allow_other_base=ALLOW_OTHER_BASE, check=CHECK, max_shard_gb=MAX_SHARD_GB,
-                             disk_margin_gb=DISK_MARGIN_GB)
-        save_config(config, Path(OUT_DIR) / "export_config.json")
-        if PUSH_TO_HUB:
-            url = push_folder_to_hub(Path(summary["out_dir"]), HF_REPO_ID, HF_PRIVATE)
-            print(f"uploaded to {url} ({'private' if HF_PRIVATE else 'public'})")
-    except (ExportError, CheckFailed) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
+        try:
+            target = hub_target(settings, environ)
+        except HubError as err:
+            raise HubError(f"{err}; nothing was exported") from None
+        api = None
+        if target is not None:
+            from huggingface_hub import HfApi
+
+            repo_id, token = target
+            api = HfApi(token=token)
+            try:
+                plan = check_hub_access(api, repo_id, settings.ALLOW_PUBLIC_REPO)
+            except HubError as err:
+                raise HubError(f"{err}; nothing was exported (--PUSH_TO_HUB=0 exports without uploading)") from None
+            print(f"upload after the export: {repo_id} ({plan}); token from HF_TOKEN")
+        summary = run_export(settings)
+        if target is None:
+            reason = "--PUSH_TO_HUB=0" if not settings.PUSH_TO_HUB else "no HF_REPO_ID / --HUB_REPO_ID given"
+            print(f"not pushed to the Hub: {reason}")
+            return 0
+        url, visibility = push_folder_to_hub(api, Path(summary["out_dir"]), repo_id, settings.ALLOW_PUBLIC_REPO)
+        print(f"uploaded to {url} ({visibility})")
+    except (ExportError, CheckFailed, HubError) as err:
+        print(f"error: {redact(str(err), token)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -34,7 +34,8 @@ E8M0_BIAS = 127
 # openai/gpt-oss-20b and -120b config.json: everything but the MoE experts stays bf16.
 MODULES_TO_NOT_CONVERT = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
 EXPERT_PARAM_RE = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
-CHECKPOINT_EXPERT_RE = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)_(?P<part>blocks|scales)$")
+CHECKPOINT_EXPERT_RE = re.compile(
+    r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)_(?P<part>blocks|scales)$")
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # same shard size as the hub checkpoints
 ROWS_PER_CHUNK = 1 << 16  # rows of 32-value blocks quantized at once; bounds float32 scratch memory
 
@@ -114,7 +115,8 @@ def expert_param_to_mxfp4(param: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return quantize_mxfp4(param.detach().transpose(-1, -2))
 
 
-def mxfp4_to_expert_param(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def mxfp4_to_expert_param(blocks: torch.Tensor, scales: torch.Tensor,
+                          dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Checkpoint blocks/scales -> transformers' expert parameter `[E, in, out]` (what `from_pretrained` builds)."""
     return dequantize_mxfp4(blocks, scales, dtype).transpose(-1, -2).contiguous()
 
@@ -172,16 +174,74 @@ class SafetensorsCheckpoint(Mapping):
         return len(self._files)
 
 
+def legacy_config_keys(data: Mapping) -> dict:
+    """The config.json keys of openai/gpt-oss-20b that transformers 5's `to_dict()` no longer writes.
+
+    transformers 5 keeps RoPE only as `rope_parameters` (theta inside) and drops the original checkpoint's
+    `rope_theta`, `rope_scaling` and `experts_per_token`, but other readers still take exactly those: Ollama's
+    gpt-oss converter (convert/convert_gptoss.go) reads `rope_theta` (-> rope.freq_base), `rope_scaling.{rope_type,
+    factor, original_max_position_embeddings, beta_fast, beta_slow}`, `experts_per_token` (-> expert_used_count) and
+    `initial_context_length`, and `architectures[0]` picks its converter; a missing key silently becomes 0 there.
+    Derived from the config's own values, so the two spellings cannot disagree; transformers 5 reads them back into
+    the same `rope_parameters` (its `rope_scaling` wins over `rope_parameters`, `rope_theta` fills the theta in).
+    """
+    rope = data.get("rope_parameters")
+    if isinstance(rope, Mapping) and "rope_theta" in rope and not isinstance(rope["rope_theta"], Mapping):
+        theta = rope["rope_theta"]
+        scaling = {key: value for key, value in rope.items() if key != "rope_theta"}
+    elif data.get("rope_theta") is not None:  # an older transformers: the legacy keys are already there
+        theta, scaling = data["rope_theta"], data.get("rope_scaling")
+    else:
+        raise ValueError(f"config has no RoPE theta (rope_parameters={rope!r}, rope_theta={data.get('rope_theta')!r}): "
+                         f"cannot write rope_theta / rope_scaling for Ollama")
+    keys = {"architectures": data.get("architectures") or ["GptOssForCausalLM"], "rope_theta": theta,
+            "experts_per_token": data["num_experts_per_tok"]}  # the value transformers routes with
+    if scaling:
+        keys["rope_scaling"] = dict(scaling)
+        original = scaling.get("original_max_position_embeddings")
+        if original is not None:
+            keys["initial_context_length"] = data.get("initial_context_length") or original
+    return keys
+
+
 def mxfp4_config_dict(config) -> dict:
-    """config.json content: the model config plus gpt-oss's MXFP4 `quantization_config`."""
+    """config.json content: the model config plus gpt-oss's MXFP4 `quantization_config` and the original
+    checkpoint's RoPE / expert keys (`legacy_config_keys`), so Ollama's converter reads it like openai/gpt-oss-20b."""
     data = dict(config) if isinstance(config, Mapping) else config.to_dict()
+    data.update(legacy_config_keys(data))
     data["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": list(MODULES_TO_NOT_CONVERT)}
     data["torch_dtype"] = data["dtype"] = "bfloat16"
     return data
 
 
+def write_config_json(config, out_dir: str | os.PathLike) -> Path:
+    """Writes `out_dir/config.json` (mxfp4_config_dict) as the checkpoint writer does; returns its path."""
+    path = Path(out_dir) / "config.json"
+    path.write_text(json.dumps(mxfp4_config_dict(config), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return path
+
+
+def save_tokenizer_files(tokenizer, out_dir: str | os.PathLike) -> None:
+    """tokenizer.save_pretrained plus the chat template inside tokenizer_config.json as well.
+
+    transformers 5 writes the template only to chat_template.jinja, but Ollama's converter takes it only from
+    tokenizer_config.json's `chat_template` (convert/tokenizer.go), and without it Ollama has no template to
+    recognise as Harmony. transformers reads either file and they hold the same text.
+    """
+    out_dir = Path(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    template = tokenizer.chat_template
+    if not isinstance(template, str) or not template:
+        raise ValueError("the tokenizer has no chat template (gpt-oss's Harmony template is needed for serving)")
+    config_path = out_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["chat_template"] = template
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
 def checkpoint_tensors(state_dict: Mapping[str, torch.Tensor], passthrough: Mapping[str, torch.Tensor] | None = None,
-                       dtype: torch.dtype = torch.bfloat16, stats: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                       dtype: torch.dtype = torch.bfloat16,
+                       stats: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (checkpoint name, tensor) in gpt-oss's layout for a transformers `GptOss` state dict.
 
     Expert weights become `*_blocks` / `*_scales`: copied from `passthrough` (checkpoint names) when
@@ -258,7 +318,7 @@ class ShardWriter:
         count = len(self.temp_files)
         names = (["model.safetensors"] if count == 1
                  else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)])
-        for temp, final in zip(self.temp_files, names):
+        for temp, final in zip(self.temp_files, names, strict=True):
             os.replace(temp, self.out_dir / final)
         if count > 1:
             index = {"metadata": {"total_size": self.total},
@@ -291,12 +351,13 @@ def write_mxfp4_checkpoint(model_or_state_dict, config, out_dir: str | os.PathLi
     for name, tensor in checkpoint_tensors(state_dict, passthrough, dtype, stats):
         writer.add(name, tensor)
     names = writer.finish()
-    (out_dir / "config.json").write_text(json.dumps(config_data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    write_config_json(config_data, out_dir)
     return {"files": names, "bytes": writer.total, **stats}
 
 
 __all__ = [
     "BLOCK_SIZE", "FP4_VALUES", "MODULES_TO_NOT_CONVERT", "SafetensorsCheckpoint", "ShardWriter", "checkpoint_tensors",
     "dequantize_mxfp4", "estimate_checkpoint_bytes", "expert_param_to_mxfp4", "fake_quantize_expert_param",
-    "mxfp4_config_dict", "mxfp4_to_expert_param", "quantize_mxfp4", "write_mxfp4_checkpoint",
+    "legacy_config_keys", "mxfp4_config_dict", "mxfp4_to_expert_param", "quantize_mxfp4", "save_tokenizer_files",
+    "write_config_json", "write_mxfp4_checkpoint",
 ]

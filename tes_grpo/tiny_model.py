@@ -1,24 +1,27 @@
 """Builds the embedded tiny gpt-oss: a 2-layer `GptOssForCausalLM` in the real MXFP4 checkpoint layout.
 
-    .venv/bin/python tiny_model.py                 # build runs/tiny-gpt-oss/ (once; ~1.5 min on 2 CPU cores)
-    .venv/bin/python tiny_model.py --REBUILD       # build it again
+    .venv/bin/python -m tes_grpo.tiny_model             # build runs/tiny-gpt-oss/ (once; ~1.5 min on 2 CPU cores)
+    .venv/bin/python -m tes_grpo.tiny_model --REBUILD   # build it again
 
 `train_grpo.py --MODEL_ID=tiny` calls `ensure_tiny_checkpoint()`, so you rarely run this yourself.
 
 What it is: gpt-oss's architecture at toy size (hidden 64, 2 layers: one sliding-window and one full attention
-layer with attention sinks, 2 query heads sharing 1 key/value head, 4 experts of which 2 are active per token) with the real 201,088-token vocabulary and
-the real tokenizer and chat template (from `../shared/gpt-oss-tokenizer`, see gpt_oss_tokenizer.py), random
-weights from a fixed seed. It is written by `mxfp4.write_mxfp4_checkpoint` exactly like openai/gpt-oss-20b: expert
-weights as `*_blocks` / `*_scales` (MXFP4), everything else bf16, `quantization_config` mxfp4, plus the tokenizer
-files and gpt-oss-20b's generation_config.json (stop tokens <|return|>, <|endoftext|>, <|call|>). Training loads
-it through `Mxfp4Config(dequantize=True)`, the same path as the 20B.
+layer with attention sinks, 2 query heads sharing 1 key/value head, 4 experts of which 2 are active per token)
+with the real 201,088-token vocabulary and the real tokenizer and chat template (from `../shared/gpt-oss-tokenizer`,
+see gpt_oss_tokenizer.py), random weights from a fixed seed. It is written by `mxfp4.write_mxfp4_checkpoint` exactly
+like openai/gpt-oss-20b: expert weights as `*_blocks` / `*_scales` (MXFP4), everything else bf16, `quantization_config`
+mxfp4, the original checkpoint's config keys (`rope_theta`, `rope_scaling`, `experts_per_token`, ...), plus the
+tokenizer files (the chat template also inside tokenizer_config.json, where Ollama reads it) and gpt-oss-20b's
+generation_config.json (stop tokens <|return|>, <|endoftext|>, <|call|>). Training loads it through
+`Mxfp4Config(dequantize=True)`, the same path as the 20B.
 
 The warm-up (why and what): a random model never writes a Harmony answer, so every reward would be NaN and GRPO
 would have nothing to learn from. Before writing, a short supervised warm-up (WARMUP_STEPS AdamW steps, ~1.5 min
 on 2 CPU cores, on task prompts built by tes_env.build_prompt from random series and rendered like the datasets
 by convert_to_harmony; no dataset is read) teaches the answer FORMAT only:
 
-    <|channel|>analysis<|message|>Compare load and CO2 for the hours left.<|end|><|start|>assistant<|channel|>final<|message|>[k]<|return|>
+    <|channel|>analysis<|message|>Compare load and CO2 for the hours left.<|end|><|start|>assistant
+    <|channel|>final<|message|>[k]<|return|>        (one line in the model's text)
 
 with k drawn uniformly at random for every example, independent of the prompt. So after the warm-up the model
 answers in the right format with each action about equally likely, and any later rise in reward comes from GRPO
@@ -34,12 +37,14 @@ import os
 import shutil
 import sys
 import time
+import typing
 from pathlib import Path
 
-import torch
-
 from tes_grpo.fileio import give_default_modes, temporary_folder
-from tes_grpo.script_config import configure, constants_of
+from tes_grpo.script_config import constants_of
+
+if typing.TYPE_CHECKING:  # annotations only; torch is imported where it is used, so --help stays fast
+    import torch
 
 _REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,7 +64,7 @@ WARMUP_LR = 1e-2  # warm-up AdamW learning rate
 REBUILD = False  # build again even if TINY_DIR already holds a finished checkpoint
 
 _WARMUP_ANALYSIS = "Compare load and CO2 for the hours left."
-_BUILD_VERSION = 2  # bump when the builder changes, so cached checkpoints from older builders are rebuilt
+_BUILD_VERSION = 3  # bump when the builder changes, so cached checkpoints from older builders are rebuilt
 _BUILD_INFO = "tiny_model.json"  # written last: its presence marks a finished checkpoint
 # openai/gpt-oss-20b's generation_config.json
 _GENERATION_CONFIG = {"bos_token_id": 199998, "do_sample": True, "eos_token_id": [200002, 199999, 200012],
@@ -67,7 +72,7 @@ _GENERATION_CONFIG = {"bos_token_id": 199998, "do_sample": True, "eos_token_id":
 
 
 def current_settings() -> dict:
-    """This module's constants as they stand now (after any `configure` overrides)."""
+    """This module's constants: the build's default settings (main() passes its resolved ones down instead)."""
     return constants_of(globals())
 
 
@@ -91,6 +96,7 @@ def tiny_config(vocab_size: int = 201088, settings: dict | None = None):
 
 def build_tiny_model(config, seed: int):
     """Random-weight GptOssForCausalLM in float32, experts already on the MXFP4 grid (so writing them is exact)."""
+    import torch
     from transformers import GptOssForCausalLM
 
     from tes_grpo.mxfp4 import fake_quantize_expert_param
@@ -117,6 +123,8 @@ def random_series(rng: torch.Generator):
     """A random 4-day TES input series (tes_env.Series): smooth CO2 factors, load in business hours only."""
     from datetime import datetime, timedelta
 
+    import torch
+
     from tes_grpo import tes_env
     start = datetime(2024, 6, 1) + timedelta(days=int(torch.randint(0, 90, (1,), generator=rng)))
     hours = tes_env.SERIES_HOURS
@@ -136,8 +144,10 @@ def warmup_prompt(tokenizer, rng: torch.Generator) -> str:
     Same instructions, table layout and length (~850 tokens) as the training prompts, with random numbers and a
     random reasoning effort, so the format the warm-up teaches carries over to the real prompts.
     """
-    from tes_grpo import tes_env
+    import torch
+
     from convert_to_harmony import render_harmony_prompt
+    from tes_grpo import tes_env
 
     series = random_series(rng)
     decisions = [t for t in range(tes_env.EPISODE_HOURS) if tes_env.is_business_hour(t)]
@@ -155,6 +165,8 @@ def warmup_completion(action: int) -> str:
 
 def warmup_batch(tokenizer, rng: torch.Generator, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input_ids, attention_mask, loss_mask) for one warm-up batch, right-padded; loss only on completions."""
+    import torch
+
     sequences, masks = [], []
     for _ in range(batch_size):
         prompt = warmup_prompt(tokenizer, rng)
@@ -173,6 +185,8 @@ def warmup_batch(tokenizer, rng: torch.Generator, batch_size: int) -> tuple[torc
 
 def completion_loss(model, input_ids: torch.Tensor, attention: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy on completion tokens only; the 201k-wide logits are made only where needed."""
+    import torch
+
     hidden = model.model(input_ids=input_ids, attention_mask=attention).last_hidden_state
     targets = loss_mask[:, 1:].bool()
     logits = model.lm_head(hidden[:, :-1][targets])
@@ -184,12 +198,14 @@ def warm_up_format(model, tokenizer, steps: int, batch_size: int, lr: float, see
 
     Expert matrices stay frozen (they are already on the MXFP4 grid); everything else trains.
     """
+    import torch
     from tqdm import tqdm
 
     rng = torch.Generator().manual_seed(seed + 1)
-    trainable = [p for n, p in model.named_parameters() if not n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    frozen = ("experts.gate_up_proj", "experts.down_proj")
+    trainable = [p for n, p in model.named_parameters() if not n.endswith(frozen)]
     for name, param in model.named_parameters():
-        param.requires_grad_(not name.endswith(("experts.gate_up_proj", "experts.down_proj")))
+        param.requires_grad_(not name.endswith(frozen))
     optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
     model.train()
     losses = []
@@ -213,12 +229,12 @@ def write_tiny_checkpoint(model, tokenizer, out_dir: str | os.PathLike, info: di
     """MXFP4 checkpoint (mxfp4.write_mxfp4_checkpoint) + tokenizer + generation config + build info, in out_dir."""
     from transformers import GenerationConfig
 
-    from tes_grpo.mxfp4 import write_mxfp4_checkpoint
+    from tes_grpo.mxfp4 import save_tokenizer_files, write_mxfp4_checkpoint
 
     out_dir = Path(out_dir)
     model.config.architectures = ["GptOssForCausalLM"]  # as in openai/gpt-oss-20b's config.json
     stats = write_mxfp4_checkpoint(model, model.config, out_dir)
-    tokenizer.save_pretrained(out_dir)
+    save_tokenizer_files(tokenizer, out_dir)
     GenerationConfig(**_GENERATION_CONFIG).save_pretrained(out_dir)
     info = {**info, "checkpoint": {k: v for k, v in stats.items() if k != "files"}}
     (out_dir / _BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
@@ -281,21 +297,29 @@ def build_tiny_checkpoint(out_dir: str | os.PathLike, settings: dict | None = No
     return out_dir
 
 
-def ensure_tiny_checkpoint(out_dir: str | os.PathLike | None = None, rebuild: bool = False) -> Path:
-    """The tiny checkpoint folder (default TINY_DIR), built first when it is missing or rebuild=True."""
-    out_dir = Path(out_dir or TINY_DIR)
+def ensure_tiny_checkpoint(out_dir: str | os.PathLike | None = None, rebuild: bool = False,
+                           settings: dict | None = None) -> Path:
+    """The tiny checkpoint folder (default TINY_DIR), built first when it is missing, stale or rebuild=True.
+
+    settings: the build settings (default: this module's constants).
+    """
+    settings = settings or current_settings()
+    out_dir = Path(out_dir or settings["TINY_DIR"])
     if is_finished_checkpoint(out_dir) and not rebuild:
-        reason = stale_reason(out_dir)
+        reason = stale_reason(out_dir, settings)
         if reason is None:
-            print(f"using the cached tiny gpt-oss at {out_dir} (tiny_model.py --REBUILD builds it again)")
+            print(f"using the cached tiny gpt-oss at {out_dir} (python -m tes_grpo.tiny_model --REBUILD builds it "
+                  f"again)")
             return out_dir
         print(f"rebuilding the tiny gpt-oss at {out_dir}: {reason}")
-    return build_tiny_checkpoint(out_dir)
+    return build_tiny_checkpoint(out_dir, settings)
 
 
 def main(argv: list[str] | None = None) -> int:
-    configure(globals(), argv)
-    ensure_tiny_checkpoint(TINY_DIR, rebuild=REBUILD)
+    from tes_grpo.script_config import resolve
+
+    settings = resolve(globals(), argv)
+    ensure_tiny_checkpoint(settings.TINY_DIR, rebuild=settings.REBUILD, settings=settings)
     return 0
 
 

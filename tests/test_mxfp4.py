@@ -17,8 +17,11 @@ from tes_grpo.mxfp4 import (
     dequantize_mxfp4,
     expert_param_to_mxfp4,
     fake_quantize_expert_param,
+    legacy_config_keys,
     mxfp4_to_expert_param,
     quantize_mxfp4,
+    save_tokenizer_files,
+    write_config_json,
     write_mxfp4_checkpoint,
 )
 
@@ -125,6 +128,7 @@ def test_checkpoint_layout_and_config(tmp_path):
     assert config["quantization_config"] == {"quant_method": "mxfp4", "modules_to_not_convert": MODULES_TO_NOT_CONVERT}
 
 
+@pytest.mark.slow
 def test_loads_with_dequantize_to_exactly_our_dequantized_weights(tmp_path):
     model = tiny_model()
     write_mxfp4_checkpoint(model, model.config, tmp_path)
@@ -159,3 +163,65 @@ def test_passthrough_copies_blocks_bit_for_bit_and_shards(tmp_path):
     with pytest.raises(ValueError, match="do not fit"):
         bad = dict(edited, **{name: edited[name][:, :32]})
         write_mxfp4_checkpoint(model, model.config, tmp_path / "bad", passthrough=bad)
+
+
+def gpt_oss_20b():
+    from tes_grpo.gpt_oss_shapes import gpt_oss_20b_config
+
+    return gpt_oss_20b_config()
+
+
+YARN_20B = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+            "original_max_position_embeddings": 4096}  # openai/gpt-oss-20b config.json's rope_scaling
+
+# (config, the keys legacy_config_keys adds: openai/gpt-oss-20b's spelling, or the error it raises)
+LEGACY_KEYS = [
+    # transformers 5's to_dict of the 20B config: RoPE only in rope_parameters, no experts_per_token
+    (lambda: gpt_oss_20b().to_dict(),
+     {"architectures": ["GptOssForCausalLM"], "rope_theta": 150000.0, "rope_scaling": YARN_20B,
+      "experts_per_token": 4, "initial_context_length": 4096}),
+    # the tiny test config: GptOssConfig's default RoPE is the 20B's; 2 experts per token
+    (lambda: tiny_config().to_dict(),
+     {"architectures": ["GptOssForCausalLM"], "rope_theta": 150000.0, "rope_scaling": YARN_20B,
+      "experts_per_token": 2, "initial_context_length": 4096}),
+    # an older transformers' dict already has the legacy keys: kept; architectures kept too
+    (lambda: {"architectures": ["X"], "rope_theta": 10000.0, "rope_scaling": None, "num_experts_per_tok": 2},
+     {"architectures": ["X"], "rope_theta": 10000.0, "experts_per_token": 2}),
+    # no theta anywhere: refused rather than written as Ollama's silent zero
+    (lambda: {"num_experts_per_tok": 2}, ValueError),
+]
+
+
+@pytest.mark.parametrize("make_config, expected", LEGACY_KEYS)
+def test_legacy_config_keys(make_config, expected):
+    if expected is ValueError:
+        with pytest.raises(ValueError, match="no RoPE theta"):
+            legacy_config_keys(make_config())
+    else:
+        assert legacy_config_keys(make_config()) == expected
+
+
+@pytest.mark.parametrize("make_config", [gpt_oss_20b, tiny_config])
+def test_written_config_reads_back_into_the_same_config(tmp_path, make_config):
+    from transformers import AutoConfig
+
+    config = make_config()
+    write_config_json(config, tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert "rope_parameters" in written and "rope_scaling" in written and "rope_theta" in written  # both spellings
+    loaded = AutoConfig.from_pretrained(tmp_path)
+    assert loaded.rope_parameters == config.rope_parameters  # transformers 5 reads the two spellings as one
+    assert loaded.num_experts_per_tok == config.num_experts_per_tok
+
+
+@pytest.mark.slow
+def test_tokenizer_files_carry_the_chat_template_in_tokenizer_config(tmp_path):
+    from transformers import AutoTokenizer
+
+    from tes_grpo.gpt_oss_tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    save_tokenizer_files(tokenizer, tmp_path)
+    in_config = json.loads((tmp_path / "tokenizer_config.json").read_text())["chat_template"]
+    assert in_config == (tmp_path / "chat_template.jinja").read_text() == tokenizer.chat_template
+    assert AutoTokenizer.from_pretrained(tmp_path).chat_template == tokenizer.chat_template
