@@ -366,18 +366,21 @@ def run_summary(s, layout: dict, extra: dict) -> dict:
                              "preset": {k: v[1] for k, v in s.preset.items()}}}
 
 
+def check_visible_gpus(gpus: int, processes: int) -> None:
+    """One process must see one GPU: the Trainer would wrap the model in nn.DataParallel, which TRL refuses."""
+    if processes == 1 and gpus > 1:
+        raise SettingsError(f"{gpus} GPUs are visible to one process. Train on one of them with CUDA_VISIBLE_DEVICES=0 "
+                            "python train_grpo.py ..., or on all of them with accelerate launch --config_file "
+                            "configs/accelerate/ddp.yaml (or fsdp2.yaml) train_grpo.py ...")
+
+
 def check_machine(s) -> None:
-    """One process must see one GPU (the Trainer would wrap the model in nn.DataParallel, which TRL refuses), and
-    vLLM must be installed when asked for."""
+    """One GPU per process, and vLLM installed when asked for; says which optional extras are installed."""
     import importlib.util
 
     import torch
 
-    gpus = torch.cuda.device_count()
-    if process_count() == 1 and gpus > 1:
-        raise SettingsError(f"{gpus} GPUs are visible to one process. Train on one of them with CUDA_VISIBLE_DEVICES=0 "
-                            "python train_grpo.py ..., or on all of them with accelerate launch --config_file "
-                            "configs/accelerate/ddp.yaml (or fsdp2.yaml) train_grpo.py ...")
+    check_visible_gpus(torch.cuda.device_count(), process_count())
     have = {name: importlib.util.find_spec(name) is not None for name in ("vllm", "kernels", "liger_kernel")}
     if s.USE_VLLM and not have["vllm"]:
         raise SettingsError("USE_VLLM=1 needs vllm (pip install -r requirements-gpu.txt); it is not installed")

@@ -21,6 +21,10 @@ import pandas as pd
 import pytest
 
 import train_grpo
+from tes_grpo.model_loading import (empty_policy_model, load_training_model, loads_weights_here, model_device_map,
+                                   resolve_model_path)
+from tes_grpo.run_folder import check_resume_processes
+from tes_grpo.workarounds import give_trainable_weights_storage
 from grpo_fixtures import rewards_by_prompt, write_fixture_data
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,10 +61,10 @@ def run(tmp_path_factory, tokenizer):
     root = tmp_path_factory.mktemp("ddp")
     data = write_fixture_data(root, tokenizer)
     out = root / "run"
-    args = ["--MODEL_ID=tiny", f"--DATA_DIR={data}", f"--EVAL_DIR={data / 'eval'}", f"--OUT={out}",
+    args = ["--MODEL_ID=tiny", f"--DATA_DIR={data}", f"--EVAL_DIR={data / 'eval'}", f"--OUT_DIR={out}",
             f"--NUM_GENERATIONS={GENERATIONS}", f"--GRADIENT_ACCUMULATION_STEPS={ACCUMULATION}",
             "--MAX_COMPLETION_LEN=40", f"--SAVE_STEPS={SAVE_AT}"]
-    train_grpo.resolve_model_path("tiny")  # build the tiny checkpoint here, outside the timed launches
+    resolve_model_path("tiny")  # build the tiny checkpoint here, outside the timed launches
     launch(args + [f"--TOTAL_STEPS={SAVE_AT}"], root / "first.log")
     first = {"log": pd.read_csv(out / "completions.csv", keep_default_na=False),
              "console": (root / "first.log").read_text(),
@@ -74,7 +78,7 @@ def run(tmp_path_factory, tokenizer):
     groups = itertools.islice(stream.micro_steps(), RESUMED_TO * PROCESSES * ACCUMULATION)
     micro_steps = [group[0]["prompt"] for group in groups]
     return {"out": out, "first": first, "micro_steps": micro_steps,
-            "resumed_console": (root / "resumed.log").read_text(), "rewards": rewards_by_prompt(tokenizer, "low")}
+            "resumed_console": (root / "resumed.log").read_text(), "rewards": rewards_by_prompt(tokenizer, "medium")}
 
 
 @pytest.mark.slow
@@ -137,7 +141,7 @@ def test_adapter_saved_once_loads_on_one_process(run):
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    model = PeftModel.from_pretrained(train_grpo.load_policy_model("tiny"), str(run["out"]))
+    model = PeftModel.from_pretrained(load_training_model(resolve_model_path("tiny")), str(run["out"]))
     saved = load_file(run["out"] / "adapter_model.safetensors")
     loaded = {n.replace(".default", ""): p for n, p in model.named_parameters() if "lora_" in n}
     assert saved and set(saved) == set(loaded)
@@ -167,30 +171,27 @@ def test_one_process_helpers_act_like_plain_code(capsys, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     processes.say("hidden")
     assert capsys.readouterr().out == ""
-    assert train_grpo.model_device_map(cuda=False) is None
 
 
-# (environment, cuda, expected device_map)
+# (cuda, FSDP, processes, local rank, expected device_map)
 DEVICE_MAPS = [
-    ({}, True, "cuda"),  # one GPU
-    ({"WORLD_SIZE": "2", "LOCAL_RANK": "1"}, True, {"": 1}),  # DDP: each process its own GPU
-    ({"WORLD_SIZE": "2", "LOCAL_RANK": "1", "ACCELERATE_USE_FSDP": "true"}, True, None),  # FSDP: CPU, then sharded
-    ({"WORLD_SIZE": "2", "LOCAL_RANK": "1"}, False, None),  # no GPU
+    (True, False, 1, 0, "cuda"),  # one GPU
+    (True, False, 2, 1, {"": 1}),  # DDP: each process its own GPU
+    (True, True, 2, 1, None),  # FSDP: CPU, then sharded
+    (False, False, 2, 1, None),  # no GPU
 ]
 
 
-@pytest.mark.parametrize("env, cuda, expected", DEVICE_MAPS)
-def test_model_device_map(monkeypatch, env, cuda, expected):
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "ACCELERATE_USE_FSDP"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    assert train_grpo.model_device_map(cuda) == expected
+@pytest.mark.parametrize("cuda, fsdp, processes, rank, expected", DEVICE_MAPS)
+def test_model_device_map(cuda, fsdp, processes, rank, expected):
+    assert model_device_map(cuda, fsdp, processes, rank) == expected
 
 
 def test_synced_generate_keeps_processes_stepping_together():
+    from tes_grpo.workarounds import SyncedGenerate
+
     calls = []
-    synced = train_grpo.SyncedGenerate(lambda *args, **kwargs: calls.append(kwargs))
+    synced = SyncedGenerate(lambda *args, **kwargs: calls.append(kwargs))
     synced(max_new_tokens=3)
     synced(synced_gpus=False)
     assert calls == [{"max_new_tokens": 3, "synced_gpus": True}, {"synced_gpus": False}]
@@ -206,13 +207,12 @@ VISIBLE_GPUS = [
 
 
 @pytest.mark.parametrize("processes, gpus, refused", VISIBLE_GPUS)
-def test_one_process_sees_one_gpu(monkeypatch, processes, gpus, refused):
-    monkeypatch.setenv("WORLD_SIZE", str(processes))
+def test_one_process_sees_one_gpu(processes, gpus, refused):
     if refused:
         with pytest.raises(train_grpo.SettingsError, match="CUDA_VISIBLE_DEVICES=0.*accelerate launch"):
-            train_grpo.check_visible_gpus(gpus)
+            train_grpo.check_visible_gpus(gpus, processes)
     else:
-        train_grpo.check_visible_gpus(gpus)
+        train_grpo.check_visible_gpus(gpus, processes)
 
 
 # (cuda, FSDP config, rank, loads the checkpoint's weights)
@@ -226,19 +226,16 @@ LOADS_WEIGHTS = [
 
 
 @pytest.mark.parametrize("cuda, fsdp, rank, loads", LOADS_WEIGHTS)
-def test_loads_weights_here(monkeypatch, cuda, fsdp, rank, loads):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", str(rank))
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true" if fsdp else "false")
-    assert train_grpo.loads_weights_here(cuda) is loads
+def test_loads_weights_here(cuda, fsdp, rank, loads):
+    assert loads_weights_here(cuda, fsdp, 2, rank) is loads
 
 
 @pytest.mark.slow
 def test_empty_model_has_the_loaded_models_structure_without_weights():
     import torch
 
-    loaded = train_grpo.load_policy_model("tiny")
-    empty = train_grpo.empty_policy_model(train_grpo.resolve_model_path("tiny"), loaded.dtype,
+    loaded = load_training_model(resolve_model_path("tiny"))
+    empty = empty_policy_model(resolve_model_path("tiny"), loaded.dtype,
                                           loaded.config._attn_implementation)
     shapes = {n: (tuple(p.shape), p.dtype) for n, p in loaded.named_parameters()}
     assert {n: (tuple(p.shape), p.dtype) for n, p in empty.named_parameters()} == shapes
@@ -268,9 +265,9 @@ def test_resume_needs_the_same_number_of_processes(tmp_path, files, processes, r
         (tmp_path / name).write_bytes(b"")
     if refused:
         with pytest.raises(InputError, match="was written by"):
-            train_grpo.check_resume_processes(tmp_path, processes)
+            check_resume_processes(tmp_path, processes)
     else:
-        train_grpo.check_resume_processes(tmp_path, processes)
+        check_resume_processes(tmp_path, processes)
 
 
 @pytest.mark.slow
@@ -278,11 +275,11 @@ def test_lora_weights_of_an_empty_model_get_their_own_storage():
     """accelerate maps optimizer parameters to FSDP shards by data_ptr(): meta tensors all have 0."""
     from peft import get_peft_model
 
-    empty = train_grpo.empty_policy_model(train_grpo.resolve_model_path("tiny"), None, "eager")
+    empty = empty_policy_model(resolve_model_path("tiny"), None, "eager")
     model = get_peft_model(empty, train_grpo.build_lora_config(4, 8))
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert trainable and all(p.is_meta for p in trainable)
-    assert train_grpo.give_trainable_weights_storage(model) == len(trainable)
+    assert give_trainable_weights_storage(model) == len(trainable)
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert not any(p.is_meta for p in trainable)
     assert len({p.data_ptr() for p in trainable}) == len(trainable)
