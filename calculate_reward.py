@@ -1,15 +1,18 @@
 """Boltzmann-softmax rewards from Q-values: reward_action_k = softmax(q_action_0..3 / tau)_k.
 
-    python calculate_reward.py data --tau 0.05 --overwrite
+    python calculate_reward.py                              # every Q table under data/, X_with_reward.csv beside it
+    python calculate_reward.py data --TAU=0.05 --OVERWRITE  # the same, replacing the files themselves
 
-PATHS may be files or folders. A folder means every CSV below it (recursively) whose header has the
-columns q_action_0..3, except `*_with_reward.csv` outputs of an earlier run. Without --overwrite each
-FILE.csv gets a sibling FILE_with_reward.csv; with --overwrite the file itself is replaced atomically.
-The reward columns are inserted after q_action_3 (replaced in place if present); every other cell is
-kept as the same text (read as strings, never reformatted). tau must be finite and > 0.
-Missing, non-numeric, NaN or infinite Q-values are errors that name the file, row (1 = first data
-row) and column; every file is checked before anything is written, so nothing is written if any file
-has an error.
+PATHS may be files or folders (default: data). A folder means every CSV below it (recursively) whose header has
+the columns q_action_0..3, except `*_with_reward.csv` outputs of an earlier run. Without --OVERWRITE each
+FILE.csv gets a sibling FILE_with_reward.csv, and an existing one is refused; with --OVERWRITE the file itself is
+replaced atomically (a symlink's target is replaced, the link stays). The reward columns are inserted after
+q_action_3 (replaced in place if present); every other cell is kept as the same text (read as strings, never
+reformatted). TAU must be finite and > 0.
+Missing, non-numeric, NaN or infinite Q-values, duplicate column names and text that is not UTF-8 are errors
+that name the file, row (1 = first data row) and column; every file is checked before anything is written, and
+the files are written all or none (a failed write restores the ones already replaced).
+Exit status: 0 done, 1 bad input file or failed write, 2 bad setting.
 """
 
 from __future__ import annotations
@@ -20,9 +23,17 @@ from pathlib import Path
 from typing import Sequence
 
 from tes_grpo import tes_env
-from tes_grpo.fileio import InputError, parse_finite, write_csv_atomic
+from tes_grpo.fileio import (
+    InputError,
+    csv_files,
+    csv_writer,
+    parse_finite,
+    read_csv_header,
+    read_csv_table,
+    write_files_atomic,
+)
 
-PATHS: list = []  # CSV files or folders (positional arguments)
+PATHS: list = ["data"]  # CSV files or folders (positional arguments)
 TAU = 0.05  # softmax temperature in Q units; must be finite and > 0
 OVERWRITE = False  # replace the input files instead of writing *_with_reward.csv siblings
 
@@ -57,12 +68,7 @@ def parse_q(path, row: int, column: str, text) -> float:
 
 def read_table(path: Path):
     """The CSV as a DataFrame of strings (nothing reformatted; empty cells stay empty strings)."""
-    import pandas as pd
-
-    try:
-        return pd.read_csv(path, dtype=str, keep_default_na=False, na_filter=False)
-    except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as err:
-        raise InputError(path, f"cannot read as CSV: {err}") from None
+    return read_csv_table(path)
 
 
 def with_rewards(frame, tau: float, path) -> object:
@@ -74,8 +80,8 @@ def with_rewards(frame, tau: float, path) -> object:
         raise InputError(path, "no data rows")
     rewards = {column: [] for column in _REWARD_COLUMNS}
     for index, cells in enumerate(frame[_Q_COLUMNS].itertuples(index=False, name=None)):
-        q = [parse_q(path, index + 1, column, cell) for column, cell in zip(_Q_COLUMNS, cells)]
-        for column, value in zip(_REWARD_COLUMNS, boltzmann(q, tau)):
+        q = [parse_q(path, index + 1, column, cell) for column, cell in zip(_Q_COLUMNS, cells, strict=True)]
+        for column, value in zip(_REWARD_COLUMNS, boltzmann(q, tau), strict=True):
             rewards[column].append(format_reward(value))
     out = frame.drop(columns=[c for c in _REWARD_COLUMNS if c in frame.columns])
     position = list(out.columns).index(_Q_COLUMNS[-1]) + 1
@@ -88,57 +94,54 @@ def reward_output_path(path: Path, overwrite: bool) -> Path:
     return path if overwrite else path.with_name(f"{path.stem}{_WITH_REWARD_SUFFIX}{path.suffix}")
 
 
-def has_q_columns(path: Path) -> bool:
-    import csv
-
-    with path.open(newline="", encoding="utf-8") as handle:
-        header = next(csv.reader(handle), [])
-    return all(column in header for column in _Q_COLUMNS)
+def is_q_table(path: Path) -> bool:
+    """A CSV found in a folder is processed when it has the Q columns and is not an earlier output."""
+    return not path.stem.endswith(_WITH_REWARD_SUFFIX) and all(c in read_csv_header(path) for c in _Q_COLUMNS)
 
 
 def expand_paths(paths: Sequence) -> tuple[list[Path], list[Path]]:
     """(files to process, CSVs skipped in folders for lacking Q columns or being earlier outputs)."""
-    files, skipped = [], []
-    for raw in paths:
-        path = Path(raw)
-        if path.is_dir():
-            for candidate in sorted(path.rglob("*.csv")):
-                if candidate.stem.endswith(_WITH_REWARD_SUFFIX) or not has_q_columns(candidate):
-                    skipped.append(candidate)
-                else:
-                    files.append(candidate)
-        elif path.is_file():
-            files.append(path)
-        else:
-            raise InputError(path, "no such file or folder")
-    return files, skipped
+    return csv_files(paths, wanted=is_q_table)
 
 
 def calculate_rewards(paths: Sequence, tau: float, overwrite: bool) -> list[Path]:
-    """Checks every file, then writes them all; raises InputError (nothing written) on the first bad cell."""
+    """Checks every file, then writes them all (or none); raises InputError, nothing written, on the first error."""
     tau = check_tau(tau)
     files, _ = expand_paths(paths)
     if not files:
         raise InputError(", ".join(str(p) for p in paths) or "<no paths>", "no CSV with q_action_0..3 columns")
-    prepared = [(reward_output_path(path, overwrite), with_rewards(read_table(path), tau, path)) for path in files]
-    return [write_csv_atomic(frame, target) for target, frame in prepared]
+    targets = [reward_output_path(path, overwrite) for path in files]
+    if not overwrite:
+        existing = [target for target in targets if target.exists() or target.is_symlink()]
+        if existing:
+            raise InputError(existing[0], f"output exists ({len(existing)} in all); pass --OVERWRITE to replace "
+                                          "the inputs themselves, or move it away")
+    frames = [with_rewards(read_table(path), tau, path) for path in files]
+    outputs = [(target, csv_writer(frame)) for target, frame in zip(targets, frames, strict=True)]
+    return write_files_atomic(outputs, suffix=".csv")
 
 
-def main() -> None:
-    from tes_grpo.script_config import configure
+def main(argv: list[str] | None = None) -> int:
+    from tes_grpo.script_config import resolve
 
-    configure(globals(), positional="PATHS")
+    settings = resolve(globals(), argv, positional="PATHS")
     try:
-        files, skipped = expand_paths(PATHS)
+        check_tau(settings.TAU)
+    except ValueError:
+        print(f"error: --TAU={settings.TAU!r}: must be a finite number > 0", file=sys.stderr)
+        return 2
+    try:
+        files, skipped = expand_paths(settings.PATHS)
         for path in skipped:
             print(f"skipped {path} (no q_action_0..3 columns, or an earlier {_WITH_REWARD_SUFFIX} output)")
-        written = calculate_rewards([str(p) for p in files] if files else PATHS, TAU, OVERWRITE)
-    except (InputError, ValueError) as err:
+        written = calculate_rewards(files if files else settings.PATHS, settings.TAU, settings.OVERWRITE)
+    except InputError as err:
         print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
+        return 1
     for path in written:
-        print(f"wrote {path} (tau={TAU:g})")
+        print(f"wrote {path} (tau={settings.TAU:g})")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -215,7 +215,19 @@ def parse_action(completion_text: str) -> int | None:
     answers = BRACKETED_INT.findall(content[:min(ends)])
     if not answers:
         return None
-    action = int(answers[-1])
+    return _small_action(answers[-1])
+
+
+def _small_action(text: str) -> int | None:
+    """The action 0..3 that a bracketed integer's text names, else None; never raises.
+
+    int() refuses texts of more than 4,300 digits (Python's int-conversion limit) and a generated answer may be
+    any length, so the digits are counted before converting: more than one significant digit is never 0..3.
+    """
+    digits = text.lstrip("-").lstrip("0") or "0"
+    if len(digits) > 1:
+        return None
+    action = int(text[0] + digits) if text.startswith("-") else int(digits)
     return action if 0 <= action < NUM_ACTIONS else None
 
 

@@ -1,18 +1,20 @@
 """Regenerates the example data in data/ byte for byte: series, Q datasets, rewards, Harmony prompts.
 
     python make_example_data.py            # rewrites data/series, data/train, data/eval
-    python make_example_data.py --check    # regenerates into a temporary folder and compares with data/
+    python make_example_data.py --CHECK    # regenerates into a temporary folder and compares with data/
 
 Steps (each the function of the script named): make_series.py writes N_WINDOWS seeded 4-day windows to
-data/series; make_q_dataset.py writes one <window>_q_dataset.csv per window (30 rows, exact Q), every
-EVAL_EVERY-th window into data/eval and the rest into data/train; calculate_reward.py adds
+OUT_DIR/series; make_q_dataset.py writes one <window>_q_dataset.csv per window (30 rows, exact Q), every
+EVAL_EVERY-th window into OUT_DIR/eval and the rest into OUT_DIR/train; calculate_reward.py adds
 reward_action_0..3 (tau TAU) in place; convert_to_harmony.py writes <window>_q_dataset_harmony.csv with the
 pinned date; check_data.py validates the result. Prints the optimal-vs-rule-policy table.
+Exit status: 0 done (or, with --CHECK, identical), 1 a failed write or a difference, 2 bad setting.
 """
 
 from __future__ import annotations
 
 import filecmp
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -23,12 +25,13 @@ import convert_to_harmony
 import make_q_dataset
 import make_series
 from tes_grpo import tes_env
+
 OUT_DIR = "data"  # folder that receives series/, train/ and eval/
 N_WINDOWS = 12  # number of 4-day windows
 SEED = 2024  # seed of the series generator
-START_DATE = "2024-06-03"  # first day of the first window
-EVAL_EVERY = 4  # windows 4, 8, 12 (1-based) go to eval/, the others to train/
-TAU = 0.05  # softmax temperature of the rewards
+START_DATE = "2024-06-03"  # first day of the first window (YYYY-MM-DD)
+EVAL_EVERY = 4  # windows 4, 8, 12 (1-based) go to eval/, the others to train/ (>= 1)
+TAU = 0.05  # softmax temperature of the rewards (finite, > 0)
 CHECK = False  # regenerate into a temporary folder and compare with OUT_DIR instead of writing it
 
 _SUBFOLDERS = ("series", "train", "eval")
@@ -82,29 +85,56 @@ def compare_trees(expected: str | Path, actual: str | Path) -> list[str]:
     return lines
 
 
-def main() -> None:
-    from tes_grpo.script_config import configure
+def check_settings(settings) -> None:
+    """ValueError naming the first setting whose value is out of range."""
+    make_series.check_n_windows(settings.N_WINDOWS)
+    make_series.parse_start_date(settings.START_DATE, settings.N_WINDOWS)
+    if settings.EVAL_EVERY < 1:
+        raise ValueError(f"--EVAL_EVERY={settings.EVAL_EVERY!r}: must be >= 1")
+    if not (math.isfinite(settings.TAU) and settings.TAU > 0):
+        raise ValueError(f"--TAU={settings.TAU!r}: must be a finite number > 0")
+    out_dir = Path(settings.OUT_DIR)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--OUT_DIR={str(settings.OUT_DIR)!r}: is a file, not a folder")
 
-    configure(globals())
-    if CHECK:
-        with tempfile.TemporaryDirectory() as tmp:
-            make_example_data(tmp, N_WINDOWS, SEED, START_DATE, EVAL_EVERY, TAU)
-            differences = compare_trees(tmp, OUT_DIR)
-        for line in differences:
-            print(line)
-        if differences:
-            print(f"error: {OUT_DIR} differs from a fresh regeneration ({len(differences)} file(s))", file=sys.stderr)
-            sys.exit(1)
-        print(f"ok: {OUT_DIR} equals a fresh regeneration byte for byte")
-        return
-    written, table = make_example_data(OUT_DIR, N_WINDOWS, SEED, START_DATE, EVAL_EVERY, TAU)
-    print(f"wrote {len(written)} files under {OUT_DIR}/ ({', '.join(_SUBFOLDERS)})")
-    stale = sorted(set(data_files(OUT_DIR)) - {str(p.relative_to(OUT_DIR)) for p in written})
+
+def main(argv: list[str] | None = None) -> int:
+    from tes_grpo.fileio import InputError
+    from tes_grpo.script_config import resolve
+
+    settings = resolve(globals(), argv)
+    try:
+        check_settings(settings)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    steps = (settings.N_WINDOWS, settings.SEED, settings.START_DATE, settings.EVAL_EVERY, settings.TAU)
+    out_dir = settings.OUT_DIR
+    try:
+        if settings.CHECK:
+            with tempfile.TemporaryDirectory() as tmp:
+                make_example_data(tmp, *steps)
+                differences = compare_trees(tmp, out_dir)
+            for line in differences:
+                print(line)
+            if differences:
+                print(f"error: {out_dir} differs from a fresh regeneration ({len(differences)} file(s))",
+                      file=sys.stderr)
+                return 1
+            print(f"ok: {out_dir} equals a fresh regeneration byte for byte")
+            return 0
+        written, table = make_example_data(out_dir, *steps)
+    except (InputError, ValueError) as err:  # ValueError: the tokenizer could not be loaded
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {len(written)} files under {out_dir}/ ({', '.join(_SUBFOLDERS)})")
+    stale = sorted(set(data_files(out_dir)) - {str(p.relative_to(out_dir)) for p in written})
     for name in stale:
-        print(f"note: {Path(OUT_DIR) / name} was not written by this run (left as it is)")
+        print(f"note: {Path(out_dir) / name} was not written by this run (left as it is)")
     print()
     print(make_q_dataset.format_policy_table(table))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -8,10 +8,12 @@ run twice in one process. Then, for any constant `FOO_BAR`:
     python script.py --FOO_BAR=3        # exact name
     python script.py --foo-bar 3        # the same, argparse style
     python script.py --overwrite        # a bare flag sets a bool constant to True
+    python script.py --overwrite false  # ... unless a bool word (1/0, true/false, yes/no, on/off) follows it
     python script.py a.csv b.csv        # positional words go to the constant named by `positional`
     python script.py --help             # lists every constant with its default and comment
 
-An unknown name or a value of the wrong type is an error that lists the valid names (exit 2).
+An unknown name or a value of the wrong type is an error that lists the valid names (exit 2). Float settings must
+be finite (nan, inf and numbers too large for a float are refused).
 The value's type comes from the constant's default (or its annotation when the default is None).
 
 Presets are data: `resolve(..., presets={"MODEL_ID": {"tiny": {...}}})` replaces the defaults of the names in the
@@ -21,6 +23,7 @@ preset, unless given on the command line, when MODEL_ID resolves to "tiny"; `--h
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
@@ -77,7 +80,10 @@ def convert_value(name: str, text: str, default, annotation=None):
         if kind is int:
             return int(text)
         if kind is float:
-            return float(text)
+            value = float(text)
+            if not math.isfinite(value):  # nan, inf, or a number too large for a float ("1e999")
+                raise ValueError("must be a finite number")
+            return value
         if kind is Path:
             return Path(text)
         if kind in (list, tuple):
@@ -139,7 +145,13 @@ def parse_overrides(argv: list[str], defaults: dict, annotations: dict | None = 
         default = defaults[name]
         if not has_value:
             if isinstance(default, bool):
-                result[name] = True
+                # `--overwrite false`: a bool word right after a bare flag is its value, not a positional word
+                following = argv[i].strip().lower() if i < len(argv) else ""
+                if following in _TRUE or following in _FALSE:
+                    result[name] = following in _TRUE
+                    i += 1
+                else:
+                    result[name] = True
                 continue
             if i >= len(argv):
                 raise ConfigError(f"--{key} needs a value (--{name}=value)")

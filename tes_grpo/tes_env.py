@@ -29,7 +29,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Callable, Sequence
 
-from tes_grpo.fileio import InputError, parse_finite
+from tes_grpo.fileio import InputError, check_unique_columns, parse_finite, read_csv_text
 
 RATED_KW = 100.0  # ASHP rated cooling output (kW); one hour at ratio 1 schedules 100 kWh
 COP = 4.0  # ASHP coefficient of performance (kWh cooling per kWh electricity), constant
@@ -49,6 +49,11 @@ TERMINAL_TIMESTEP = 24 * (EPISODE_DAYS - 1) + LAST_BUSINESS_HOUR + 1  # 66: the 
 INITIAL_ENERGY_KWH = 150.0
 LOW_CO2_COUNT = 5  # co2_low5 averages this many lowest day-4 business-hour factors
 SERIES_COLUMNS = ("datetime", "co2_kg_per_kwh", "cooling_load_kw")
+# Sanity limits of a series' values. No grid emits more than about 1.2 kg CO2/kWh (lignite), so a factor above 10
+# is a unit mistake (g/kWh); a cooling load above 10x the heat pump's rating is one too (W for kW). Values within
+# them keep every Q-value finite and exact.
+MAX_CO2_KG_PER_KWH = 10.0
+MAX_LOAD_KW = 10 * RATED_KW
 ENERGY_KEY_DECIMALS = 9  # float energies equal to 1e-9 kWh share one memo entry (paths differ by ~1e-13)
 TIE_TOLERANCE = 1e-9  # Q-values this close count as a tie; the lowest action wins
 Q_COLUMNS = tuple(f"q_action_{a}" for a in range(N_ACTIONS))
@@ -107,10 +112,16 @@ def series_from_rows(rows: Sequence[Sequence[str]], name: str, path="<series>") 
         if factor < 0:
             raise InputError(path, "CO2 factor must be >= 0", row=number, column="co2_kg_per_kwh",
                              value=text_co2)
+        if factor > MAX_CO2_KG_PER_KWH:
+            raise InputError(path, f"CO2 factor must be at most {MAX_CO2_KG_PER_KWH:g} kg/kWh (is it in g/kWh?)",
+                             row=number, column="co2_kg_per_kwh", value=text_co2)
         kw = parse_finite(path, number, "cooling_load_kw", text_load)
         if kw < 0:
             raise InputError(path, "cooling load must be >= 0", row=number, column="cooling_load_kw",
                              value=text_load)
+        if kw > MAX_LOAD_KW:
+            raise InputError(path, f"cooling load must be at most {MAX_LOAD_KW:g} kW, 10x the heat pump's rating "
+                                   "(is it in W?)", row=number, column="cooling_load_kw", value=text_load)
         if kw != 0 and moment.hour not in BUSINESS_HOURS:
             raise InputError(path, "cooling load must be 0 outside business hours 08:00-17:00",
                              row=number, column="cooling_load_kw", value=text_load)
@@ -121,18 +132,23 @@ def series_from_rows(rows: Sequence[Sequence[str]], name: str, path="<series>") 
 
 
 def load_series(path: str | Path) -> Series:
-    """Reads a series CSV with exactly the columns datetime,co2_kg_per_kwh,cooling_load_kw (96 rows)."""
+    """Reads a series CSV with exactly the columns datetime,co2_kg_per_kwh,cooling_load_kw (96 rows).
+
+    UTF-8, with or without a byte-order mark; InputError naming the file (and row, column, value) on any problem.
+    """
     import csv
+    import io
 
     path = Path(path)
+    text = read_csv_text(path)
     try:
-        with path.open(newline="", encoding="utf-8") as handle:
-            table = list(csv.reader(handle))
-    except OSError as err:
-        raise InputError(path, f"cannot read: {err.strerror}") from None
+        table = list(csv.reader(io.StringIO(text)))
+    except csv.Error as err:
+        raise InputError(path, f"cannot read as CSV: {err}") from None
     if not table:
         raise InputError(path, "empty file")
     header = [cell.strip() for cell in table[0]]
+    check_unique_columns(path, header)
     if header != list(SERIES_COLUMNS):
         raise InputError(path, f"columns must be exactly {','.join(SERIES_COLUMNS)}; found {','.join(header)}")
     rows = table[1:]
@@ -489,7 +505,7 @@ Actions (ASHP output for the current hour)
 [2] two thirds: {scheduled_kwh(2):.1f} kW
 [3] full: {scheduled_kwh(3):.0f} kW
 
-Answer format: a single line with only the action number in brackets, for example [2]."""
+Answer format: a single line with only the action number in brackets, for example [2]."""  # noqa: E501 (the prompt's own line breaks)
 
 LEGACY_SYSTEM_HEADER = "system:\n"
 LEGACY_USER_HEADER = "\n\nuser:\n"
@@ -522,7 +538,8 @@ def build_prompt(series: Series, t: int, energy: float) -> tuple[str, str]:
     for hour in BUSINESS_HOURS:
         s = 24 * day + hour
         mark = "past" if s < t else "NOW" if s == t else ""
-        lines.append(f"{hour:02d}:00 | {_fmt_load(series.load[s]):>7} | {_fmt_co2(series.co2[s]):>10} | {mark}".rstrip())
+        row = f"{hour:02d}:00 | {_fmt_load(series.load[s]):>7} | {_fmt_co2(series.co2[s]):>10} | {mark}"
+        lines.append(row.rstrip())
     remaining = sum(series.load[s] for s in range(t, 24 * day + LAST_BUSINESS_HOUR + 1))
     lines.append(f"Load from now to the end of today: {remaining:.1f} kWh.")
     next_day = day + 1

@@ -23,7 +23,8 @@ SOFTMAX_CASES = [
     ([1.0, 0.0, 0.0, 0.0], 1.0, [math.e / (math.e + 3), 1 / (math.e + 3), 1 / (math.e + 3), 1 / (math.e + 3)]),
     ([0.0, math.log(2.0), math.log(3.0), math.log(4.0)], 1.0, [0.1, 0.2, 0.3, 0.4]),  # exp(q) = 1, 2, 3, 4
     ([0.0, 0.05 * math.log(3.0), 0.0, 0.0], 0.05, [1 / 6, 3 / 6, 1 / 6, 1 / 6]),  # tau scales the gap
-    ([-1000.0, -1000.1, -2000.0, -1000.0], 0.05, [1 / (2 + math.exp(-2)), math.exp(-2) / (2 + math.exp(-2)), 0.0, 1 / (2 + math.exp(-2))]),  # no underflow to 0/0
+    ([-1000.0, -1000.1, -2000.0, -1000.0], 0.05,
+     [1 / (2 + math.exp(-2)), math.exp(-2) / (2 + math.exp(-2)), 0.0, 1 / (2 + math.exp(-2))]),  # no underflow to 0/0
     ([1e6, 0.0, 0.0, 0.0], 0.01, [1.0, 0.0, 0.0, 0.0]),  # no overflow to inf/inf
     ([-6.789009, -7.065398, -7.341786, -7.618175], 0.05, None),  # a real row: checked against the formula
 ]
@@ -111,7 +112,7 @@ def test_sibling_output_keeps_other_columns_and_inserts_rewards_after_q(tmp_path
     assert source.read_bytes() == before
     out = pd.read_csv(written, dtype=str, keep_default_na=False)
     original = pd.read_csv(source, dtype=str, keep_default_na=False)
-    assert list(out.columns) == ["timestep", "prompt", *list(tes_env.Q_COLUMNS), *list(tes_env.REWARD_COLUMNS), "series"]
+    assert list(out.columns) == ["timestep", "prompt", *tes_env.Q_COLUMNS, *tes_env.REWARD_COLUMNS, "series"]
     assert out[original.columns].equals(original)  # every other cell is the same text ("-1.000000" stays)
     for index, q in enumerate(GOOD):
         rewards = [float(out.loc[index, c]) for c in list(tes_env.REWARD_COLUMNS)]
@@ -143,10 +144,11 @@ def test_folders_take_q_csvs_recursively_and_skip_others(tmp_path):
 
 # ---- command line: (arguments, exit code, text in stderr) ---------------------------------------------------
 CLI_CASES = [
-    (["--tau", "0"], 1, "tau must be a finite number > 0"),  # tau 0
-    (["--tau", "nan"], 1, "tau must be a finite number > 0"),  # tau NaN
+    (["--tau", "0"], 2, "--TAU=0.0: must be a finite number > 0"),  # tau 0
+    (["--tau", "nan"], 2, "--TAU='nan': not a valid float (must be a finite number)"),  # tau NaN
     (["--tau", "abc"], 2, "not a valid float"),  # tau not a number
     (["--tau", "0.05", "--overwrite"], 0, ""),  # fine
+    (["--tau", "0.05", "--overwrite", "yes"], 0, ""),  # a bool word after the flag is its value
 ]
 
 
@@ -158,3 +160,27 @@ def test_cli(tmp_path, args, code, message):
     assert result.returncode == code, result.stderr
     assert message in result.stderr
     assert ("reward_action_0" in source.read_text()) == (code == 0)
+
+
+def test_no_path_reads_the_data_folder(tmp_path):
+    """`python calculate_reward.py` alone takes data/ (of the working folder), like check_data.py."""
+    (tmp_path / "data" / "train").mkdir(parents=True)
+    source = write_q_csv(tmp_path / "data" / "train" / "x_q_dataset.csv", GOOD)
+    elsewhere = write_q_csv(tmp_path / "other_q_dataset.csv", GOOD)  # outside data/: not touched
+    result = subprocess.run([sys.executable, str(REPO / "calculate_reward.py")], cwd=tmp_path, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [f"wrote {Path('data/train/x_q_dataset_with_reward.csv')} (tau=0.05)"]
+    assert "reward_action_0" in (tmp_path / "data" / "train" / "x_q_dataset_with_reward.csv").read_text()
+    assert "reward_action_0" not in source.read_text() + elsewhere.read_text()
+    assert not (tmp_path / "other_q_dataset_with_reward.csv").exists()
+
+
+def test_main_twice_in_one_process_keeps_the_defaults(tmp_path, capsys):
+    source = write_q_csv(tmp_path / "d_q_dataset.csv", GOOD)
+    assert cr.main([str(source), "--TAU=1", "--OVERWRITE"]) == 0
+    assert cr.TAU == 0.05 and cr.OVERWRITE is False and cr.PATHS == ["data"]  # the module's constants are untouched
+    assert cr.main([str(source), "--OVERWRITE"]) == 0
+    second = pd.read_csv(source)
+    assert second.reward_action_0[0] == pytest.approx(cr.boltzmann([-1.0, -1.1, -1.2, -1.3], 0.05)[0])
+    assert "tau=1" in capsys.readouterr().out

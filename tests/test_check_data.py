@@ -94,3 +94,33 @@ def test_cli_exit_codes(tmp_path):
     bad = subprocess.run([sys.executable, str(REPO / "check_data.py"), str(path)], capture_output=True, text=True)
     assert bad.returncode == 1
     assert len(bad.stdout.strip().splitlines()) == 2 and "2 problem(s)" in bad.stderr
+
+
+# ---- the tolerances are settings that reach the checks: (cells of row 2, arguments, exit status) -------------------
+TOLERANCE_CASES = [
+    ({"reward_action_3": "0.004"}, [], 1),  # the rewards sum to 1.004: refused by default (1e-6)
+    ({"reward_action_3": "0.004"}, ["--SUM_TOLERANCE=0.005"], 0),  # accepted with a looser tolerance
+    ({"reward_action_3": "0.004"}, ["--SUM_TOLERANCE=0.003"], 1),
+    ({"q_action_0": "-1.05", "optimal_action": "0"}, [], 1),  # action 0 is 0.05 below the best Q
+    ({"q_action_0": "-1.05", "optimal_action": "0"}, ["--ARGMAX_TOLERANCE=0.06"], 0),
+]
+
+
+@pytest.mark.parametrize("cells, args, code", TOLERANCE_CASES)
+def test_tolerance_settings_are_followed(tmp_path, capsys, cells, args, code):
+    frame = good_frame()
+    for column, text in cells.items():
+        frame.loc[1, column] = text
+    path = write(frame, tmp_path / "x_harmony.csv")
+    assert check_data.main([str(path), *args]) == code
+    assert check_data.SUM_TOLERANCE == 1e-6 and check_data.ARGMAX_TOLERANCE == 1e-6  # the defaults stay
+    captured = capsys.readouterr()
+    assert ("ok: 1 file(s), 3 row(s)" in captured.out) == (code == 0)
+    if code:
+        assert captured.err.startswith("error: 1 problem(s)")
+
+
+def test_byte_order_mark_is_accepted(tmp_path):
+    path = write(good_frame(), tmp_path / "x_harmony.csv")
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert check_data.check_paths([tmp_path]) == (1, 3, [])

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from openai_harmony import (Conversation, DeveloperContent, Message, ReasoningEffort, Role, SystemContent)
+from openai_harmony import Conversation, DeveloperContent, Message, ReasoningEffort, Role, SystemContent
 
 import convert_to_harmony as ch
 import make_series
@@ -146,7 +146,7 @@ def test_cli_refuses_existing_output_without_overwrite(tmp_path):
     result = subprocess.run([sys.executable, str(REPO / "convert_to_harmony.py"), str(source)], cwd=REPO,
                             capture_output=True, text=True)
     assert result.returncode == 1
-    assert "output exists" in result.stderr and "--overwrite" in result.stderr
+    assert "output exists" in result.stderr and "--OVERWRITE" in result.stderr
     assert (tmp_path / "z_harmony.csv").read_text() == "mine\n"
 
 
@@ -155,3 +155,48 @@ def test_folder_input_skips_harmony_outputs(tmp_path):
     (tmp_path / "a_q_dataset_harmony.csv").write_text("prompt\nx\n")
     (tmp_path / "series.csv").write_text("datetime,co2_kg_per_kwh,cooling_load_kw\n")
     assert ch.expand_paths([tmp_path]) == [tmp_path / "a_q_dataset.csv"]
+
+
+def test_main_follows_the_settings(tokenizer, tmp_path, monkeypatch, capsys):
+    """--TOKENIZER, --DATE and --REASONING_EFFORT reach the rendering (nothing is bound at definition)."""
+    import tes_grpo.gpt_oss_tokenizer as gpt_oss_tokenizer
+
+    loaded = []
+    monkeypatch.setattr(gpt_oss_tokenizer, "load_tokenizer", lambda source=None: loaded.append(source) or tokenizer)
+    source = legacy_csv(tmp_path / "m.csv", [tes_env.legacy_prompt("s", "u")])
+    folder = tmp_path / "my-tokenizer"
+    folder.mkdir()
+    assert ch.main([str(source), f"--TOKENIZER={folder}", "--DATE=2030-01-02", "--REASONING_EFFORT=low"]) == 0
+    assert loaded == [str(folder)]
+    prompt = pd.read_csv(tmp_path / "m_harmony.csv").prompt[0]
+    assert prompt == ch.render_harmony_prompt("s", "u", tokenizer, reasoning_effort="low", date="2030-01-02")
+    assert "Current date: 2030-01-02\n" in prompt and "Reasoning: low\n" in prompt
+    assert f"tokenizer: {folder}; reasoning effort low; date 2030-01-02" in capsys.readouterr().out
+    assert (ch.DATE, ch.REASONING_EFFORT, ch.TOKENIZER) == ("2025-08-05", "medium", "")  # defaults untouched
+
+
+# ---- TOKENIZER values: (value, error words or None when it is passed on to the loader) -----------------------------
+TOKENIZER_CASES = [
+    ("/no/such/folder", "the folder does not exist"),  # an absolute path
+    ("./missing", "the folder does not exist"),  # a relative one
+    ("a/b/c", "the folder does not exist"),  # more than one slash: not a hub id
+    ("~/no-such-tokenizer-here", "the folder does not exist"),
+    ("openai/gpt-oss-20b", None),  # a hub id
+    ("gpt2", None),  # a hub id without owner
+]
+
+
+@pytest.mark.parametrize("value, words", TOKENIZER_CASES)
+def test_tokenizer_setting_is_checked_before_loading(value, words):
+    if words is None:
+        ch.check_tokenizer_source(value)
+    else:
+        with pytest.raises(ValueError, match=words):
+            ch.check_tokenizer_source(value)
+
+
+def test_a_tokenizer_that_cannot_load_names_the_setting(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match=rf"--TOKENIZER='{empty}': cannot load a tokenizer"):
+        ch.get_tokenizer(str(empty))

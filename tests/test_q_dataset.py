@@ -12,6 +12,7 @@ import pytest
 import make_q_dataset
 import make_series
 from tes_grpo import tes_env
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -35,7 +36,7 @@ def test_rows_follow_the_optimal_trajectory_with_exact_q(series_file):
     assert [int(t) for t in frame.timestep] == tes_env.business_timesteps()
     assert frame.timestamp.iloc[0] == "2024-07-01T08:00:00" and frame.timestamp.iloc[-1] == "2024-07-03T17:00:00"
     energy = 150.0
-    for t, row in zip(tes_env.business_timesteps(), frame.itertuples()):
+    for t, row in zip(tes_env.business_timesteps(), frame.itertuples(), strict=True):
         assert float(row.tes_energy_kwh) == pytest.approx(energy, abs=1e-6)
         q = [float(getattr(row, f"q_action_{a}")) for a in range(4)]
         assert q == pytest.approx(solver.q_values(t, energy), abs=5e-7)  # 6 decimals
@@ -84,12 +85,12 @@ def test_cli_writes_dataset_and_prints_policy_table(series_file, tmp_path):
     # the optimum's net CO2 in the table is -6 * V_0(100)
     series = tes_env.load_series(series_file)
     v0 = tes_env.QSolver(series).value(0, 100.0)
-    line = next(l for l in result.stdout.splitlines() if l.startswith(series_file.stem))
+    line = next(text for text in result.stdout.splitlines() if text.startswith(series_file.stem))
     assert float(line.split()[1]) == pytest.approx(-6 * v0, abs=0.006)
     # a second run refuses to overwrite, --overwrite replaces it with the same bytes
     before = target.read_bytes()
     refused = run_script(str(series_file), "--out-dir", str(out), "--initial-energy", "100")
-    assert refused.returncode == 1 and "pass --overwrite" in refused.stderr
+    assert refused.returncode == 1 and "pass --OVERWRITE" in refused.stderr
     assert run_script(str(series_file), "--out-dir", str(out), "--initial-energy", "100", "--overwrite").returncode == 0
     assert target.read_bytes() == before
 
@@ -111,6 +112,8 @@ def test_off_trajectory_energy_list_is_validated():
     assert make_q_dataset.parse_energy_list("") == []
     with pytest.raises(ValueError, match="outside"):
         make_q_dataset.parse_energy_list("301")
+    with pytest.raises(ValueError, match=r"--OFF_TRAJECTORY_ENERGIES='0,x': 'x' is not a number"):
+        make_q_dataset.parse_energy_list("0,x")
 
 
 def test_policy_table_lists_every_series_and_the_saving():

@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from tes_grpo.script_config import ConfigError, configure, constants_of, convert_value, parse_overrides, save_config
+from tes_grpo.script_config import (
+    ConfigError,
+    Settings,
+    constants_of,
+    convert_value,
+    parse_overrides,
+    resolve,
+    save_config,
+    settings_from,
+)
 
 DEFAULTS = {"STEPS": 10, "LR": 1e-5, "NAME": "run", "FLAG": False, "ON": True, "OUT": Path("runs/x"),
             "LAYERS": [], "SIZES": [1, 2], "PATHS": [], "LIMIT": None, "RATIO": None, "TAG": None}
@@ -33,6 +43,15 @@ GOOD = [
     (["a.csv", "b.csv"], {"PATHS": ["a.csv", "b.csv"]}),  # positional words go to the positional constant
     (["--STEPS=1", "x.csv", "--FLAG"], {"STEPS": 1, "PATHS": ["x.csv"], "FLAG": True}),  # mixed order
     ([], {}),
+    (["--FLAG", "false"], {"FLAG": False}),  # a bool word after a bare flag is its value, not a positional word
+    (["--flag", "TRUE"], {"FLAG": True}),  # any case
+    (["--FLAG", "0", "a.csv"], {"FLAG": False, "PATHS": ["a.csv"]}),  # 0/1 too; the next word is positional again
+    (["--ON", "off"], {"ON": False}),  # on/off
+    (["--FLAG", "no"], {"FLAG": False}),  # yes/no
+    (["--FLAG", "a.csv"], {"FLAG": True, "PATHS": ["a.csv"]}),  # not a bool word: the flag alone, then a path
+    (["--FLAG", "--STEPS=2"], {"FLAG": True, "STEPS": 2}),  # another setting follows
+    (["--FLAG=false", "true"], {"FLAG": False, "PATHS": ["true"]}),  # with =value the next word is positional
+    (["--LR=1e300"], {"LR": 1e300}),  # large but finite
 ]
 
 
@@ -51,6 +70,12 @@ BAD = [
     (["--SIZES=1,x"], "PATHS", ["not a valid int"]),  # list item of the wrong type
     (["--STEPS"], "PATHS", ["--STEPS needs a value"]),  # non-bool without a value
     (["stray.csv"], None, ["unexpected argument 'stray.csv'", "Valid names:"]),  # positional word, none expected
+    (["--LR=nan"], "PATHS", ["--LR='nan'", "must be a finite number"]),  # NaN would switch comparisons off
+    (["--LR=inf"], "PATHS", ["--LR='inf'", "must be a finite number"]),
+    (["--LR=-Infinity"], "PATHS", ["must be a finite number"]),
+    (["--LR=" + "9" * 400], "PATHS", ["must be a finite number"]),  # overflows to inf when parsed
+    (["--RATIO=nan"], "PATHS", ["--RATIO='nan'", "must be a finite number"]),  # annotation float | None
+    (["--STEPS=" + "9" * 5000], "PATHS", ["not a valid int"]),  # over Python's int-digits limit: an error, no crash
 ]
 
 
@@ -67,28 +92,104 @@ def namespace():
             "lower_case": 1, "_PRIVATE": 2, "TABLE": {"a": 1}}
 
 
-def test_configure_updates_namespace_and_returns_constants():
+PRESETS = {"NAME": {"tiny": {"STEPS": 2, "LR": 0.1}}}
+
+# ---- resolve: (argv, expected values, expected given names, expected preset record) -------------------------------
+RESOLVE_CASES = [
+    ([], {"STEPS": 10, "NAME": "run", "PATHS": []}, set(), {}),  # defaults
+    (["--STEPS=7", "--FLAG", "in.csv"], {"STEPS": 7, "FLAG": True, "PATHS": ["in.csv"]}, {"STEPS", "FLAG", "PATHS"},
+     {}),  # overrides and a positional word; all of them given
+    (["--NAME=tiny"], {"STEPS": 2, "LR": 0.1}, {"NAME"}, {"STEPS": (10, 2), "LR": (1e-5, 0.1)}),  # a preset
+    (["--NAME=tiny", "--STEPS=5"], {"STEPS": 5, "LR": 0.1}, {"NAME", "STEPS"}, {"LR": (1e-5, 0.1)}),  # given wins
+    (["--FLAG", "false"], {"FLAG": False, "PATHS": []}, {"FLAG"}, {}),  # the bool word is the flag's value
+]
+
+
+@pytest.mark.parametrize("argv, values, given, preset", RESOLVE_CASES)
+def test_resolve(argv, values, given, preset):
     ns = namespace()
-    config = configure(ns, ["--STEPS=7", "--FLAG", "in.csv"], positional="PATHS")
-    assert ns["STEPS"] == 7 and ns["FLAG"] is True and ns["PATHS"] == ["in.csv"]
-    assert config == constants_of(ns)
-    assert "lower_case" not in config and "_PRIVATE" not in config and "TABLE" not in config  # only simple constants
+    before = dict(ns)
+    settings = resolve(ns, argv, positional="PATHS", presets=PRESETS)
+    assert isinstance(settings, Settings)
+    for name, value in values.items():
+        assert settings[name] == value and getattr(settings, name) == value
+    assert settings.given == given and settings.preset == preset
+    assert ns == before  # the namespace's constants are never rewritten
+    assert set(settings) == set(constants_of(ns))  # only simple UPPER_CASE constants
+    assert "lower_case" not in settings and "_PRIVATE" not in settings and "TABLE" not in settings
 
 
-@pytest.mark.parametrize("argv", [["--NOPE=1"], ["--STEPS=x"]])
-def test_configure_exits_2_with_message(argv, capsys):
+# (argv, exit status, words on stdout (0) or stderr (2))
+RESOLVE_EXIT_CASES = [
+    (["--NOPE=1"], 2, ["error: unknown setting --NOPE", "Valid names:"]),
+    (["--STEPS=x"], 2, ["error: --STEPS='x': not a valid int"]),
+    (["--LR=nan"], 2, ["error: --LR='nan'", "finite"]),
+    (["--help"], 0, ["Test script.", "--STEPS=10", "--LIMIT=None", "preset NAME=tiny", "--STEPS=2", "--LR=0.1"]),
+    (["-h"], 0, ["usage: python test_script_config.py [--NAME=value ...] [PATHS ...]"]),
+]
+
+
+@pytest.mark.parametrize("argv, code, words", RESOLVE_EXIT_CASES)
+def test_resolve_exits(argv, code, words, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        configure(namespace(), argv)
-    assert exit_info.value.code == 2
-    assert capsys.readouterr().err.startswith("error: ")
+        resolve(namespace(), argv, positional="PATHS", presets=PRESETS)
+    assert exit_info.value.code == code
+    out, err = capsys.readouterr()
+    text = out if code == 0 else err
+    for word in words:
+        assert word in text, text
+    if code:
+        assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
 
 
-def test_configure_help_lists_constants_and_exits_0(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        configure(namespace(), ["--help"])
-    assert exit_info.value.code == 0
-    out = capsys.readouterr().out
-    assert out.startswith("Test script.") and "--STEPS=10" in out and "--LIMIT=None" in out
+def test_resolve_rejects_an_undefined_positional_constant():
+    with pytest.raises(KeyError, match="NOPE"):
+        resolve(namespace(), [], positional="NOPE")
+
+
+# ---- Settings: (operation, expected exception and words) ----------------------------------------------------------
+def set_attribute(settings):
+    settings.STEPS = 3
+
+
+def set_item(settings):
+    settings["STEPS"] = 3
+
+
+def delete_attribute(settings):
+    del settings.STEPS
+
+
+READ_ONLY_CASES = [
+    (set_attribute, AttributeError, "read-only"),  # settings.X = ...
+    (set_item, TypeError, "item assignment"),  # settings["X"] = ... (a Mapping, not a dict)
+    (delete_attribute, AttributeError, None),
+    (lambda s: s.NOPE, AttributeError, "no setting NOPE; valid:"),  # typo: lists the names
+    (lambda s: s["NOPE"], KeyError, "NOPE"),
+    (lambda s: s.replace(NOPE=1), KeyError, "unknown setting(s) NOPE"),
+]
+
+
+@pytest.mark.parametrize("operation, error, words", READ_ONLY_CASES)
+def test_settings_are_read_only(operation, error, words):
+    settings = settings_from(namespace(), {"STEPS": 4})
+    with pytest.raises(error, match=None if words is None else re.escape(words)):
+        operation(settings)
+    assert settings.STEPS == 4
+
+
+def test_settings_replace_returns_a_changed_copy():
+    settings = settings_from(namespace(), {"STEPS": 4})
+    changed = settings.replace(LR=0.5, NAME="b")
+    assert (changed.LR, changed.NAME, changed.STEPS) == (0.5, "b", 4)
+    assert (settings.LR, settings.NAME) == (1e-5, "run")  # the original is unchanged
+    assert changed.given == {"STEPS", "LR", "NAME"} and settings.given == {"STEPS"}
+    assert dict(changed) == {**dict(settings), "LR": 0.5, "NAME": "b"}
+
+
+def test_settings_from_refuses_unknown_names():
+    with pytest.raises(ConfigError, match="unknown setting"):
+        settings_from(namespace(), {"NOPE": 1})
 
 
 def test_convert_value_annotation_object():

@@ -51,21 +51,31 @@ def brute_force_q(series: tes_env.Series, t: int, energy: float, action: int) ->
 # ---- one hour of the plant: (energy, load, co2, action) -> expected fields --------------------------------
 TRANSITION_CASES = [
     # ASHP off, TES covers the load fully
-    (150.0, 30.0, 0.4, 0, dict(energy=120.0, served=0.0, discharged=30.0, unserved=0.0, charged=0.0, wasted=0.0, emissions_kg=0.0)),
+    (150.0, 30.0, 0.4, 0,
+     dict(energy=120.0, served=0.0, discharged=30.0, unserved=0.0, charged=0.0, wasted=0.0, emissions_kg=0.0)),
     # ASHP off, TES runs empty: 10 kWh unserved, reward = -(0 + 10*10)/6
-    (20.0, 30.0, 0.4, 0, dict(energy=0.0, served=0.0, discharged=20.0, unserved=10.0, charged=0.0, wasted=0.0, emissions_kg=0.0)),
+    (20.0, 30.0, 0.4, 0,
+     dict(energy=0.0, served=0.0, discharged=20.0, unserved=10.0, charged=0.0, wasted=0.0, emissions_kg=0.0)),
     # full output, load 30: 70 kWh surplus charges the TES; emissions 100/4*0.4 = 10 kg
-    (150.0, 30.0, 0.4, 3, dict(energy=220.0, served=30.0, discharged=0.0, unserved=0.0, charged=70.0, wasted=0.0, emissions_kg=10.0)),
+    (150.0, 30.0, 0.4, 3,
+     dict(energy=220.0, served=30.0, discharged=0.0, unserved=0.0, charged=70.0, wasted=0.0, emissions_kg=10.0)),
     # full output into a nearly full TES: 20 kWh charged, 50 wasted, emissions still on the full 100 kWh
-    (280.0, 30.0, 0.4, 3, dict(energy=300.0, served=30.0, discharged=0.0, unserved=0.0, charged=20.0, wasted=50.0, emissions_kg=10.0)),
+    (280.0, 30.0, 0.4, 3,
+     dict(energy=300.0, served=30.0, discharged=0.0, unserved=0.0, charged=20.0, wasted=50.0, emissions_kg=10.0)),
     # one third (33.33 kWh) on load 50: TES discharges the other 16.67
-    (100.0, 50.0, 0.3, 1, dict(energy=100.0 - (50.0 - 100.0 / 3), served=100.0 / 3, discharged=50.0 - 100.0 / 3, unserved=0.0, charged=0.0, wasted=0.0, emissions_kg=100.0 / 3 / 4 * 0.3)),
+    (100.0, 50.0, 0.3, 1,
+     dict(energy=100.0 - (50.0 - 100.0 / 3), served=100.0 / 3, discharged=50.0 - 100.0 / 3, unserved=0.0, charged=0.0,
+          wasted=0.0, emissions_kg=100.0 / 3 / 4 * 0.3)),
     # two thirds on load 0 (e.g. a business hour with no load): all 66.67 kWh charged
-    (0.0, 0.0, 0.5, 2, dict(energy=200.0 / 3, served=0.0, discharged=0.0, unserved=0.0, charged=200.0 / 3, wasted=0.0, emissions_kg=200.0 / 3 / 4 * 0.5)),
+    (0.0, 0.0, 0.5, 2,
+     dict(energy=200.0 / 3, served=0.0, discharged=0.0, unserved=0.0, charged=200.0 / 3, wasted=0.0,
+          emissions_kg=200.0 / 3 / 4 * 0.5)),
     # empty TES, load above the full output: 20 kWh unserved
-    (0.0, 120.0, 0.2, 3, dict(energy=0.0, served=100.0, discharged=0.0, unserved=20.0, charged=0.0, wasted=0.0, emissions_kg=5.0)),
+    (0.0, 120.0, 0.2, 3,
+     dict(energy=0.0, served=100.0, discharged=0.0, unserved=20.0, charged=0.0, wasted=0.0, emissions_kg=5.0)),
     # output exactly equals the load: nothing moves in the TES
-    (77.0, 100.0, 0.25, 3, dict(energy=77.0, served=100.0, discharged=0.0, unserved=0.0, charged=0.0, wasted=0.0, emissions_kg=6.25)),
+    (77.0, 100.0, 0.25, 3,
+     dict(energy=77.0, served=100.0, discharged=0.0, unserved=0.0, charged=0.0, wasted=0.0, emissions_kg=6.25)),
 ]
 
 
@@ -124,7 +134,7 @@ def test_transition_rejects_energy_outside_the_tank():
 
 def test_co2_low5_uses_day_4_business_hours_only():
     co2 = [0.5] * tes_env.SERIES_HOURS
-    for hour, value in zip(range(8, 18), [0.30, 0.20, 0.40, 0.10, 0.25, 0.45, 0.35, 0.50, 0.15, 0.33]):
+    for hour, value in zip(range(8, 18), [0.30, 0.20, 0.40, 0.10, 0.25, 0.45, 0.35, 0.50, 0.15, 0.33], strict=True):
         co2[72 + hour] = value
     co2[72 + 3] = 0.01  # a night hour of day 4 must not count
     co2[60] = 0.02  # nor a business hour of day 3
@@ -264,7 +274,7 @@ def test_rule_policies(name, load, energy, expected):
 
 def test_low_co2_charging_charges_in_the_three_cleanest_hours():
     co2 = [0.5] * tes_env.SERIES_HOURS
-    for hour, value in zip(range(8, 18), [0.45, 0.40, 0.30, 0.22, 0.20, 0.21, 0.28, 0.35, 0.42, 0.48]):
+    for hour, value in zip(range(8, 18), [0.45, 0.40, 0.30, 0.22, 0.20, 0.21, 0.28, 0.35, 0.42, 0.48], strict=True):
         co2[hour] = value
     series = make_series(co2, [20.0 if tes_env.is_business_hour(h) else 0.0 for h in range(96)])
     actions = [tes_env.low_co2_charging_policy(series, t, 100.0) for t in range(8, 18)]
@@ -286,6 +296,10 @@ BAD_SERIES_CASES = [
     (0, 0, "2024-06-03T01:00:00", "row 1, column 'datetime', value '2024-06-03T01:00:00': the series must start"),
     (2, 0, "yesterday", "row 3, column 'datetime', value 'yesterday': not an ISO date-time"),  # unparsable time
     (4, 1, "-0.2", "row 5, column 'co2_kg_per_kwh', value '-0.2': CO2 factor must be >= 0"),  # negative CO2
+    (5, 1, "1e308", "row 6, column 'co2_kg_per_kwh', value '1e308': CO2 factor must be at most 10"),  # -inf Q before
+    (5, 1, "450", "row 6, column 'co2_kg_per_kwh', value '450': CO2 factor must be at most 10 kg/kWh (is it in g/kWh"),
+    (10, 2, "1000.1", "row 11, column 'cooling_load_kw', value '1000.1': cooling load must be at most 1000 kW"),
+    (10, 2, "25000", "row 11, column 'cooling_load_kw', value '25000': cooling load must be at most"),  # W, not kW
 ]
 
 
@@ -299,6 +313,51 @@ def test_series_errors_name_row_column_and_value(tmp_path, row, column, text, me
         tes_env.load_series(path)
     assert str(path) in str(info.value)
     assert message in str(info.value)
+
+
+def test_series_limits_are_inclusive():
+    rows = good_rows()
+    rows[5][1], rows[10][2] = "10", "1000"
+    series = tes_env.series_from_rows(rows, "edge")
+    assert series.co2[5] == 10.0 and series.load[10] == 1000.0
+    assert all(math.isfinite(q) for q in tes_env.QSolver(series).q_values(8, 150.0))
+
+
+@pytest.mark.parametrize("prefix", [
+    b"\xef\xbb\xbf",  # Excel's "CSV UTF-8" byte-order mark: accepted
+    b"",  # no mark
+])
+def test_series_file_encoding(tmp_path, prefix):
+    path = tmp_path / "s.csv"
+    path.write_bytes(prefix + ("datetime,co2_kg_per_kwh,cooling_load_kw\n"
+                               + "\n".join(",".join(r) for r in good_rows()) + "\n").encode())
+    assert tes_env.load_series(path).co2[0] == 0.3
+
+
+# (header, the error's words)
+SERIES_ERROR_CASES = [
+    ("datetime,co2_kg_per_kwh,co2_kg_per_kwh", "column 'co2_kg_per_kwh': duplicate column name"),
+    ("datetime,co2_kg_per_kwh,cooling_load_kw,datetime", "column 'datetime': duplicate column name"),
+]
+
+
+@pytest.mark.parametrize("header, words", SERIES_ERROR_CASES)
+def test_series_duplicate_columns(tmp_path, header, words):
+    path = tmp_path / "dup.csv"
+    path.write_text(header + "\n" + "\n".join(",".join(r) for r in good_rows()) + "\n")
+    with pytest.raises(InputError, match=words) as info:
+        tes_env.load_series(path)
+    assert str(info.value).startswith(str(path))
+
+
+def test_series_invalid_utf8_names_row_and_byte(tmp_path):
+    path = tmp_path / "latin1.csv"
+    text = "datetime,co2_kg_per_kwh,cooling_load_kw\n" + "\n".join(",".join(r) for r in good_rows()) + "\n"
+    data = text.encode()
+    at = data.index(b"\n", data.index(b"T04:00:00")) - 1  # the last byte of row 5
+    path.write_bytes(data[:at] + b"\xe9" + data[at + 1:])
+    with pytest.raises(InputError, match=rf"row 5: not valid UTF-8 at byte {at} \(0xe9\)"):
+        tes_env.load_series(path)
 
 
 def test_series_needs_the_exact_columns_and_96_rows(tmp_path):
