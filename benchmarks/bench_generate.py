@@ -1,18 +1,29 @@
-"""Generation throughput of a gpt-oss-20b-shaped model (random weights) on one GPU, per experts path.
+"""Generation throughput of a gpt-oss-20b-shaped model (random weights) on one GPU, per experts and decode path.
 
 Run on the GPU machine (the numbers go to BENCHMARKS.md):
 
     python benchmarks/bench_generate.py --NUM_SEQS=64 --NEW_TOKENS=128
-    python benchmarks/bench_generate.py --NUM_SEQS=64 --NEW_TOKENS=128 --VARIANTS=grouped_mm,static,graphs --COMPARE_SEQS=8
+    python benchmarks/bench_generate.py --NEW_TOKENS=128 --VARIANTS=grouped_mm,static,graphs --COMPARE_SEQS=8
+    python benchmarks/bench_generate.py --NUM_PROMPTS=4 --PROMPT_LEN_SPREAD=40 --VARIANTS=graphs_unshared,graphs
+    python benchmarks/bench_generate.py --NUM_PROMPTS=4 --NEW_TOKENS=8 --VARIANTS=graphs --RECOMPILE_LENGTHS=20
 
 It builds the 20B architecture in bf16 straight on the GPU (no download), then times generation (prefill
 included) for each variant in VARIANTS. `default` is transformers' generate as shipped, which switches `grouped_mm`
 experts to `batched_mm` while decoding; `grouped_mm` keeps grouped GEMM throughout (see
 `gpt_oss_shapes.keep_experts_implementation_for_decode`); `static` is graph_decode.py's decode loop without CUDA
-graphs and `graphs` the same with each decode step replayed as a CUDA graph (train_grpo's DECODE_GRAPHS).
-COMPARE_SEQS > 0 then checks that graph_decode gives transformers' distribution: it samples completions with
-transformers' generate (left-padded prompts, as TRL pads them) and prints how far the log-probabilities that
-transformers' decoding and graph_decode's give those tokens are from one full forward pass over them.
+graphs and `graphs` the same with each decode step replayed as a CUDA graph (train_grpo's DECODE_GRAPHS); both
+prefill each distinct prompt once, `static_unshared` / `graphs_unshared` prefill every row.
+
+NUM_PROMPTS > 0 makes the batch GRPO-shaped, as TRL passes it to generate(): NUM_PROMPTS distinct prompts, each
+repeated NUM_SEQS / NUM_PROMPTS times in a row, real lengths up to PROMPT_LEN_SPREAD tokens shorter than PROMPT_LEN
+and left-padded. The table printed last has, per variant, the prefill (a generate call of one new token) and the
+whole call. LORA_R > 0 decodes through train_grpo's LoRA adapter in train mode, the state GRPO generates in.
+RECOMPILE_LENGTHS > 0 then prefills that many different prompt lengths (PROMPT_LEN down to PROMPT_LEN - 300) through
+graph_decode and prints how many graphs torch.compile built for them (flex attention; TORCH_LOGS=recompiles is on
+for that part, so each recompile prints its reason). COMPARE_SEQS > 0 checks that graph_decode gives transformers'
+distribution: it samples completions with transformers' generate (left-padded prompts, as TRL pads them) and prints
+how far the log-probabilities that transformers' decoding and graph_decode's give those tokens are from one full
+forward pass over them.
 """
 
 from __future__ import annotations
@@ -25,25 +36,27 @@ from pathlib import Path as _Path
 _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))
 
 import contextlib
+import sys
 import time
 
-import torch
-
-from transformers import GenerationConfig
-
 from tes_grpo.gpt_oss_shapes import build_random_model, keep_experts_implementation_for_decode, stack_versions
-from tes_grpo.script_config import configure
+from tes_grpo.script_config import resolve
 
 NUM_SEQS = 64  # sequences decoded together
-PROMPT_LEN = 1316  # prompt tokens per sequence (the TES prompts are about this long)
+NUM_PROMPTS = 0  # distinct prompts among them, each repeated NUM_SEQS/NUM_PROMPTS times in a row (TRL); 0 = all
+PROMPT_LEN = 1316  # prompt tokens per sequence, padding included (the TES prompts are about this long)
+PROMPT_LEN_SPREAD = 0  # distinct prompts are up to this many tokens shorter, left-padded to PROMPT_LEN (as TRL pads)
 NEW_TOKENS = 128  # tokens generated per sequence (random weights never stop early)
 ATTN = "flex_attention"  # attention kernel: flex_attention (has sinks) | eager | sdpa
-VARIANTS = ("default", "grouped_mm")  # default | grouped_mm | grouped_mm_graphs | static | graphs, comma-separated
+VARIANTS = ("default", "grouped_mm")  # default|grouped_mm|grouped_mm_graphs|static|graphs|*_unshared, comma-separated
+PREFILL_BUCKET = 256  # graph_decode variants: prompts left-padded to a multiple of this before prefill; 0 = none
+LORA_R = 0  # >0: generate through train_grpo's LoRA adapter of this rank (fp32 weights), in train mode as GRPO does
 REPEATS = 1  # timed generate calls per variant (after one warm-up call)
 SEED = 0  # torch seed for weights and prompts
 PROFILE_TOKENS = 0  # >0: after timing, profile a generate call of this many new tokens per variant (torch.profiler)
 COMPARE_SEQS = 0  # >0: compare graph_decode's log-probabilities with transformers' on this many sampled sequences
 COMPARE_TOKENS = 64  # completion tokens per sequence in that comparison
+RECOMPILE_LENGTHS = 0  # >0: prefill this many prompt lengths through graph_decode and count torch.compile's graphs
 
 
 def variant_generate_kwargs(variant: str) -> dict:
@@ -59,40 +72,83 @@ def variant_generate_kwargs(variant: str) -> dict:
     return {"cache_implementation": "static", "compile_config": CompileConfig(mode="reduce-overhead", dynamic=False)}
 
 
-def run_generate(model, input_ids, new_tokens: int, variant: str, **extra):
+_KNOWN_VARIANTS = ("default", "grouped_mm", "grouped_mm_graphs", "static", "graphs", "static_unshared",
+                  "graphs_unshared")
+
+
+def is_graph_decode(variant: str) -> bool:
+    return variant.removesuffix("_unshared") in ("static", "graphs")
+
+
+def token_ids(model) -> tuple[int, int]:
+    """(ids drawn below this, pad id): gpt-oss's ordinary tokens and its pad, <|endoftext|> (TRL pads with it)."""
+    config = model.config
+    return min(199998, config.vocab_size), config.pad_token_id
+
+
+def grpo_prompts(num_seqs: int, num_prompts: int, prompt_len: int, spread: int, model, seed: int):
+    """input_ids and attention_mask [num_seqs, prompt_len] on the model's device as TRL passes a GRPO batch to
+    generate(): num_prompts distinct prompts (0 = every row its own), each repeated in a row, shorter ones
+    left-padded."""
+    import torch
+
+    vocab, pad_id = token_ids(model)
+    distinct = num_prompts or num_seqs
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (distinct, prompt_len), generator=generator)
+    mask = torch.ones_like(ids)
+    if spread:
+        pads = torch.randint(0, spread + 1, (distinct,), generator=generator)
+        pads[0] = 0  # the longest prompt sets the padded length, as in TRL
+        for row, pad in enumerate(pads.tolist()):
+            mask[row, :pad] = 0
+    ids = ids.masked_fill(mask == 0, pad_id)
+    rows = torch.arange(distinct).repeat_interleave(num_seqs // distinct)
+    return ids[rows].to(model.device), mask[rows].to(model.device)
+
+
+def run_generate(model, input_ids, attention_mask, new_tokens: int, variant: str, prefill_bucket: int, **extra):
     """One generation of exactly new_tokens per sequence (random weights: no end token is waited for)."""
-    if variant in ("static", "graphs"):
+    from transformers import GenerationConfig
+
+    if is_graph_decode(variant):
         from tes_grpo import graph_decode
         config = GenerationConfig(max_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_p=1.0,
-                                  pad_token_id=199999, eos_token_id=None)
-        return graph_decode.generate(model, input_ids, torch.ones_like(input_ids), config, graphs=variant == "graphs")
-    return model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
+                                  pad_token_id=token_ids(model)[1], eos_token_id=None)
+        return graph_decode.generate(model, input_ids, attention_mask, config, graphs=variant.startswith("graphs"),
+                                     share_prompts=not variant.endswith("_unshared"), prefill_bucket=prefill_bucket)
+    return model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
                           min_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_p=1.0, use_cache=True,
-                          pad_token_id=199999, **extra)
+                          pad_token_id=token_ids(model)[1], **extra)
 
 
-def time_generate(model, input_ids, new_tokens: int, variant: str = "grouped_mm", **extra) -> tuple[float, float]:
+def time_generate(model, input_ids, attention_mask, new_tokens: int, variant: str, prefill_bucket: int,
+                  **extra) -> tuple[float, float]:
     """Seconds for one generation and the peak GiB it reached."""
+    import torch
+
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    out = run_generate(model, input_ids, new_tokens, variant, **extra)
+    out = run_generate(model, input_ids, attention_mask, new_tokens, variant, prefill_bucket, **extra)
     torch.cuda.synchronize()
     assert out.shape[1] == input_ids.shape[1] + new_tokens
     return time.perf_counter() - start, torch.cuda.max_memory_allocated() / 2**30
 
 
-def profile_generate(model, input_ids, new_tokens: int, label: str, **extra) -> None:
+def profile_generate(model, input_ids, attention_mask, new_tokens: int, label: str, prefill_bucket: int,
+                     **extra) -> None:
     """Prints where a short generate call spends its time: GPU busy time against wall time, and the top kernels.
 
     GPU-busy well below wall time means the decode loop is bound by the CPU (Python, kernel launches, syncs).
     """
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         torch.cuda.synchronize()
         start = time.perf_counter()
-        run_generate(model, input_ids, new_tokens, label, **extra)
+        run_generate(model, input_ids, attention_mask, new_tokens, label, prefill_bucket, **extra)
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
     events = prof.key_averages()
@@ -107,24 +163,28 @@ def profile_generate(model, input_ids, new_tokens: int, label: str, **extra) -> 
     print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
 
 
-@torch.no_grad()
-def compare_logprobs(model, seqs: int, tokens: int) -> None:
+def compare_logprobs(model, seqs: int, tokens: int, prompt_len: int) -> None:
     """Prints |log p| differences of transformers' decoding and graph_decode's (graphs on) against a full forward, on
     the same sampled completions of left-padded prompts."""
+    import torch
+
     from tes_grpo import graph_decode
-    ids = torch.randint(0, 199998, (seqs, PROMPT_LEN), device=model.device)
-    mask = torch.ones_like(ids)
-    for row in range(1, seqs, 2):
-        mask[row, :row * 37 % 300 + 1] = 0  # TRL left-pads shorter prompts
-    ids = ids.masked_fill(mask == 0, 199999)
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens,
-                         do_sample=True, use_cache=True, pad_token_id=199999, output_logits=True,
-                         return_dict_in_generate=True)
-    completion = out.sequences[:, ids.shape[1]:]
-    transformers_lp = torch.log_softmax(torch.stack(out.logits, dim=1).float(), dim=-1) \
-        .gather(2, completion[..., None]).squeeze(2)
-    ours = graph_decode.completion_logprobs(model, ids, mask, completion, graphs=model.device.type == "cuda")
-    reference = graph_decode.full_forward_logprobs(model, ids, mask, completion)
+
+    vocab, pad_id = token_ids(model)
+    with torch.no_grad():
+        ids = torch.randint(0, vocab, (seqs, prompt_len), device=model.device)
+        mask = torch.ones_like(ids)
+        for row in range(1, seqs, 2):
+            mask[row, :row * 37 % 300 + 1] = 0  # TRL left-pads shorter prompts
+        ids = ids.masked_fill(mask == 0, pad_id)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens,
+                             do_sample=True, use_cache=True, pad_token_id=pad_id, output_logits=True,
+                             return_dict_in_generate=True)
+        completion = out.sequences[:, ids.shape[1]:]
+        transformers_lp = torch.log_softmax(torch.stack(out.logits, dim=1).float(), dim=-1) \
+            .gather(2, completion[..., None]).squeeze(2)
+        ours = graph_decode.completion_logprobs(model, ids, mask, completion, graphs=model.device.type == "cuda")
+        reference = graph_decode.full_forward_logprobs(model, ids, mask, completion)
     print(f"\nlog-probabilities of {seqs} x {tokens} sampled tokens against one full forward over them "
           f"(mean |log p| {reference.abs().mean():.3f}):")
     for name, values in (("transformers generate", transformers_lp), ("graph_decode graphs", ours)):
@@ -132,35 +192,110 @@ def compare_logprobs(model, seqs: int, tokens: int) -> None:
         print(f"  {name:<22} mean |diff| {diff.mean():.5f}  max |diff| {diff.max():.5f}")
 
 
-def main(argv: list[str] | None = None) -> None:
-    configure(globals(), argv)
-    torch.manual_seed(SEED)
+def count_prefill_compiles(model, settings) -> list[tuple]:
+    """Prefills RECOMPILE_LENGTHS GRPO-shaped batches of different prompt lengths through graph_decode; returns
+    (what, value) rows: the prefill shapes the model saw, the graphs torch.compile built, the seconds."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from tes_grpo import graph_decode
+
+    torch._logging.set_logs(recompiles=True)
+    span = min(300, settings.PROMPT_LEN // 2)
+    lengths = [settings.PROMPT_LEN - span * i // max(1, settings.RECOMPILE_LENGTHS - 1)
+               for i in range(settings.RECOMPILE_LENGTHS)]
+    before = counters["stats"]["unique_graphs"]
+    shapes = []
+    graph_decode.PrefillShapes.seen = shapes
+    start = time.perf_counter()
+    try:
+        for i, length in enumerate(lengths):
+            ids, mask = grpo_prompts(settings.NUM_SEQS, settings.NUM_PROMPTS, length, settings.PROMPT_LEN_SPREAD,
+                                     model, settings.SEED + 1 + i)
+            with torch.no_grad():
+                graph_decode.prefill(graph_decode.causal_lm(model), ids, mask, 1, token_ids(model)[1],
+                                     bucket=settings.PREFILL_BUCKET)
+        torch.cuda.synchronize()
+    finally:
+        graph_decode.PrefillShapes.seen = None
+        torch._logging.set_logs(recompiles=False)
+    return [("prompt lengths", f"{len(lengths)} ({min(lengths)}-{max(lengths)})"),
+            ("prefill shapes (rows x length)", ", ".join(f"{r}x{n}" for r, n in sorted(set(shapes)))),
+            ("graphs torch.compile built", counters["stats"]["unique_graphs"] - before),
+            ("seconds", f"{time.perf_counter() - start:.1f}")]
+
+
+def grpo_state(model, rank: int):
+    """The model as GRPO generates with it: train_grpo's LoRA adapter (PEFT casts it to fp32), train mode, PEFT's
+    input-require-grads hook (TRL adds it with gradient checkpointing, which it switches off around generate)."""
+    from peft import get_peft_model
+
+    import train_grpo
+
+    peft_model = get_peft_model(model, train_grpo.build_lora_config(rank, 2 * rank))
+    peft_model.train()
+    peft_model.enable_input_require_grads()
+    return peft_model
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = resolve(globals(), argv)
+    unknown = [v for v in settings.VARIANTS if v not in _KNOWN_VARIANTS]
+    if unknown:
+        print(f"error: VARIANTS: unknown {', '.join(unknown)} (known: {', '.join(_KNOWN_VARIANTS)})", file=sys.stderr)
+        return 2
+    if settings.NUM_PROMPTS and settings.NUM_SEQS % settings.NUM_PROMPTS:
+        print(f"error: NUM_SEQS={settings.NUM_SEQS} is not a multiple of NUM_PROMPTS={settings.NUM_PROMPTS}",
+              file=sys.stderr)
+        return 2
+    import torch
+
+    torch.manual_seed(settings.SEED)
     print(stack_versions())
-    model = build_random_model(attn_implementation=ATTN)
-    input_ids = torch.randint(0, 199998, (NUM_SEQS, PROMPT_LEN), device="cuda")
+    model = build_random_model(attn_implementation=settings.ATTN)
+    if settings.LORA_R:
+        model = grpo_state(model, settings.LORA_R)
+    input_ids, attention_mask = grpo_prompts(settings.NUM_SEQS, settings.NUM_PROMPTS, settings.PROMPT_LEN,
+                                             settings.PROMPT_LEN_SPREAD, model, settings.SEED)
+    bucket = settings.PREFILL_BUCKET
     rows = []
-    for variant in VARIANTS:
+    for variant in settings.VARIANTS:
         keep = variant != "default"
         ctx = keep_experts_implementation_for_decode(model) if keep else contextlib.nullcontext()
         extra = variant_generate_kwargs(variant)
         with ctx:
             # warm-up: kernels and flex attention compilation at the real shapes; a static cache is sized by the
             # whole generation, so the graphs variant warms up at the full length
-            warm_seconds, _ = time_generate(model, input_ids, NEW_TOKENS if extra else 2, variant, **extra)
+            warm_seconds, _ = time_generate(model, input_ids, attention_mask, settings.NEW_TOKENS if extra else 2,
+                                            variant, bucket, **extra)
             print(f"{variant}: warm-up {warm_seconds:.1f} s", flush=True)
-            for _ in range(REPEATS):
-                seconds, peak = time_generate(model, input_ids, NEW_TOKENS, variant, **extra)
-                rows.append((variant, NUM_SEQS, PROMPT_LEN, NEW_TOKENS, seconds, NUM_SEQS * NEW_TOKENS / seconds, peak))
-                print(f"{variant}: {seconds:.1f} s, {rows[-1][5]:.0f} tok/s, peak {peak:.1f} GiB", flush=True)
-            if PROFILE_TOKENS:
-                profile_generate(model, input_ids, PROFILE_TOKENS, variant, **extra)
-    if COMPARE_SEQS:
+            # the prefill alone: a call of one new token (no decode step); not for a static cache sized by the call
+            prefill = None if extra else time_generate(model, input_ids, attention_mask, 1, variant, bucket)[0]
+            for _ in range(settings.REPEATS):
+                seconds, peak = time_generate(model, input_ids, attention_mask, settings.NEW_TOKENS, variant, bucket,
+                                              **extra)
+                rows.append((variant, prefill, seconds, settings.NUM_SEQS * settings.NEW_TOKENS / seconds, peak))
+                print(f"{variant}: {seconds:.1f} s, {rows[-1][3]:.0f} tok/s, peak {peak:.1f} GiB", flush=True)
+            if settings.PROFILE_TOKENS:
+                profile_generate(model, input_ids, attention_mask, settings.PROFILE_TOKENS, variant, bucket, **extra)
+    compiles = count_prefill_compiles(model, settings) if settings.RECOMPILE_LENGTHS else []
+    if settings.COMPARE_SEQS:
         with keep_experts_implementation_for_decode(model):
-            compare_logprobs(model, COMPARE_SEQS, COMPARE_TOKENS)
-    print(f"\n{'experts':<18}{'seqs':>6}{'prompt':>8}{'new':>6}{'seconds':>10}{'tok/s':>10}{'peak GiB':>10}")
-    for variant, seqs, plen, new, seconds, tps, peak in rows:
-        print(f"{variant:<18}{seqs:>6}{plen:>8}{new:>6}{seconds:>10.1f}{tps:>10.0f}{peak:>10.1f}")
+            compare_logprobs(model, settings.COMPARE_SEQS, settings.COMPARE_TOKENS, settings.PROMPT_LEN)
+    distinct = settings.NUM_PROMPTS or settings.NUM_SEQS
+    print(f"\n{settings.NUM_SEQS} sequences = {distinct} distinct prompts x {settings.NUM_SEQS // distinct}, "
+          f"{settings.PROMPT_LEN} prompt tokens (real: {settings.PROMPT_LEN_SPREAD} fewer at most), "
+          f"{settings.NEW_TOKENS} new, prefill bucket {bucket}" + (f", LoRA r={settings.LORA_R} in train mode"
+                                                                  if settings.LORA_R else ""))
+    print(f"{'variant':<18}{'prefill s':>10}{'seconds':>10}{'tok/s':>10}{'ms/step':>10}{'peak GiB':>10}")
+    for variant, prefill, seconds, tps, peak in rows:
+        step_ms = 1000 * (seconds - (prefill or 0.0)) / max(1, settings.NEW_TOKENS - 1)
+        print(f"{variant:<18}{'-' if prefill is None else f'{prefill:.2f}':>10}{seconds:>10.1f}{tps:>10.0f}"
+              f"{step_ms if prefill is not None else float('nan'):>10.1f}{peak:>10.1f}")
+    for what, value in compiles:
+        print(f"{what}: {value}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

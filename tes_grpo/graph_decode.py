@@ -1,33 +1,62 @@
 """Sampling from gpt-oss with a static KV cache, each decode step replayed as one CUDA graph (issue 5).
 
-Not a script; train_grpo.py uses it when DECODE_GRAPHS is on, and the benchmark times it against transformers':
+Not a script; train_grpo.py uses it when DECODE_GRAPHS is on (`auto_decode_graphs` says whether "auto" means on), and
+the benchmark times it against transformers':
 
-    python bench_generate.py --NUM_SEQS=64 --NEW_TOKENS=128 --VARIANTS=grouped_mm,graphs   # on the GPU machine
+    python benchmarks/bench_generate.py --NUM_SEQS=64 --NEW_TOKENS=128 --VARIANTS=grouped_mm,graphs   # GPU machine
 
 Why: on an H100 a decode step of the 20B model at 64 sequences took ~69 ms through transformers' generate, of which
 the GPU was busy ~15 ms; the rest was Python and ~2,400 kernel launches a step (BENCHMARKS.md, "Where a decode step
 goes"). A CUDA graph replays all of a step's kernels with one launch, but only if the step has fixed shapes, fixed
 buffers and never waits for the GPU. transformers' own route there (static cache + torch.compile) compiled the 20B
-forward for over seven minutes and is switched off inside TRL, so this module writes the decode step itself:
+forward for over seven minutes and is switched off inside TRL, so this module writes the decode step itself
+(measured 2026-11-23 on one H100, 64 completions after ~1,310-token prompts: ~28 ms a step, 1,435 tok/s at 128 new
+tokens and 2,138 at 1,024, prefill included):
 
 - prefill: the model's own forward (flex attention on GPUs, transformers' DynamicCache), exactly as generate() does
   it, then the keys and values are copied into static buffers: one of prompt + MAX_NEW_TOKENS slots per full-attention
-  layer, a ring of `sliding_window` slots per sliding-window layer;
+  layer, a ring of `sliding_window` slots per sliding-window layer. Two changes to what goes in, neither of which
+  changes a real token's inputs (positions count real tokens only; padding is masked, as generate() treats TRL's
+  left padding):
+  - shared prompts (SHARE_PROMPTS): GRPO samples a group of completions per prompt, and TRL passes them as identical
+    rows (4 prompts x 16 at the reference recipe). Prefilling 64 rows took ~2.4 s; each distinct row is prefilled
+    once (their count rounded up to a power of two, see below) and its keys, values and logits are copied to every
+    row of its group. Sampling draws nothing during prefill, so the random numbers drawn are generate()'s;
+  - bucketed prompt length (PREFILL_BUCKET_TOKENS): transformers compiles flex attention for the shapes it sees, and
+    in the generate benchmark it hit torch._dynamo's recompile_limit (8), past which flex attention runs unfused
+    (the whole score matrix in memory). A GRPO run pads each step's prompts to a new length, so for the prefill the
+    prompt is left-padded further, to a multiple of 256 tokens, and the prefilled row count is a power of two: at
+    most MAX_PROMPT_LEN / 256 lengths times a few row counts (one of each for TES prompts, ~1,310 tokens). The
+    static cache keeps the prompt as given (the extra slots were masked), so decoding attends over no more slots;
 - decode: `decode_step` runs one new token through the same modules (LoRA-wrapped projections, router, experts as
   the model has them), with attention written here for one query (sinks included, grouped-query heads without
-  copies) over a fixed-length view of the cache, masks computed on the device from the current slot;
+  copies) over a fixed-length view of the cache, masks computed on the device from the current slot. It calls the
+  layers' submodules directly, so neither the layers' gradient checkpointing nor train mode changes it (gpt-oss
+  has no dropout outside attention; LoRA's is 0 here);
 - on CUDA, `DecodeGraphs` captures decode_step once per cache-length bucket (BUCKET_TOKENS) and replays it; on CPU
   the same step runs eagerly (that is what the CPU tests compare with transformers);
 - sampling follows transformers' generate for the options TRL sets (temperature, top-k, top-p, min-p with
   transformers' own warper classes; end tokens; pad after the end); `unsupported_options` names anything else, and
   the caller then uses transformers' generate (and says so).
+
+Inside GRPO (TRL 1.16) generate() runs with the model in train mode, gradient checkpointing switched off by TRL and
+under torch.no_grad. This module leaves the mode as it finds it, as generate() does: at dropout 0 nothing in
+gpt-oss's forward depends on it (`state_blockers` sends a model with dropout left on back to transformers'
+generate). The prefill switches the layers' gradient checkpointing off for its forward if a caller left it on
+(checkpointed layers drop the KV cache) and back on after. It runs under no_grad, not inference_mode: a replayed
+graph does no autograd bookkeeping either way, and inference tensors returned to a caller that trains on them fail
+(an embedding saves its ids for backward; TRL 1.16 happens to rebuild them from lists first).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 BUCKET_TOKENS = 512  # full-attention layers attend over the cache rounded up to this many slots (one graph each)
+PREFILL_BUCKET_TOKENS = 256  # prompts are left-padded to a multiple of this before prefill (bounded flex shapes)
+SHARE_PROMPTS = True  # prefill each distinct prompt row once and copy its keys/values to its repeats (TRL's groups)
 
 # generate() options this path implements, with the values it accepts (None = any value)
 _ACCEPTED = {
@@ -57,8 +86,13 @@ def unsupported_options(generation_config, kwargs: dict) -> list[str]:
 
 def logits_warpers(generation_config):
     """transformers' sampling warpers for the config, in generate()'s order (temperature, top-k, top-p, min-p)."""
-    from transformers import (LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
-                              TopPLogitsWarper)
+    from transformers import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     g = generation_config
     warpers = LogitsProcessorList()
@@ -78,6 +112,46 @@ def logits_warpers(generation_config):
 def causal_lm(model):
     """The GptOssForCausalLM inside a PEFT wrapper (or the model itself)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def prefill_length(prompt_len: int, bucket: int | None = None) -> int:
+    """The prompt length the prefill runs at: prompt_len rounded up to `bucket` (default PREFILL_BUCKET_TOKENS, read
+    at call time; 0 or 1 = no rounding)."""
+    bucket = PREFILL_BUCKET_TOKENS if bucket is None else bucket
+    return -(-prompt_len // bucket) * bucket if bucket > 1 else prompt_len
+
+
+def left_pad(input_ids: torch.Tensor, attention_mask: torch.Tensor, length: int, pad_id: int):
+    """input_ids/attention_mask left-padded to `length` columns (masked, as TRL pads shorter prompts)."""
+    extra = length - input_ids.shape[1]
+    if extra <= 0:
+        return input_ids, attention_mask
+    pad_ids = input_ids.new_full((input_ids.shape[0], extra), pad_id)
+    return torch.cat([pad_ids, input_ids], dim=1), torch.cat([attention_mask.new_zeros(pad_ids.shape),
+                                                              attention_mask], dim=1)
+
+
+def shared_prefill_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """Which rows to prefill when some are identical: (rows, source), or None when sharing saves nothing.
+
+    rows [n]: the first row of each distinct prompt (ids and mask equal; in order of first appearance), then copies of
+    rows[0] up to n = the next power of two (so the prefill sees few batch sizes); source [B]: for each row, the
+    position in `rows` of the row it equals. Reads the rows on the host (once per call, before any decode step).
+    """
+    batch = input_ids.shape[0]
+    key = torch.cat([input_ids, attention_mask.to(input_ids.dtype)], dim=1)
+    _, group = torch.unique(key, dim=0, return_inverse=True)  # groups numbered in sorted row order
+    distinct = int(group.max()) + 1
+    padded = 1 << (distinct - 1).bit_length()
+    if padded >= batch:
+        return None
+    arange = torch.arange(batch, device=key.device)
+    first = torch.full((distinct,), batch, device=key.device).scatter_reduce(0, group, arange, "amin")
+    order = first.argsort()  # number the groups by first appearance instead
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(distinct, device=key.device)
+    rows = torch.cat([first[order], first[order][:1].expand(padded - distinct)])
+    return rows, rank[group]
 
 
 def bucket_length(slot: int, total: int, bucket: int | None = None) -> int:
@@ -115,22 +189,30 @@ class StaticCache:
         self.slots = torch.arange(self.total, device=device)
         self.ring_slots = torch.arange(self.window, device=device)
 
-    def fill(self, dynamic_cache) -> None:
-        """Copies a prefill's DynamicCache (transformers 5.x: .layers[i].keys/.values) into the buffers."""
+    def fill(self, dynamic_cache, source: torch.Tensor | None = None) -> None:
+        """Copies a prefill's DynamicCache (transformers 5.x: .layers[i].keys/.values) into the buffers; row r of the
+        buffers takes row source[r] of the prefill (shared prompts; None = row r). A prefill of a longer prompt
+        (left-padded further) gives its last prompt_len slots: the rest were masked padding."""
         layers = getattr(dynamic_cache, "layers", None)
         if layers is None or len(layers) != len(self.keys):
             raise RuntimeError("graph_decode needs transformers' DynamicCache with one .layers entry per layer "
                                "(transformers >= 5.0)")
+        if any(getattr(layer, "keys", None) is None for layer in layers):
+            raise RuntimeError("graph_decode: the prefill filled no KV cache (a layer ran without one)")
+
+        def rows(tensor):
+            return tensor if source is None else tensor.index_select(0, source)
+
         for i, layer in enumerate(layers):
             keys, values = layer.keys, layer.values
             if not self.sliding[i]:
-                self.keys[i][:, :, :self.prompt_len].copy_(keys)
-                self.values[i][:, :, :self.prompt_len].copy_(values)
+                self.keys[i][:, :, :self.prompt_len].copy_(rows(keys[:, :, -self.prompt_len:]))
+                self.values[i][:, :, :self.prompt_len].copy_(rows(values[:, :, -self.prompt_len:]))
                 continue
-            kept = min(keys.shape[2], self.window - 1)  # the next token's own key completes the window
+            kept = min(keys.shape[2], self.window - 1, self.prompt_len)  # the next token's key completes the window
             positions = torch.arange(self.prompt_len - kept, self.prompt_len, device=keys.device)
-            self.keys[i].index_copy_(2, positions % self.window, keys[:, :, -kept:])
-            self.values[i].index_copy_(2, positions % self.window, values[:, :, -kept:])
+            self.keys[i].index_copy_(2, positions % self.window, rows(keys[:, :, -kept:]))
+            self.values[i].index_copy_(2, positions % self.window, rows(values[:, :, -kept:]))
 
     def masks(self, slot: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Additive float32 masks [batch, slots] for a token written at `slot` (a 0-d device tensor): full layers over
@@ -264,19 +346,68 @@ class EagerSteps:
         return decode_step(self.lm, self.cache, tokens.view(-1, 1), self.slot, bucket_length(slot, self.cache.total))
 
 
-def prefill(lm, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int):
+class PrefillShapes:
+    """Records the (rows, length) of every prefill forward: what the tests and the benchmark count."""
+
+    seen: list[tuple[int, int]] | None = None
+
+    @classmethod
+    def record(cls, shape) -> None:
+        if cls.seen is not None:
+            cls.seen.append(tuple(shape))
+
+
+@contextlib.contextmanager
+def checkpointing_off(lm):
+    """Switches the layers' gradient checkpointing off for a forward and back on after (exactly as it was).
+
+    A checkpointed layer in train mode runs without the KV cache (transformers sets past_key_values=None), which would
+    leave nothing to decode from. TRL already switches it off around generate(); this covers other callers."""
+    layers = [m for m in lm.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    for layer in layers:
+        layer.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.gradient_checkpointing = True
+
+
+def prefill(lm, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, pad_id: int | None = None,
+            share_prompts: bool | None = None, bucket: int | None = None):
     """The prompt through the model's own forward, as generate() runs it (position ids count real tokens only, so
-    left padding does not shift them); returns the last position's float32 logits and the filled StaticCache."""
+    left padding does not shift them); returns the last position's float32 logits [B, vocab] and the filled
+    StaticCache.
+
+    For the forward only, the prompt is left-padded to prefill_length (bucket, default PREFILL_BUCKET_TOKENS) with
+    pad_id (default the model's pad token) and masked, and identical rows are prefilled once when share_prompts
+    (default SHARE_PROMPTS); the cache holds the prompt as given (the extra slots were masked padding).
+    """
     from transformers import DynamicCache
 
+    share = SHARE_PROMPTS if share_prompts is None else share_prompts
+    if pad_id is None:
+        pad_id = lm.config.pad_token_id if lm.config.pad_token_id is not None else 0
+    ids, mask = left_pad(input_ids, attention_mask, prefill_length(input_ids.shape[1], bucket), pad_id)
+    plan = shared_prefill_rows(ids, mask) if share else None
+    run_ids, run_mask = (ids, mask) if plan is None else (ids[plan[0]], mask[plan[0]])
     dynamic = DynamicCache(config=lm.config)
-    positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
-    out = lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, past_key_values=dynamic,
-             use_cache=True, logits_to_keep=1)
-    cache = StaticCache(lm.config, attention_mask, max_new_tokens, dtype=dynamic.layers[0].keys.dtype,
-                        first_position=positions[:, -1] + 1)
-    cache.fill(dynamic)
-    return out.logits[:, -1].float(), cache
+    positions = (run_mask.long().cumsum(-1) - 1).masked_fill(run_mask == 0, 0)
+    PrefillShapes.record(run_ids.shape)
+    with checkpointing_off(lm):
+        out = lm(input_ids=run_ids, attention_mask=run_mask, position_ids=positions, past_key_values=dynamic,
+                 use_cache=True, logits_to_keep=1)
+    source = None if plan is None else plan[1]
+    # the position after each row's last prefill position id (pad columns count none)
+    first_position = (attention_mask.long().sum(-1) - 1).masked_fill(attention_mask[:, -1] == 0, 0) + 1
+    filled = [layer.keys for layer in getattr(dynamic, "layers", []) if getattr(layer, "keys", None) is not None]
+    if not filled:
+        raise RuntimeError("graph_decode: the prefill filled no KV cache (a layer ran without one)")
+    cache = StaticCache(lm.config, attention_mask, max_new_tokens, dtype=filled[0].dtype,
+                        first_position=first_position)
+    cache.fill(dynamic, source)
+    logits = out.logits[:, -1].float()
+    return (logits if source is None else logits.index_select(0, source)), cache
 
 
 def decode_steps(lm, cache: StaticCache, batch: int, device, graphs: bool | None):
@@ -288,11 +419,14 @@ def decode_steps(lm, cache: StaticCache, batch: int, device, graphs: bool | None
 
 @torch.no_grad()
 def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, generation_config,
-             graphs: bool | None = None) -> torch.Tensor:
+             graphs: bool | None = None, share_prompts: bool | None = None,
+             prefill_bucket: int | None = None) -> torch.Tensor:
     """Prompt + sampled completion ids [B, prompt + n], as transformers' generate() returns them (n <= max_new_tokens;
     finished rows padded with pad_token_id; stops when every row has emitted an end token).
 
-    graphs: replay CUDA graphs (default: when the model is on CUDA; on CPU the steps run eagerly).
+    graphs: replay CUDA graphs (default: when the model is on CUDA; on CPU the steps run eagerly). share_prompts,
+    prefill_bucket: see prefill (defaults SHARE_PROMPTS, PREFILL_BUCKET_TOKENS). The random numbers drawn are
+    generate()'s: one torch.multinomial over all rows per step, nothing in the prefill.
     """
     lm = causal_lm(model)
     device = input_ids.device
@@ -308,7 +442,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     blockers = graph_blockers(lm) if (device.type == "cuda" if graphs is None else graphs) else []
     if blockers:
         raise ValueError("graph_decode: cannot capture this model's decode step: " + "; ".join(blockers))
-    logits, cache = prefill(lm, input_ids, attention_mask, max_new)
+    logits, cache = prefill(lm, input_ids, attention_mask, max_new, pad, share_prompts, prefill_bucket)
     step = decode_steps(lm, cache, batch, device, graphs)
     unfinished = torch.ones(batch, dtype=torch.long, device=device)
     new_tokens = []
@@ -329,14 +463,15 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
 
 @torch.no_grad()
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_ids: torch.Tensor,
-                        graphs: bool | None = None) -> torch.Tensor:
+                        graphs: bool | None = None, share_prompts: bool | None = None,
+                        prefill_bucket: int | None = None) -> torch.Tensor:
     """Log-probabilities [B, n] the decode path gives the tokens of completion_ids [B, n] (fed in as if sampled):
     what compares this path with transformers' on the same completions."""
     lm = causal_lm(model)
     device = input_ids.device
     batch, prompt_len = input_ids.shape
     steps = completion_ids.shape[1]
-    logits, cache = prefill(lm, input_ids, attention_mask, steps)
+    logits, cache = prefill(lm, input_ids, attention_mask, steps, share_prompts=share_prompts, bucket=prefill_bucket)
     step = decode_steps(lm, cache, batch, device, graphs)
     out = []
     for n in range(steps):
@@ -369,6 +504,53 @@ def graph_blockers(model) -> list[str]:
     return []
 
 
+def model_blockers(model) -> list[str]:
+    """Why this path cannot decode this model at all ([] = it can): it is written for gpt-oss on transformers 5."""
+    import transformers
+
+    reasons = []
+    model_type = getattr(causal_lm(model).config, "model_type", None)
+    if model_type != "gpt_oss":
+        reasons.append(f"model_type={model_type!r} (graph_decode's decode step is gpt-oss's)")
+    if int(transformers.__version__.split(".")[0]) < 5:
+        reasons.append(f"transformers {transformers.__version__} (needs >= 5: DynamicCache.layers)")
+    return reasons
+
+
+def state_blockers(model, training: bool | None = None) -> list[str]:
+    """What in the model's state would make this path sample differently from generate() ([] = nothing): dropout
+    that train mode leaves on (TRL generates in train mode; gpt-oss and train_grpo's LoRA have none). training: judge
+    as if every module were in that mode (None = as each one is now)."""
+    lm = causal_lm(model)
+    reasons = []
+    if (lm.training if training is None else training) and getattr(lm.config, "attention_dropout", 0.0):
+        reasons.append(f"attention_dropout={lm.config.attention_dropout} in train mode")
+    dropout = sorted({m.p for m in lm.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0
+                      and (m.training if training is None else training)})
+    if dropout:
+        reasons.append(f"dropout p={dropout} in train mode")
+    return reasons
+
+
+def auto_decode_graphs(model, cuda: bool | None = None, sharded: bool = False) -> tuple[bool, str]:
+    """What DECODE_GRAPHS="auto" means for this model: (on, why), `why` fit for a log line.
+
+    On when the model is on CUDA (default: torch.cuda.is_available()), not sharded by FSDP, has no dropout in train
+    mode (GRPO generates in it) and nothing blocks capturing its decode steps; the reason names what turned it off.
+    Call it after the trainer wrapped the model (LoRA) and decided on FSDP; vLLM (the other way to generate) is the
+    caller's to exclude.
+    """
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    reasons = [] if cuda else ["no CUDA device (on CPU the decode steps would run eagerly, without graphs)"]
+    if sharded:
+        reasons.append("FSDP shards the weights (a captured step cannot gather them)")
+    reasons += model_blockers(model) + state_blockers(model, training=True) + (graph_blockers(model) if cuda else [])
+    if reasons:
+        return False, "off: " + "; ".join(reasons)
+    return True, "on: CUDA, gpt-oss with capturable experts, not sharded"
+
+
 class GraphDecodeGenerate:
     """Stands in for a model's generate(): graph_decode.generate for the calls it supports, transformers' own for
     the others (said once per reason)."""
@@ -379,7 +561,7 @@ class GraphDecodeGenerate:
 
     def __call__(self, input_ids=None, attention_mask=None, generation_config=None, **kwargs):
         config = generation_config if generation_config is not None else self.model.generation_config
-        reasons = unsupported_options(config, kwargs)
+        reasons = unsupported_options(config, kwargs) + model_blockers(self.model) + state_blockers(self.model)
         if input_ids is not None and input_ids.device.type == "cuda":
             reasons += graph_blockers(self.model)
         if input_ids is None:

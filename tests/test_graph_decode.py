@@ -5,15 +5,18 @@ Small random gpt-oss models built here (4 layers, sliding window 8 so the ring w
 heads); CPU float32, where both paths should agree to rounding.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import GenerationConfig, GptOssConfig, GptOssForCausalLM
 
-from tes_grpo import graph_decode
 import train_grpo
+from tes_grpo import graph_decode
 
 PAD, VOCAB = 5, 512
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops on a shared CPU: one thread is as fast
 
 
 def small_config(experts: str = "grouped_mm") -> GptOssConfig:
@@ -41,6 +44,18 @@ def left_padded_prompts(pads=(0, 4, 9), length=13, seed=1):
         mask[row, :pad] = 0
         ids[row, :pad] = PAD
     return ids, mask
+
+
+def grouped_prompts(order, pads=(0, 4, 9, 2), length=13):
+    """Rows repeating distinct prompts (left-padded, different lengths) in the given order of prompt numbers: TRL's
+    GRPO batches are each prompt's group of completions in a row, e.g. (0,0,0,0,1,1,1,1,...)."""
+    ids, mask = left_padded_prompts(pads=pads, length=length)
+    rows = torch.tensor(order)
+    return ids[rows], mask[rows]
+
+
+TRL_4X4 = (0,) * 4 + (1,) * 4 + (2,) * 4 + (3,) * 4  # 4 prompts x 16 generations, scaled down: TRL's layout
+UNEVEN = (2, 0, 2, 1, 2, 0)  # not in a row, groups of 3, 2 and 1
 
 
 def trl_config(**changes) -> GenerationConfig:
@@ -87,6 +102,142 @@ def test_sampled_tokens_equal_transformers_with_the_same_seed(model, changes):
     assert torch.equal(got, expected)
 
 
+# --- shared prompts: each distinct row prefilled once ------------------------------------------------------------
+
+@pytest.fixture
+def prefill_shapes(monkeypatch):
+    """The (rows, length) of every prefill forward made while the test runs."""
+    shapes = []
+    monkeypatch.setattr(graph_decode.PrefillShapes, "seen", shapes)
+    return shapes
+
+
+@pytest.mark.parametrize("order, rows", [
+    (TRL_4X4, 4),  # TRL's groups: 4 distinct prompts prefilled for 16 rows
+    (UNEVEN, 4),  # 3 distinct prompts, anywhere in the batch: prefilled as 4 rows (a power of two)
+    ((1,) * 5, 1),  # one prompt for every row
+    ((0, 1, 2), 3),  # all distinct: nothing shared, the batch as it is
+])
+def test_greedy_tokens_equal_transformers_with_shared_prompts(model, prefill_shapes, order, rows):
+    ids, mask = grouped_prompts(order)
+    config = trl_config(do_sample=False)
+    expected = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    got = graph_decode.generate(model, ids, mask, config)
+    assert torch.equal(got, expected)
+    assert [shape[0] for shape in prefill_shapes] == [rows]
+
+
+@pytest.mark.parametrize("order, changes", [
+    (TRL_4X4, {}),  # TRL's defaults on TRL's layout
+    (UNEVEN, {"temperature": 0.7, "top_k": 20}),  # uneven duplicates, with warpers
+    (TRL_4X4, {"top_p": 0.9, "min_p": 0.05}),
+])
+def test_sampled_tokens_and_random_numbers_equal_transformers_with_shared_prompts(model, order, changes):
+    # the prefill draws no random numbers, so the same seed gives the same tokens, and the generator ends in the same
+    # state (the next GRPO step samples as it would have)
+    ids, mask = grouped_prompts(order)
+    config = trl_config(**changes)
+    torch.manual_seed(11)
+    expected = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    state_after_transformers = torch.get_rng_state()
+    torch.manual_seed(11)
+    got = graph_decode.generate(model, ids, mask, config)
+    assert torch.equal(got, expected)
+    assert torch.equal(torch.get_rng_state(), state_after_transformers)
+    assert len({tuple(row) for row in got[:4, ids.shape[1]:].tolist()}) > 1  # a group's rows sample differently
+
+
+def test_shared_prompt_logprobs_equal_a_full_forward(model, prefill_shapes):
+    ids, mask = grouped_prompts(UNEVEN)
+    torch.manual_seed(3)
+    sampled = model.generate(input_ids=ids, attention_mask=mask, generation_config=trl_config(max_new_tokens=30))
+    completion = sampled[:, ids.shape[1]:]
+    ours = graph_decode.completion_logprobs(model, ids, mask, completion)
+    torch.testing.assert_close(ours, graph_decode.full_forward_logprobs(model, ids, mask, completion),
+                               atol=1e-4, rtol=0)
+    assert prefill_shapes[0][0] == 4  # shared
+
+
+@pytest.mark.parametrize("ids, mask, expected", [
+    # (rows to prefill, which of them each row copies) or None
+    ([[1, 2], [1, 2], [3, 4], [3, 4]], [[1, 1]] * 4, ([0, 2], [0, 0, 1, 1])),  # TRL's groups in a row
+    ([[3, 4], [1, 2], [3, 4], [5, 6], [3, 4], [1, 2]], [[1, 1]] * 6,
+     ([0, 1, 3, 0], [0, 1, 0, 2, 0, 1])),  # groups by first appearance; 3 distinct padded to 4 with row 0
+    ([[1, 2], [3, 4], [5, 6]], [[1, 1]] * 3, None),  # all distinct
+    ([[1, 2], [3, 4], [5, 6], [1, 2]], [[1, 1]] * 4, None),  # 3 distinct round up to 4 = the batch: no gain
+    ([[5, 2], [5, 2], [5, 2], [5, 2]], [[0, 1], [1, 1], [0, 1], [1, 1]],
+     ([0, 1], [0, 1, 0, 1])),  # same ids, different masks: different prompts
+])
+def test_shared_prefill_rows(ids, mask, expected):
+    plan = graph_decode.shared_prefill_rows(torch.tensor(ids), torch.tensor(mask))
+    if expected is None:
+        assert plan is None
+    else:
+        assert [plan[0].tolist(), plan[1].tolist()] == [expected[0], expected[1]]
+
+
+# --- bucketed prompt length: few prefill shapes --------------------------------------------------------------------
+
+@pytest.mark.parametrize("prompt_len, bucket, expected", [
+    (13, 256, 256),  # a short prompt: one bucket
+    (256, 256, 256),  # exactly a bucket: unchanged
+    (1310, 256, 1536),  # a TES prompt
+    (1310, 0, 1310),  # 0: no rounding
+    (1310, 1, 1310),  # 1: no rounding
+])
+def test_prefill_length(prompt_len, bucket, expected):
+    assert graph_decode.prefill_length(prompt_len, bucket) == expected
+
+
+@pytest.mark.parametrize("bucket", [
+    1,  # no extra padding: the prompts as TRL pads them
+    16,  # prompts cross buckets within the test's lengths
+    256,  # the default: 13-token prompts padded to 256
+])
+def test_bucketed_prefill_gives_transformers_tokens(model, bucket):
+    ids, mask = grouped_prompts(UNEVEN)
+    config = trl_config(do_sample=False)
+    expected = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    got = graph_decode.generate(model, ids, mask, config, prefill_bucket=bucket)
+    assert torch.equal(got, expected)
+    completion = expected[:, ids.shape[1]:]
+    torch.testing.assert_close(graph_decode.completion_logprobs(model, ids, mask, completion, prefill_bucket=bucket),
+                               graph_decode.full_forward_logprobs(model, ids, mask, completion), atol=1e-4, rtol=0)
+
+
+def test_bucketed_and_shared_prefill_fill_the_same_cache(model):
+    # the extra padding and the sharing change the forward's inputs only: the cache, positions and logits it leaves
+    # are those of the rows as given (the extra slots were masked padding and are not kept)
+    ids, mask = grouped_prompts(UNEVEN)
+    with torch.no_grad():
+        plain_logits, plain = graph_decode.prefill(model, ids, mask, 4, share_prompts=False, bucket=1)
+        logits, cache = graph_decode.prefill(model, ids, mask, 4, share_prompts=True, bucket=16)
+    assert (cache.prompt_len, cache.total) == (plain.prompt_len, plain.total) == (13, 17)
+    assert torch.equal(cache.valid, plain.valid) and torch.equal(cache.first_position, plain.first_position)
+    torch.testing.assert_close(logits, plain_logits, atol=1e-5, rtol=0)
+    for layer in range(len(cache.keys)):
+        torch.testing.assert_close(cache.keys[layer], plain.keys[layer], atol=1e-5, rtol=0)
+        torch.testing.assert_close(cache.values[layer], plain.values[layer], atol=1e-5, rtol=0)
+
+
+def test_varied_prompt_lengths_give_few_prefill_shapes(model, prefill_shapes, monkeypatch):
+    # transformers compiles flex attention per shape (GPU; recompile_limit 8, then an unfused fallback): 20 GRPO-like
+    # batches with 20 different padded prompt lengths and 1-4 distinct prompts reach the model in 2 lengths x 3 row
+    # counts
+    monkeypatch.setattr(graph_decode, "PREFILL_BUCKET_TOKENS", 16)
+    generator = torch.Generator().manual_seed(5)
+    for length in range(13, 33):
+        distinct = 1 + length % 4
+        ids = torch.randint(10, VOCAB, (distinct, length), generator=generator)
+        mask = torch.ones_like(ids)
+        mask[0, :length % 5] = 0  # TRL pads the shorter prompts
+        rows = torch.arange(distinct).repeat_interleave(4)
+        graph_decode.generate(model, ids[rows], mask[rows], trl_config(max_new_tokens=2, do_sample=False))
+    assert len({length for _, length in prefill_shapes}) == 2  # 16 and 32 tokens
+    assert {rows for rows, _ in prefill_shapes} == {1, 2, 4}  # 3 distinct prompts prefill as 4 rows
+    assert len(prefill_shapes) == 20
+
+
 def test_logprobs_of_the_same_completions_equal_a_full_forward(model):
     ids, mask = left_padded_prompts()
     torch.manual_seed(3)
@@ -111,23 +262,62 @@ def test_small_buckets_change_nothing(model, monkeypatch):
                                graph_decode.full_forward_logprobs(model, ids, mask, completion), atol=1e-4, rtol=0)
 
 
-def test_lora_model_decodes_like_transformers():
+def lora_model(dropout: float = 0.0):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
     peft_model = get_peft_model(GptOssForCausalLM(small_config()).float().eval(),
-                                LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
+                                LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=dropout))
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
                 param.normal_(0, 0.5)  # PEFT starts B at zero: make the adapter change the outputs
-    ids, mask = left_padded_prompts()
+    return peft_model.eval()  # PEFT's new modules start in train mode
+
+
+@pytest.mark.parametrize("order", [
+    (0, 1, 2),  # distinct prompts
+    TRL_4X4,  # TRL's groups, prefilled shared
+])
+def test_lora_model_decodes_like_transformers(order):
+    peft_model = lora_model()
+    ids, mask = grouped_prompts(order)
     config = trl_config(do_sample=False)
     expected = peft_model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
     with peft_model.disable_adapter():
         without_lora = peft_model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
     assert not torch.equal(expected, without_lora)  # the adapter matters for these tokens
     assert torch.equal(graph_decode.generate(peft_model, ids, mask, config), expected)
+
+
+@pytest.mark.parametrize("checkpointing", [
+    False,  # as TRL 1.16 calls generate(): unwrap_model_for_generation switched checkpointing off
+    True,  # a caller that left it on: checkpointed layers would drop the prefill's KV cache
+])
+def test_decodes_in_the_state_grpo_leaves_the_model(checkpointing):
+    # TRL's GRPOTrainer generates in train mode (Trainer.training_step called model.train()), under no_grad, with
+    # PEFT's input-require-grads hook on the embeddings (it calls enable_input_require_grads with checkpointing)
+    peft_model = lora_model()
+    ids, mask = grouped_prompts(TRL_4X4)
+    config = trl_config()
+    torch.manual_seed(2)
+    expected = peft_model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    peft_model.train()
+    peft_model.enable_input_require_grads()
+    if checkpointing:
+        peft_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    flags = {name: m.gradient_checkpointing for name, m in peft_model.named_modules()
+             if hasattr(m, "gradient_checkpointing")}
+    assert graph_decode.state_blockers(peft_model) == []
+    torch.manual_seed(2)
+    with torch.no_grad():
+        got = graph_decode.generate(peft_model, ids, mask, config)
+    assert torch.equal(got, expected)
+    assert not got.requires_grad and not got.is_inference()  # fit for TRL's training forward
+    assert peft_model.training  # the mode it came in with
+    assert flags == {name: m.gradient_checkpointing for name, m in peft_model.named_modules()
+                     if hasattr(m, "gradient_checkpointing")}
+    assert any(flags.values()) == checkpointing
 
 
 # --- capturable as a CUDA graph -------------------------------------------------------------------------------
@@ -219,6 +409,45 @@ def test_wrapper_uses_transformers_for_unsupported_calls_and_says_so(model):
     assert len(calls) == 2 and out.shape[0] == 3  # supported: decoded here
 
 
+def test_dropout_left_on_sends_the_call_to_transformers():
+    peft_model = lora_model(dropout=0.1)
+    assert graph_decode.state_blockers(peft_model) == []  # eval mode: dropout off
+    assert not graph_decode.auto_decode_graphs(peft_model, cuda=True)[0]  # but GRPO will generate in train mode
+    peft_model.train()
+    assert graph_decode.state_blockers(peft_model) == ["dropout p=[0.1] in train mode"]
+    inner = graph_decode.causal_lm(peft_model)
+    calls, said = [], []
+    wrapper = graph_decode.GraphDecodeGenerate(inner, lambda **kw: calls.append(kw) or "transformers", say=said.append)
+    ids, mask = left_padded_prompts()
+    assert wrapper(input_ids=ids, attention_mask=mask, generation_config=trl_config()) == "transformers"
+    assert "dropout" in said[0]
+
+
+class NotGptOss(torch.nn.Module):
+    """A model of another architecture (only its config is read)."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = SimpleNamespace(model_type="llama", _experts_implementation="grouped_mm", attention_dropout=0.0)
+
+
+@pytest.mark.parametrize("experts, cuda, sharded, on, reason", [
+    ("grouped_mm", True, False, True, "on: CUDA"),  # what a GPU run has: on
+    ("batched_mm", True, False, True, "on: CUDA"),  # also capturable
+    ("grouped_mm", False, False, False, "no CUDA device"),  # CPU: transformers' loop
+    ("grouped_mm", True, True, False, "FSDP"),  # sharded weights
+    ("eager", True, False, False, "experts_implementation='eager'"),  # reads the host mid-step
+    ("not gpt-oss", True, False, False, "model_type='llama'"),  # another architecture
+])
+def test_auto_decode_graphs(experts, cuda, sharded, on, reason):
+    if experts == "not gpt-oss":
+        model = NotGptOss()
+    else:
+        model = GptOssForCausalLM(small_config(experts))
+    decided, why = graph_decode.auto_decode_graphs(model, cuda=cuda, sharded=sharded)
+    assert decided == on and reason in why and why.startswith("on" if on else "off"), why
+
+
 # --- train_grpo wiring ------------------------------------------------------------------------------------------
 
 def test_train_grpo_routes_generate_through_graph_decode(model):
@@ -239,16 +468,18 @@ def test_decode_graphs_and_vllm_exclude_each_other():
         train_grpo.check_settings(settings)
 
 
+@pytest.mark.slow
 def test_grpo_step_samples_the_same_completions_with_decode_graphs(tmp_path, tokenizer, monkeypatch):
     # the wiring: one GRPO step on the tiny model, same seed, with and without DECODE_GRAPHS. TRL's sampling draws the
     # same random numbers on both paths, so equal log-probabilities give equal completions (the tiny model's answers
     # are too sure of themselves to expose small errors: the tests above check the arithmetic)
     import pandas as pd
-
     from grpo_fixtures import write_fixture_data
 
     data = write_fixture_data(tmp_path, tokenizer)
     decoded = []
+    shapes = []
+    monkeypatch.setattr(graph_decode.PrefillShapes, "seen", shapes)
     real_generate = graph_decode.generate
     monkeypatch.setattr(graph_decode, "generate", lambda *a, **k: decoded.append(1) or real_generate(*a, **k))
     completions = {}
@@ -265,4 +496,28 @@ def test_grpo_step_samples_the_same_completions_with_decode_graphs(tmp_path, tok
         trainer.train()
         completions[graphs] = pd.read_csv(log, keep_default_na=False)["completion"].tolist()
     assert decoded == [1]  # the DECODE_GRAPHS run generated through graph_decode, the other did not
+    assert [rows for rows, _ in shapes] == [1]  # TRL passed the prompt 4 times: prefilled once
     assert len(completions[True]) == 4 and completions[True] == completions[False]
+
+
+# --- the benchmark's GRPO-shaped batches ---------------------------------------------------------------------------
+
+def test_bench_generate_compares_shared_and_unshared_prefill(model, monkeypatch, capsys):
+    # the GPU benchmark on the small CPU model: TRL-shaped batches, both prefills, the LoRA train-mode state, the
+    # compile count and the table last
+    import benchmarks.bench_generate as bench
+
+    monkeypatch.setattr(bench, "build_random_model", lambda attn_implementation: GptOssForCausalLM(small_config()))
+    for name in ("synchronize", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 0)
+    assert bench.main(["--NUM_SEQS=8", "--NUM_PROMPTS=2", "--PROMPT_LEN=20", "--PROMPT_LEN_SPREAD=6",
+                       "--NEW_TOKENS=4", "--VARIANTS=static_unshared,static,grouped_mm", "--PREFILL_BUCKET=16",
+                       "--LORA_R=4", "--RECOMPILE_LENGTHS=3"]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("8 sequences = 2 distinct prompts x 4"):].splitlines()
+    assert [line.split()[0] for line in table[2:5]] == ["static_unshared", "static", "grouped_mm"]
+    assert "prefill shapes (rows x length): 2x16, 2x32" in out  # shared: 2 rows; lengths 20 and 17-20 -> 32, 10 -> 16
+    ids, mask = bench.grpo_prompts(8, 2, 20, 6, model, 0)
+    assert torch.equal(ids[:4], ids[:1].expand(4, -1)) and not torch.equal(ids[0], ids[4])  # groups in a row
+    assert mask[0].all() and (mask.sum(1) >= 14).all()  # the first is longest; the others left-padded by <= 6
