@@ -324,6 +324,11 @@ def build_trainer(s, model, tokenizer, train_dataset, layout: dict, completion_l
         say("note: the FSDP config has no effect without GPUs; accelerate runs plain data parallelism here")
     workarounds.sync_generation_across_processes(trainer.model, trainer.is_fsdp_enabled, process_count())
     graphs, why = decode_graphs_wanted(s, cuda, trainer.is_fsdp_enabled)
+    if graphs and str(s.DECODE_GRAPHS).lower() == "auto":  # and nothing in this model blocks the capture
+        from tes_grpo.graph_decode import auto_decode_graphs
+
+        graphs, detail = auto_decode_graphs(trainer.model, cuda, trainer.is_fsdp_enabled)
+        why = f"DECODE_GRAPHS=auto: {detail}"
     if graphs:
         from tes_grpo.graph_decode import GraphDecodeGenerate, causal_lm
 
@@ -440,7 +445,7 @@ def train(s, environ=None, callbacks=()) -> Path:
 
 def main(argv: list[str] | None = None, callbacks=()) -> int:
     """Command-line entry: resolves --NAME=value overrides (and the tiny preset), trains; returns the exit status."""
-    settings = resolve(globals(), argv, presets=PRESETS)
+    settings = resolve(globals(), argv, presets=PRESETS, allow_nan={"INVALID_REWARD"})
     try:
         train(settings, callbacks=callbacks)
     except (InputError, SettingsError) as err:

@@ -61,8 +61,9 @@ def _annotation_types(annotation) -> tuple:
     return (annotation,) if isinstance(annotation, type) else ()
 
 
-def convert_value(name: str, text: str, default, annotation=None):
-    """Turns the override text into the type of `default` (or of `annotation` when default is None)."""
+def convert_value(name: str, text: str, default, annotation=None, allow_nan: bool = False):
+    """Turns the override text into the type of `default` (or of `annotation` when default is None). Floats must be
+    finite; allow_nan lets a setting that gives nan a meaning (train_grpo's INVALID_REWARD) take "nan"."""
     kind = type(default)
     if default is None:
         if text.strip().lower() in _NONE:
@@ -81,6 +82,8 @@ def convert_value(name: str, text: str, default, annotation=None):
             return int(text)
         if kind is float:
             value = float(text)
+            if allow_nan and math.isnan(value):
+                return value
             if not math.isfinite(value):  # nan, inf, or a number too large for a float ("1e999")
                 raise ValueError("must be a finite number")
             return value
@@ -124,8 +127,9 @@ def usage(namespace: dict, positional: str | None = None, presets: dict | None =
 
 
 def parse_overrides(argv: list[str], defaults: dict, annotations: dict | None = None,
-                    positional: str | None = None) -> dict:
-    """Returns {NAME: converted value} for the overrides in argv; raises ConfigError on bad input."""
+                    positional: str | None = None, allow_nan=()) -> dict:
+    """Returns {NAME: converted value} for the overrides in argv; raises ConfigError on bad input. allow_nan: names
+    of float settings that may be nan."""
     annotations = annotations or {}
     valid = sorted(defaults)
     lookup = {name.lower().replace("_", "-"): name for name in defaults}
@@ -157,7 +161,7 @@ def parse_overrides(argv: list[str], defaults: dict, annotations: dict | None = 
                 raise ConfigError(f"--{key} needs a value (--{name}=value)")
             text = argv[i]
             i += 1
-        result[name] = convert_value(name, text, default, annotations.get(name))
+        result[name] = convert_value(name, text, default, annotations.get(name), allow_nan=name in allow_nan)
     if words:
         if positional is None:
             raise ConfigError(f"unexpected argument {words[0]!r}: settings take the form --NAME=value. "
@@ -230,7 +234,7 @@ def settings_from(namespace: dict, overrides: dict | None = None, presets: dict 
 
 
 def resolve(namespace: dict, argv: list[str] | None = None, positional: str | None = None,
-            presets: dict | None = None) -> Settings:
+            presets: dict | None = None, allow_nan=()) -> Settings:
     """The script's settings from its constants and the command line (the one way every script reads them).
 
     Prints the constants (and presets) and exits 0 on --help; prints `error: ...` with the valid names and exits 2
@@ -244,7 +248,7 @@ def resolve(namespace: dict, argv: list[str] | None = None, positional: str | No
         print(usage(namespace, positional, presets))
         raise SystemExit(0)
     try:
-        overrides = parse_overrides(argv, defaults, namespace.get("__annotations__", {}), positional)
+        overrides = parse_overrides(argv, defaults, namespace.get("__annotations__", {}), positional, allow_nan)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None

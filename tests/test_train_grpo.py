@@ -105,7 +105,13 @@ def test_bad_settings(overrides, words):
 
 
 def test_nan_invalid_reward_is_a_valid_setting():
-    train_grpo.check_settings(train_grpo.default_settings(INVALID_REWARD=NAN))
+    from tes_grpo.script_config import resolve
+
+    settings = resolve(vars(train_grpo), ["--INVALID_REWARD=nan"], allow_nan={"INVALID_REWARD"})
+    assert settings.INVALID_REWARD != settings.INVALID_REWARD  # nan
+    train_grpo.check_settings(settings)
+    with pytest.raises(SystemExit):  # other float settings stay finite
+        resolve(vars(train_grpo), ["--LR=nan"], allow_nan={"INVALID_REWARD"})
 
 
 def test_default_settings_rejects_unknown_names():
