@@ -289,6 +289,15 @@ def build_grpo_config(s, layout: dict, cuda: bool):
     )
 
 
+def use_graph_decode(model) -> None:
+    """Routes the model's generate() through graph_decode.GraphDecodeGenerate (idempotent)."""
+    from tes_grpo.graph_decode import GraphDecodeGenerate, causal_lm
+
+    inner = causal_lm(model)
+    if not isinstance(inner.generate, GraphDecodeGenerate):
+        inner.generate = GraphDecodeGenerate(inner, inner.generate, say=say)
+
+
 def build_trainer(s, model, tokenizer, train_dataset, layout: dict, completion_log=None, callbacks=(),
                   resume_step: int | None = None):
     """GRPOTrainer wired with the bound reward, LoRA, the stream, and the run folder's callbacks.
@@ -330,11 +339,7 @@ def build_trainer(s, model, tokenizer, train_dataset, layout: dict, completion_l
         graphs, detail = auto_decode_graphs(trainer.model, cuda, trainer.is_fsdp_enabled)
         why = f"DECODE_GRAPHS=auto: {detail}"
     if graphs:
-        from tes_grpo.graph_decode import GraphDecodeGenerate, causal_lm
-
-        inner = causal_lm(trainer.model)
-        if not isinstance(inner.generate, GraphDecodeGenerate):
-            inner.generate = GraphDecodeGenerate(inner, inner.generate, say=say)
+        use_graph_decode(trainer.model)
     say(f"decoding: {'graph_decode.py, static KV cache' if graphs else 'transformers generate'} ({why}"
         + (", no GPU: its steps run eagerly, without CUDA graphs" if graphs and not cuda else "") + ")")
     workarounds.give_trainable_weights_storage(trainer.model)

@@ -13,6 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import GenerationConfig, GptOssConfig, GptOssForCausalLM
 
 import train_grpo
+from data_reward import CompletionLog
+from tes_grpo.model_loading import load_training_model, resolve_model_path
 from tes_grpo import graph_decode
 
 PAD, VOCAB = 5, 512
@@ -453,18 +455,20 @@ def test_auto_decode_graphs(experts, cuda, sharded, on, reason):
 def test_train_grpo_routes_generate_through_graph_decode(model):
     original = model.generate
     try:
-        assert train_grpo.apply_decode_graphs(model, True, cuda=False)
-        assert isinstance(model.generate, graph_decode.GraphDecodeGenerate)
-        assert not train_grpo.apply_decode_graphs(model, False, cuda=False)
+        train_grpo.use_graph_decode(model)
+        wrapped = model.generate
+        assert isinstance(wrapped, graph_decode.GraphDecodeGenerate)
+        train_grpo.use_graph_decode(model)
+        assert model.generate is wrapped  # not wrapped twice
         with pytest.raises(train_grpo.SettingsError, match="FSDP"):
-            train_grpo.apply_decode_graphs(model, True, cuda=True, sharded=True)
+            train_grpo.decode_graphs_wanted(train_grpo.default_settings(DECODE_GRAPHS="1"), True, True)
     finally:
         model.generate = original
 
 
 def test_decode_graphs_and_vllm_exclude_each_other():
-    settings = train_grpo.default_settings(DECODE_GRAPHS=True, USE_VLLM=True)
-    with pytest.raises(train_grpo.SettingsError, match="DECODE_GRAPHS and USE_VLLM"):
+    settings = train_grpo.default_settings(DECODE_GRAPHS="1", USE_VLLM=True)
+    with pytest.raises(train_grpo.SettingsError, match="DECODE_GRAPHS=1 and USE_VLLM=1"):
         train_grpo.check_settings(settings)
 
 
@@ -485,14 +489,15 @@ def test_grpo_step_samples_the_same_completions_with_decode_graphs(tmp_path, tok
     completions = {}
     for graphs in (False, True):
         settings = train_grpo.default_settings(
-            MODEL_ID="tiny", DATA_DIR=str(data), EVAL_DIR=str(data / "eval"), OUT=str(tmp_path / f"run-{graphs}"),
+            MODEL_ID="tiny", DATA_DIR=str(data), EVAL_DIR=str(data / "eval"), OUT_DIR=str(tmp_path / f"run-{graphs}"),
             TOTAL_STEPS=1, NUM_GENERATIONS=4, GRADIENT_ACCUMULATION_STEPS=1, MAX_COMPLETION_LEN=32,
-            GRADIENT_CHECKPOINTING=False, DECODE_GRAPHS=graphs)
+            GRADIENT_CHECKPOINTING=False, DECODE_GRAPHS="1" if graphs else "0")
         frame = train_grpo.load_training_data(settings, tokenizer)
         log = tmp_path / f"completions-{graphs}.csv"
-        dataset = train_grpo.build_train_dataset(frame, settings)
-        trainer = train_grpo.build_trainer(settings, train_grpo.load_policy_model("tiny"), tokenizer, dataset,
-                                           completion_log_path=str(log))
+        dataset = train_grpo.build_stream(frame, settings).to_iterable_dataset()
+        layout = train_grpo.batch_layout(settings, int(frame["prompt_tokens"].max()))
+        model = load_training_model(resolve_model_path("tiny"))
+        trainer = train_grpo.build_trainer(settings, model, tokenizer, dataset, layout, CompletionLog(log))
         trainer.train()
         completions[graphs] = pd.read_csv(log, keep_default_na=False)["completion"].tolist()
     assert decoded == [1]  # the DECODE_GRAPHS run generated through graph_decode, the other did not
