@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from tes_grpo import tes_env
+
 SERIES: list = []  # series CSVs to run (positional); empty = the windows of EVAL_DIR, read from SERIES_DIR
 EVAL_DIR = "data/eval"  # evaluation split; its <window>_q_dataset_harmony.csv files name the default windows
 SERIES_DIR = "data/series"  # where <window>.csv lives

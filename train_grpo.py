@@ -37,14 +37,14 @@ MODEL_ID = "openai/gpt-oss-20b"  # hub id or local folder of an MXFP4 gpt-oss ch
 OUT_DIR = "runs/grpo-gpt-oss-20b"  # run folder: adapter, checkpoints, train_config.json, metrics.jsonl, completions.csv
 DATA_DIR = "data"  # training CSVs: every *_harmony.csv below it, EVAL_DIR left out
 EVAL_DIR = "data/eval"  # evaluation split, never trained on
-REASONING_EFFORT = "medium"  # each prompt's "Reasoning:" line: low, medium (as the data ships), high; "" keeps the CSV's
+REASONING_EFFORT = "medium"  # each prompt's "Reasoning:" line: low, medium (as shipped), high; "" keeps the CSV's
 MAX_PROMPT_LEN = 2048  # tokens; longer prompts fail at load or are skipped (PROMPT_TOO_LONG), never cut
 PROMPT_TOO_LONG = "error"  # "error": stop naming file and row; "skip": drop them and print how many
 MAX_COMPLETION_LEN = 4000  # tokens generated per completion; one cut here scores INVALID_REWARD
 NUM_GENERATIONS = 16  # completions sampled per prompt (the GRPO group)
 PROMPTS_PER_STEP = 1  # distinct prompts per micro-step (per gradient-accumulation slot)
 GRADIENT_ACCUMULATION_STEPS = 4  # micro-steps per optimizer step (one generation batch feeds them all)
-TRAIN_BATCH_SIZE = "auto"  # completions per forward/backward: a number, or auto = the most that fit TRAIN_TOKENS_PER_PASS
+TRAIN_BATCH_SIZE = "auto"  # completions per forward/backward: a number, or auto = most that fit TRAIN_TOKENS_PER_PASS
 TRAIN_TOKENS_PER_PASS = 40000  # auto micro-batch budget: completions x (longest prompt + MAX_COMPLETION_LEN) tokens
 TOTAL_STEPS = 200  # optimizer steps (the stream is endless, so this sets the run length)
 SAVE_STEPS = 20  # optimizer steps between checkpoints
@@ -73,10 +73,13 @@ RESUME = ""  # "" = new run; "1" = continue from the newest complete checkpoint 
 
 # MODEL_ID=tiny replaces these defaults unless given (printed at start, listed by --help). Fewer, shorter
 # completions and steps keep a 2-core CPU run to a few minutes (the tiny model answers in ~23 tokens); a higher,
-# constant LR because the tiny model has to move within 30 steps; no checkpointing because memory is no issue.
+# constant LR and rank 16 because the tiny model has to move within 30 steps (r 4: optimal share 0.33 -> 0.38 over
+# steps 1-10 -> 21-30; r 16: 0.35 -> 0.43); no checkpointing because memory is no issue. No KL term is needed:
+# INVALID_REWARD=0 keeps the answer format (valid 89-94 % in both runs).
 PRESETS = {"MODEL_ID": {"tiny": {
     "OUT_DIR": "runs/grpo-tiny", "NUM_GENERATIONS": 8, "GRADIENT_ACCUMULATION_STEPS": 2, "MAX_COMPLETION_LEN": 48,
-    "TOTAL_STEPS": 30, "SAVE_STEPS": 10, "LR": 2e-3, "LR_SCHEDULER": "constant", "GRADIENT_CHECKPOINTING": False,
+    "TOTAL_STEPS": 30, "SAVE_STEPS": 10, "LR": 2e-3, "LR_SCHEDULER": "constant", "LORA_R": 16, "LORA_ALPHA": 32,
+    "GRADIENT_CHECKPOINTING": False,
 }}}
 
 _SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",

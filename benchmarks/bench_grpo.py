@@ -35,8 +35,15 @@ from transformers import TrainerCallback
 
 import train_grpo
 from tes_grpo.gpt_oss_shapes import build_random_model, stack_versions
-from tes_grpo.processes import (gather_on_main, is_main_process, local_rank, process_count, say, start_process_group,
-                                uses_fsdp)
+from tes_grpo.processes import (
+    gather_on_main,
+    is_main_process,
+    local_rank,
+    process_count,
+    say,
+    start_process_group,
+    uses_fsdp,
+)
 from tes_grpo.script_config import resolve
 
 STEPS = 2  # optimizer steps to time (the first includes compilation and warm-up)
@@ -118,7 +125,8 @@ class StepTimer(TrainerCallback):
         torch.cuda.synchronize()
         total = time.perf_counter() - self.start
         gen, tokens, seqs = (now - then for now, then in
-                             zip((self.timer.seconds, self.timer.tokens, self.timer.sequences), self.before, strict=True))
+                             zip((self.timer.seconds, self.timer.tokens, self.timer.sequences), self.before,
+                                 strict=True))
         # every process's generation time and peak memory, on rank 0 (a collective: every rank gets here each step)
         per_gpu = gather_on_main([(gen, torch.cuda.max_memory_allocated() / 2**30,
                                    torch.cuda.max_memory_reserved() / 2**30)])

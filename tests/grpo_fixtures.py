@@ -35,12 +35,13 @@ def fixture_series():
     co2 = tuple(round(0.40 + 0.07 * math.cos(2 * math.pi * (h % 24 - 13) / 24) + 0.01 * (h // 24), 3) for h in hours)
     load = tuple(round(20 + 25 * math.sin(math.pi * (h % 24 - 7) / 11), 1)
                  if tes_env.FIRST_BUSINESS_HOUR <= h % 24 <= tes_env.LAST_BUSINESS_HOUR else 0.0 for h in hours)
-    return tes_env.Series(name="fixture", datetimes=tuple(start + timedelta(hours=h) for h in hours), co2=co2, load=load)
+    return tes_env.Series(name="fixture", datetimes=tuple(start + timedelta(hours=h) for h in hours), co2=co2,
+                          load=load)
 
 
 def harmony_prompt(tokenizer, timestep: int, energy: float, reasoning_effort: str = "medium") -> str:
-    from tes_grpo import tes_env
     from convert_to_harmony import render_harmony_prompt
+    from tes_grpo import tes_env
 
     system, user = tes_env.build_prompt(fixture_series(), timestep, energy)
     return render_harmony_prompt(system, user, tokenizer, reasoning_effort)
@@ -49,7 +50,8 @@ def harmony_prompt(tokenizer, timestep: int, energy: float, reasoning_effort: st
 def fixture_frame(tokenizer, rows) -> pd.DataFrame:
     records = []
     for timestep, energy, rewards in rows:
-        record = {"timestep": timestep, "timestamp": f"t{timestep}", "prompt": harmony_prompt(tokenizer, timestep, energy),
+        record = {"timestep": timestep, "timestamp": f"t{timestep}",
+                  "prompt": harmony_prompt(tokenizer, timestep, energy),
                   "optimal_action": max(range(4), key=lambda k: rewards[k])}
         record.update({f"q_action_{k}": round(-10 + r, 3) for k, r in enumerate(rewards)})
         record.update({f"reward_action_{k}": r for k, r in enumerate(rewards)})
@@ -76,5 +78,6 @@ def rewards_by_prompt(tokenizer, reasoning_effort: str) -> dict[str, tuple[list[
     """prompt text as training sees it (reasoning effort applied) -> (its rewards, its optimal action)."""
     from data_reward import set_reasoning_effort
 
-    return {set_reasoning_effort(harmony_prompt(tokenizer, t, e), reasoning_effort): (r, max(range(4), key=r.__getitem__))
+    return {set_reasoning_effort(harmony_prompt(tokenizer, t, e), reasoning_effort):
+            (r, max(range(4), key=r.__getitem__))
             for t, e, r in TRAIN_ROWS}

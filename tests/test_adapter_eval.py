@@ -11,9 +11,9 @@ import pandas as pd
 import pytest
 import torch
 
-from tes_grpo import llm_policy
 import test_lora_adapter as adapter_test
 import test_lora_adapter_quantized
+from tes_grpo import llm_policy
 from tes_grpo.fileio import InputError
 from tes_grpo.llm_policy import Completion
 

@@ -8,12 +8,19 @@ from types import SimpleNamespace
 
 import pandas as pd
 import pytest
+from grpo_fixtures import EVAL_ROWS, TRAIN_ROWS, write_fixture_data
 
 import data_reward
-from data_reward import (LOG_COLUMNS, CompletionLog, apply_reasoning_effort, check_prompt_lengths, load_training_frames,
-                         reward_fn, set_reasoning_effort)
+from data_reward import (
+    LOG_COLUMNS,
+    CompletionLog,
+    apply_reasoning_effort,
+    check_prompt_lengths,
+    load_training_frames,
+    reward_fn,
+    set_reasoning_effort,
+)
 from tes_grpo.fileio import InputError
-from grpo_fixtures import EVAL_ROWS, TRAIN_ROWS, write_fixture_data
 
 A_F = "<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>final<|message|>"
 
@@ -118,7 +125,7 @@ def test_long_prompts_skipped_with_count(data, tokenizer, capsys):
     limit = sorted(lengths)[1]
     kept = check_prompt_lengths(frame, tokenizer, limit, "skip")
     assert len(kept) == sum(n <= limit for n in lengths)
-    assert set(kept["prompt"]) == {p for p, n in zip(frame["prompt"], lengths) if n <= limit}  # untouched, not cut
+    assert set(kept["prompt"]) == {p for p, n in zip(frame["prompt"], lengths, strict=True) if n <= limit}  # untouched, not cut
     assert f"skipped {len(frame) - len(kept)} of {len(frame)} prompts" in capsys.readouterr().out
 
 

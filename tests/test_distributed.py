@@ -19,13 +19,18 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from grpo_fixtures import rewards_by_prompt, write_fixture_data
 
 import train_grpo
-from tes_grpo.model_loading import (empty_policy_model, load_training_model, loads_weights_here, model_device_map,
-                                   resolve_model_path)
+from tes_grpo.model_loading import (
+    empty_policy_model,
+    load_training_model,
+    loads_weights_here,
+    model_device_map,
+    resolve_model_path,
+)
 from tes_grpo.run_folder import check_resume_processes
 from tes_grpo.workarounds import give_trainable_weights_storage
-from grpo_fixtures import rewards_by_prompt, write_fixture_data
 
 REPO = Path(__file__).resolve().parents[1]
 PROCESSES, GENERATIONS, ACCUMULATION, SAVE_AT, RESUMED_TO = 2, 4, 2, 2, 3

@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 
 import evaluate_policy as ev
-from tes_grpo import tes_env
 from data_reward import parse_action
+from tes_grpo import tes_env
 from tes_grpo.llm_policy import Completion
 
 REPO = Path(__file__).resolve().parents[1]
@@ -199,6 +199,7 @@ def decide_optimally(decider, optimal, states):
 
 def test_end_to_end_with_the_tiny_model(tmp_path, capsys):
     from test_adapter_eval import make_lora_adapter
+
     from tes_grpo.tiny_model import ensure_tiny_checkpoint
 
     adapter = make_lora_adapter(ensure_tiny_checkpoint(), tmp_path / "adapter", b_std=0.05)

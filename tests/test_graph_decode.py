@@ -14,8 +14,8 @@ from transformers import GenerationConfig, GptOssConfig, GptOssForCausalLM
 
 import train_grpo
 from data_reward import CompletionLog
-from tes_grpo.model_loading import load_training_model, resolve_model_path
 from tes_grpo import graph_decode
+from tes_grpo.model_loading import load_training_model, resolve_model_path
 
 PAD, VOCAB = 5, 512
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops on a shared CPU: one thread is as fast

@@ -10,8 +10,13 @@ from types import SimpleNamespace
 import pytest
 
 from tes_grpo.fileio import InputError
-from tes_grpo.run_folder import (checkpoints_in, drop_log_rows_after, prepare_resume, rename_checkpoint,
-                                 resume_checkpoint)
+from tes_grpo.run_folder import (
+    checkpoints_in,
+    drop_log_rows_after,
+    prepare_resume,
+    rename_checkpoint,
+    resume_checkpoint,
+)
 
 HEADER = "step,micro_step,prompt,completion,action,reward,truncated,target_action,rank\n"
 

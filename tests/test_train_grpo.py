@@ -14,12 +14,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from grpo_fixtures import rewards_by_prompt, write_fixture_data
 from transformers import TrainerCallback
 
 import train_grpo
 from data_reward import LOG_COLUMNS
 from tes_grpo.model_loading import load_training_model, resolve_model_path
-from grpo_fixtures import rewards_by_prompt, write_fixture_data
 
 FIRST_STEPS, SAVE_STEPS, RESUMED_TO = 20, 10, 12
 
@@ -350,7 +350,8 @@ class WeightWatcher(TrainerCallback):
 
     def snapshot(self, model):
         return {name: p.detach().clone() for name, p in model.named_parameters()
-                if p.requires_grad or name.endswith(("q_proj.base_layer.weight", "experts.gate_up_proj", "lm_head.weight"))}
+                if p.requires_grad
+                or name.endswith(("q_proj.base_layer.weight", "experts.gate_up_proj", "lm_head.weight"))}
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.snapshots["begin"] = self.snapshot(model)
@@ -440,7 +441,7 @@ ACTION_TOKEN_IDS = [15, 16, 17, 18]  # o200k tokens "0".."3"; "[k]" is tokenized
 
 
 def answer_contexts(log: pd.DataFrame, table: dict, per_prompt: int = 8) -> list[tuple[str, list[float]]]:
-    """(prompt + completion up to its answer's "[", the prompt's rewards) for the first valid completions of each prompt.
+    """(prompt + completion up to its answer's "[", the prompt's rewards) for each prompt's first valid completions.
 
     The analysis text before the answer is kept as it was sampled, so the policies compared below see the same contexts.
     """
