@@ -125,7 +125,8 @@ def test_long_prompts_skipped_with_count(data, tokenizer, capsys):
     limit = sorted(lengths)[1]
     kept = check_prompt_lengths(frame, tokenizer, limit, "skip")
     assert len(kept) == sum(n <= limit for n in lengths)
-    assert set(kept["prompt"]) == {p for p, n in zip(frame["prompt"], lengths, strict=True) if n <= limit}  # untouched, not cut
+    # untouched, not cut
+    assert set(kept["prompt"]) == {p for p, n in zip(frame["prompt"], lengths, strict=True) if n <= limit}
     assert f"skipped {len(frame) - len(kept)} of {len(frame)} prompts" in capsys.readouterr().out
 
 
