@@ -11,7 +11,7 @@ The LLM policy sees exactly the dataset's prompt for its current state (`tes_env
 `convert_to_harmony.render_harmony_prompt` with DATE and REASONING_EFFORT; by default the effort the adapter was trained
 with, from train_grpo.py's train_config.json, else the dataset's "medium"); with VOTES > 1 it
 samples that many completions and takes the most frequent valid action (ties: the lowest). A decision with no valid
-answer (no `[k]` in the final channel, or cut at MAX_NEW_TOKENS) is carried out as action 0 and counted as invalid.
+answer (no `[k]` in the final channel, or cut at MAX_COMPLETION_LEN) is carried out as action 0 and counted as invalid.
 Decisions inside one window are sequential (the state depends on the last action), but all windows are decided
 together: at each business hour the prompts of every window (x VOTES) go to the model in batches.
 
@@ -42,7 +42,7 @@ ADAPTER_PATH = ""  # LoRA adapter folder; "" (and no BASE_MODEL_ID) = no LLM pol
 BASE_MODEL_ID = ""  # base model folder or hub id; "" = the adapter's base. Without ADAPTER_PATH: the base is the LLM
 ALSO_BASE = False  # with ADAPTER_PATH: also run the base model alone (same weights, adapter disabled, same seeds)
 VOTES = 1  # completions sampled per LLM decision; the most frequent valid action is taken
-MAX_NEW_TOKENS = 1024  # completion budget in tokens; a completion cut here is invalid
+MAX_COMPLETION_LEN = 1024  # completion budget in tokens; a completion cut here is invalid
 TEMPERATURE = 1.0  # sampling temperature (gpt-oss recommends 1.0); 0 = greedy
 TOP_P = 1.0  # nucleus sampling mass
 TOP_K = 0  # top-k sampling (0 = off)
@@ -112,9 +112,9 @@ def run_lockstep(series_list: Sequence[tes_env.Series], decide: BatchPolicy,
     for t in range(tes_env.EPISODE_HOURS):
         if t == tes_env.TERMINAL_TIMESTEP:
             finals = list(energies)
-            credits = [tes_env.terminal_credit(s, e) for s, e in zip(series_list, energies)]
+            credits = [tes_env.terminal_credit(s, e) for s, e in zip(series_list, energies, strict=False)]
         if tes_env.is_business_hour(t):
-            actions = decide([(s, t, e) for s, e in zip(series_list, energies)])
+            actions = decide([(s, t, e) for s, e in zip(series_list, energies, strict=False)])
         else:
             actions = [0] * len(series_list)
         for i, (series, action) in enumerate(zip(series_list, actions, strict=True)):
@@ -295,7 +295,8 @@ def plot_window(series: tes_env.Series, episodes: dict[str, tes_env.Episode], pa
                            vmax=tes_env.N_ACTIONS - 1, extent=(0, tes_env.EPISODE_HOURS, len(episodes), 0))
     marks = [(t + 0.5, row + 0.5) for row, name in enumerate(episodes) for t in sorted((invalid or {}).get(name, ()))]
     if marks:
-        axes[3].scatter(*zip(*marks), marker="x", color="red", s=18, label="invalid answer (action 0 ran)")
+        axes[3].scatter(*zip(*marks, strict=True), marker="x", color="red", s=18,
+                        label="invalid answer (action 0 ran)")
         axes[3].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     axes[3].set_yticks(np.arange(len(episodes)) + 0.5, list(episodes), fontsize=8)
     axes[3].set_xlabel(f"hour from {series.datetimes[0]:%Y-%m-%d} 00:00")
@@ -394,7 +395,7 @@ def evaluate(series_list: Sequence[tes_env.Series], policies: Sequence[str], llm
             decider.progress = bar
             results = run_lockstep(series_list, decider, initial_energy)
             decider.progress = None
-        episodes[name] = dict(zip(names, results))
+        episodes[name] = dict(zip(names, results, strict=False))
     rows = summary_rows(episodes, optimum, llm_deciders)
     summary = pd.DataFrame(rows, columns=list(_SUMMARY_COLUMNS))
     out_dir = Path(out_dir)
@@ -402,7 +403,8 @@ def evaluate(series_list: Sequence[tes_env.Series], policies: Sequence[str], llm
     if llm_deciders:
         log = pd.DataFrame([entry for d in llm_deciders.values() for entry in d.log])
         log.insert(log.columns.get_loc("action") + 1, "optimal_action",
-                   [solvers[w].optimal_action(t, e) for w, t, e in zip(log["window"], log["t"], log["energy_kwh"])])
+                   [solvers[w].optimal_action(t, e)
+                    for w, t, e in zip(log["window"], log["t"], log["energy_kwh"], strict=True)])
         log["sampled_action"] = log["sampled_action"].astype("Int64")
         write_csv_atomic(log, out_dir / "llm_decisions.csv")
     if plots:
@@ -414,68 +416,56 @@ def evaluate(series_list: Sequence[tes_env.Series], policies: Sequence[str], llm
     return summary
 
 
-def build_llm_deciders(adapter_path: str, base_model_id: str, also_base: bool, votes: int, seed: int,
-                       max_new_tokens: int, temperature: float, top_p: float, top_k: int, batch_size: int,
-                       reasoning_effort: str, date: str, quantized: bool, device: str, dtype: str,
-                       attn_implementation: str = "auto") -> dict:
-    """{policy name: LLMDecider}: "llm_adapter" (and "llm_base" with also_base), or "llm_base" without an adapter."""
+def build_llm_deciders(s) -> dict:
+    """{policy name: LLMDecider} for settings s: "llm_adapter" (and "llm_base" with ALSO_BASE), or "llm_base"
+    without an adapter."""
     from tes_grpo.llm_policy import load_policy_model
 
-    if not adapter_path and not base_model_id:
+    if not s.ADAPTER_PATH and not s.BASE_MODEL_ID:
         return {}
-    if votes < 1:
+    if s.VOTES < 1:
         raise ValueError("VOTES must be >= 1")
     from convert_to_harmony import REASONING_EFFORT as DATASET_EFFORT
     from tes_grpo.llm_policy import resolve_reasoning_effort
 
-    effort, origin = resolve_reasoning_effort(reasoning_effort, adapter_path, DATASET_EFFORT)
+    effort, origin = resolve_reasoning_effort(s.REASONING_EFFORT, s.ADAPTER_PATH, DATASET_EFFORT)
     effort = effort or DATASET_EFFORT  # "" (train_grpo's "keep the CSV's") means the dataset's effort
-    policy_model = load_policy_model(base_model_id, adapter_path, quantized=quantized, device=device, dtype=dtype,
-                                     attn_implementation=attn_implementation)
-    print(f"LLM: {policy_model.base_model_id}" + (f" + adapter {adapter_path}" if adapter_path else "")
+    policy_model = load_policy_model(s.BASE_MODEL_ID, s.ADAPTER_PATH, quantized=s.QUANTIZED, device=s.DEVICE,
+                                     dtype=s.DTYPE, attn_implementation=s.ATTN_IMPLEMENTATION)
+    print(f"LLM: {policy_model.base_model_id}" + (f" + adapter {s.ADAPTER_PATH}" if s.ADAPTER_PATH else "")
           + f"; experts: {policy_model.experts}; {policy_model.device}, {policy_model.dtype}, attention "
-          f"{policy_model.attention}; {votes} vote(s); reasoning effort {effort} ({origin})")
-    render = functools.partial(render_prompt, policy_model.tokenizer, effort, date)
-    variants = [("llm_adapter", True)] + ([("llm_base", False)] if also_base else []) if adapter_path \
+          f"{policy_model.attention}; {s.VOTES} vote(s); reasoning effort {effort} ({origin})")
+    render = functools.partial(render_prompt, policy_model.tokenizer, effort, s.DATE)
+    variants = [("llm_adapter", True)] + ([("llm_base", False)] if s.ALSO_BASE else []) if s.ADAPTER_PATH \
         else [("llm_base", False)]
-    return {name: LLMDecider(generate=functools.partial(generate_decisions, policy_model, use_adapter, max_new_tokens,
-                                                        temperature, top_p, top_k, batch_size),
-                             render=render, votes=votes, seed=seed, name=name)
+    return {name: LLMDecider(generate=functools.partial(generate_decisions, policy_model, use_adapter,
+                                                        s.MAX_COMPLETION_LEN, s.TEMPERATURE, s.TOP_P, s.TOP_K,
+                                                        s.BATCH_SIZE),
+                             render=render, votes=s.VOTES, seed=s.SEED, name=name)
             for name, use_adapter in variants}
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tes_grpo.script_config import constants_of
-
-    defaults = constants_of(globals())
-    try:
-        return run_main(argv)
-    finally:
-        globals().update(defaults)  # a second in-process call (tests) starts from the defaults
-
-
-def run_main(argv: list[str] | None) -> int:
     from tes_grpo.fileio import InputError
-    from tes_grpo.script_config import configure, save_config
+    from tes_grpo.script_config import resolve, save_config
 
-    config = configure(globals(), argv, positional="SERIES")
+    s = resolve(globals(), argv, positional="SERIES")
     try:
-        series_paths = list(SERIES) or eval_windows(EVAL_DIR, SERIES_DIR)
+        series_paths = list(s.SERIES) or eval_windows(s.EVAL_DIR, s.SERIES_DIR)
         series_list = [tes_env.load_series(path) for path in series_paths]  # bad input fails before the model loads
-        check_policy_names(POLICIES)
-        out_dir = Path(OUT_DIR) if OUT_DIR else default_out_dir(ADAPTER_PATH, BASE_MODEL_ID)
-        deciders = build_llm_deciders(ADAPTER_PATH, BASE_MODEL_ID, ALSO_BASE, VOTES, SEED, MAX_NEW_TOKENS,
-                                      TEMPERATURE, TOP_P, TOP_K, BATCH_SIZE, REASONING_EFFORT, DATE, QUANTIZED,
-                                      DEVICE, DTYPE, ATTN_IMPLEMENTATION)
-        summary = evaluate(series_list, POLICIES, deciders, out_dir, INITIAL_ENERGY, RANDOM_SEED, PLOTS, PROGRESS)
+        check_policy_names(s.POLICIES)
+        out_dir = Path(s.OUT_DIR) if s.OUT_DIR else default_out_dir(s.ADAPTER_PATH, s.BASE_MODEL_ID)
+        deciders = build_llm_deciders(s)
+        summary = evaluate(series_list, s.POLICIES, deciders, out_dir, s.INITIAL_ENERGY, s.RANDOM_SEED, s.PLOTS,
+                           s.PROGRESS)
     except (InputError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    save_config(config, out_dir / "config.json")
+    save_config(s, out_dir / "config.json")
     print(format_summary(summary))
     print("\nnet_co2_kg = co2 + 10 x unserved - terminal credit; gap = percent above the DP optimum's net; "
           "an invalid LLM decision was carried out as action 0")
-    print(f"wrote {out_dir}/summary.csv" + (f", {len(series_paths)} PNG(s)" if PLOTS else "")
+    print(f"wrote {out_dir}/summary.csv" + (f", {len(series_paths)} PNG(s)" if s.PLOTS else "")
           + (", llm_decisions.csv" if deciders else ""))
     return 0
 

@@ -17,30 +17,16 @@ from pathlib import Path
 MODEL_ID = "runs/export/gpt-oss-tes-mxfp4"  # merged export folder (export_quantized_model.py's OUT_DIR) or hub id
 PROMPT_PATH = "data/eval"  # Harmony CSV, or a folder whose *_harmony.csv files are read in name order
 MAX_ROWS = 5  # prompts to answer (first rows of the sorted files); 0 = all
-MAX_NEW_TOKENS = 1024  # completion budget in tokens; a completion cut here counts as invalid
+MAX_COMPLETION_LEN = 1024  # completion budget in tokens; a completion cut here counts as invalid
 DO_SAMPLE = True  # sample (gpt-oss's recommended T=1, top_p=1) or decode greedily
 TEMPERATURE = 1.0  # sampling temperature
 TOP_P = 1.0  # nucleus sampling mass
 SEED = 0  # torch seed for sampling
 DEQUANTIZE = False  # True: load experts as bf16; False: keep MXFP4 where the machine can (falls back, and says so)
 DEVICE = "auto"  # "auto" (cuda when available), "cpu" or "cuda"
-OUT_CSV = ""  # also write row, action, optimal_action, completion here ("" = print only)
+OUT_DIR = ""  # also write OUT_DIR/decisions.csv (row, action, optimal_action, completion); "" = print only
 
 FINAL_PREVIEW_CHARS = 200  # characters of each final answer printed on screen (the CSV keeps all)
-
-
-def prompt_files(path: str | Path) -> list[Path]:
-    from tes_grpo.fileio import InputError
-
-    path = Path(path)
-    if path.is_dir():
-        files = sorted(path.rglob("*_harmony.csv"))
-        if not files:
-            raise InputError(path, "no *_harmony.csv files in this folder (run the data pipeline first)")
-        return files
-    if not path.is_file():
-        raise InputError(path, "prompt file or folder does not exist")
-    return [path]
 
 
 def load_prompts(path: str | Path, max_rows: int):
@@ -48,6 +34,7 @@ def load_prompts(path: str | Path, max_rows: int):
     import pandas as pd
 
     from tes_grpo.fileio import InputError
+    from tes_grpo.llm_policy import prompt_files
 
     frames = []
     for file in prompt_files(path):
@@ -71,11 +58,11 @@ def load_model(model_id: str, dequantize: bool, device: str):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, Mxfp4Config
 
-    from export_quantized_model import checkpoint_is_mxfp4, expert_load_path
+    from export_quantized_model import expert_load_path
+    from tes_grpo.model_loading import checkpoint_is_mxfp4, resolve_device
 
     kwargs = {"quantization_config": Mxfp4Config(dequantize=True)} if dequantize else {}
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(device)
     source_is_mxfp4 = checkpoint_is_mxfp4(model_id)
     model = AutoModelForCausalLM.from_pretrained(model_id, dtype=torch.bfloat16, device_map=device, **kwargs).eval()
     return model, AutoTokenizer.from_pretrained(model_id), expert_load_path(model, source_is_mxfp4, dequantize)
@@ -133,27 +120,29 @@ def print_decisions(result) -> None:
     print(f"{valid}/{len(result)} valid answers")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     from tes_grpo.fileio import InputError, write_csv_atomic
-    from tes_grpo.script_config import configure
+    from tes_grpo.script_config import resolve
 
-    configure(globals())
+    s = resolve(globals(), argv)
     try:
-        prompts = load_prompts(PROMPT_PATH, MAX_ROWS)
-    except InputError as err:
+        prompts = load_prompts(s.PROMPT_PATH, s.MAX_ROWS)
+        model, tokenizer, path = load_model(s.MODEL_ID, s.DEQUANTIZE, s.DEVICE)
+    except (InputError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
-    model, tokenizer, path = load_model(MODEL_ID, DEQUANTIZE, DEVICE)
-    print(f"model {MODEL_ID}: {path}")
-    texts = generate_completions(model, tokenizer, list(prompts["prompt"]), MAX_NEW_TOKENS, DO_SAMPLE,
-                                 TEMPERATURE, TOP_P, SEED)
+        return 1
+    print(f"model {s.MODEL_ID}: {path}")
+    texts = generate_completions(model, tokenizer, list(prompts["prompt"]), s.MAX_COMPLETION_LEN, s.DO_SAMPLE,
+                                 s.TEMPERATURE, s.TOP_P, s.SEED)
     result = decisions(prompts, texts)
     print_decisions(result)
-    if OUT_CSV:
-        columns = [c for c in ("source", "row", "optimal_action", "action", "final_answer", "completion") if c in result]
-        write_csv_atomic(result[columns], OUT_CSV)
-        print(f"wrote {OUT_CSV}")
+    if s.OUT_DIR:
+        wanted = ("source", "row", "optimal_action", "action", "final_answer", "completion")
+        columns = [c for c in wanted if c in result]
+        out = write_csv_atomic(result[columns], Path(s.OUT_DIR) / "decisions.csv")
+        print(f"wrote {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -12,13 +12,14 @@ training reward's parser (`data_reward.parse_action`: the last `[k]` in the fina
 effort is by default the one the adapter was trained with (train_grpo.py's train_config.json: "low"), else the
 dataset's ("medium").
 
-Reported per model (a table on screen, `<OUT_CSV stem>_summary.csv`, and every completion in OUT_CSV):
+Reported per model (a table on screen, OUT_DIR/completions_summary.csv, and every completion in
+OUT_DIR/completions.csv):
 - valid_rate: completions with a valid action (a truncated completion is invalid).
 - optimal_share: completions whose action is the row's optimal_action (invalid ones count as not optimal).
 - mean_reward: the row's reward_action_k of the chosen action; an invalid completion counts as reward 0 (the floor:
   the rewards are a softmax over the four actions) and is included in the mean.
 - mean_regret_q: max_k Q - Q of the chosen action (reward units; x6 = kg CO2), over valid completions only.
-- truncation_rate: completions that hit MAX_NEW_TOKENS without an end token (<|return|>, <|call|>, <|endoftext|>).
+- truncation_rate: completions that hit MAX_COMPLETION_LEN without an end token (<|return|>, <|call|>, <|endoftext|>).
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ import math
 import sys
 from pathlib import Path
 
+from tes_grpo import tes_env
+
 ADAPTER_PATH = "runs/grpo-gpt-oss-20b"  # LoRA adapter folder: train_grpo.py's OUT or one of its checkpoint-* folders
 PROMPT_PATH = "data/eval"  # a *_harmony.csv or a folder of them (default: the evaluation split)
 BASE_MODEL_ID = ""  # base model folder or hub id; "" = the adapter's base_model_name_or_path
 SAMPLES_PER_PROMPT = 4  # completions per prompt and model
 MAX_PROMPTS = 0  # prompts to use, evenly spaced over all rows (0 = all)
-MAX_NEW_TOKENS = 1024  # completion budget in tokens; a completion that hits it is truncated (and invalid)
+MAX_COMPLETION_LEN = 1024  # completion budget in tokens; a completion that hits it is truncated (and invalid)
 TEMPERATURE = 1.0  # sampling temperature (gpt-oss recommends 1.0); 0 = greedy
 TOP_P = 1.0  # nucleus sampling mass (gpt-oss recommends 1.0)
 TOP_K = 0  # top-k sampling (0 = off, as in training; transformers would otherwise default to 50)
@@ -43,11 +46,11 @@ DEVICE = "auto"  # auto (cuda when available), cpu or cuda
 DTYPE = "auto"  # auto (bf16 on GPU, float32 on CPU), bfloat16, float32 or float16; QUANTIZED forces bfloat16
 ATTN_IMPLEMENTATION = "auto"  # auto (flex_attention on CUDA: it supports gpt-oss's sinks; eager on CPU) or a name
 QUANTIZED = False  # keep the MXFP4 expert weights quantized where the machine can (else says it fell back)
-OUT_CSV = ""  # every completion; "" = runs/adapter-test-<adapter>[-mxfp4]/completions.csv
+OUT_DIR = ""  # completions.csv + completions_summary.csv go here; "" = runs/adapter-test-<adapter>[-mxfp4]/
 PROGRESS = True  # progress bars while generating
 
 _MODELS = ("adapter", "base")
-_Q_COLUMNS = tuple(f"q_action_{k}" for k in range(4))
+_Q_COLUMNS = tes_env.Q_COLUMNS
 _SUMMARY_COLUMNS = ("model", "completions", "prompts", "valid_rate", "optimal_share", "mean_reward", "mean_regret_q",
                    "truncation_rate", "mean_tokens")
 
@@ -55,21 +58,6 @@ _SUMMARY_COLUMNS = ("model", "completions", "prompts", "valid_rate", "optimal_sh
 # ---------------------------------------------------------------------------------------------------------------
 # Prompts
 # ---------------------------------------------------------------------------------------------------------------
-
-def prompt_files(path: str | Path) -> list[Path]:
-    from data_reward import HARMONY_GLOB, training_csv_paths
-    from tes_grpo.fileio import InputError
-
-    path = Path(path)
-    if path.is_file():
-        return [path]
-    if not path.is_dir():
-        raise InputError(path, "prompt file or folder does not exist")
-    files = training_csv_paths(path, None)
-    if not files:
-        raise InputError(path, f"no {HARMONY_GLOB} files in this folder (run the data pipeline first)")
-    return files
-
 
 def check_q_columns(raw, path) -> dict[str, list[float]]:
     """The q_action_0..3 columns as floats; InputError naming file, row (first data row = 1), column and value."""
@@ -109,6 +97,8 @@ def load_eval_prompts(path: str | Path, max_prompts: int = 0, reasoning_effort: 
     from tes_grpo.fileio import InputError
 
     frames = []
+    from tes_grpo.llm_policy import prompt_files
+
     for file in prompt_files(path):
         try:
             raw = pd.read_csv(file, dtype={"prompt": str}, keep_default_na=False, na_values=[""])
@@ -146,7 +136,7 @@ def completion_rows(prompts, completions, model: str) -> list[dict]:
     rows = []
     for record, samples in zip(prompts.to_dict("records"), completions, strict=True):
         q_values = [record[c] for c in _Q_COLUMNS]
-        rewards = [record[f"reward_action_{k}"] for k in range(4)]
+        rewards = [record[column] for column in tes_env.REWARD_COLUMNS]
         for sample, completion in enumerate(samples):
             rows.append({"model": model, "source": record["source"], "row": record["row"], "sample": sample,
                          "optimal_action": record["optimal_action"], "action": completion.action,
@@ -191,79 +181,62 @@ def format_summary(summary) -> str:
 # Running it
 # ---------------------------------------------------------------------------------------------------------------
 
-def default_out_csv(adapter_path: str, quantized: bool) -> Path:
+def default_out_dir(adapter_path: str, quantized: bool) -> Path:
     from tes_grpo.llm_policy import adapter_run_name
 
-    return Path("runs") / f"adapter-test-{adapter_run_name(adapter_path)}{'-mxfp4' if quantized else ''}" / \
-        "completions.csv"
+    return Path("runs") / f"adapter-test-{adapter_run_name(adapter_path)}{'-mxfp4' if quantized else ''}"
 
 
-def summary_path(out_csv: str | Path) -> Path:
-    out_csv = Path(out_csv)
-    return out_csv.with_name(f"{out_csv.stem}_summary.csv")
-
-
-def run_adapter_test(adapter_path: str, prompt_path: str = PROMPT_PATH, base_model_id: str = "",
-                     samples_per_prompt: int = SAMPLES_PER_PROMPT, max_prompts: int = MAX_PROMPTS,
-                     max_new_tokens: int = MAX_NEW_TOKENS, temperature: float = TEMPERATURE, top_p: float = TOP_P,
-                     top_k: int = TOP_K, seed: int = SEED, batch_size: int = BATCH_SIZE,
-                     reasoning_effort: str = REASONING_EFFORT, device: str = DEVICE, dtype: str = DTYPE,
-                     quantized: bool = QUANTIZED, out_csv: str = OUT_CSV, progress: bool = PROGRESS,
-                     attn_implementation: str = ATTN_IMPLEMENTATION):
-    """Generates with the adapter and with the base, writes OUT_CSV and its summary; returns (summary, completions)."""
+def run_adapter_test(s):
+    """Generates with the adapter and with the base (settings s), writes OUT_DIR's two CSVs; returns (summary,
+    completions)."""
     import pandas as pd
 
     from tes_grpo.fileio import write_csv_atomic
     from tes_grpo.llm_policy import adapter_config, generate, load_policy_model, resolve_reasoning_effort
 
-    adapter_config(adapter_path)  # a missing adapter fails before anything is read or loaded
-    effort, origin = resolve_reasoning_effort(reasoning_effort, adapter_path, "")
-    prompts = load_eval_prompts(prompt_path, max_prompts, effort)
-    policy = load_policy_model(base_model_id, adapter_path, quantized=quantized, device=device, dtype=dtype,
-                               attn_implementation=attn_implementation)
-    print(f"base {policy.base_model_id} + adapter {adapter_path}; experts: {policy.experts}; "
+    adapter_config(s.ADAPTER_PATH)  # a missing adapter fails before anything is read or loaded
+    effort, origin = resolve_reasoning_effort(s.REASONING_EFFORT, s.ADAPTER_PATH, "")
+    prompts = load_eval_prompts(s.PROMPT_PATH, s.MAX_PROMPTS, effort)
+    policy = load_policy_model(s.BASE_MODEL_ID, s.ADAPTER_PATH, quantized=s.QUANTIZED, device=s.DEVICE,
+                               dtype=s.DTYPE, attn_implementation=s.ATTN_IMPLEMENTATION)
+    print(f"base {policy.base_model_id} + adapter {s.ADAPTER_PATH}; experts: {policy.experts}; "
           f"{policy.device}, {policy.dtype}, attention {policy.attention}")
     print(f"reasoning effort: {effort or 'as in the prompts'} ({origin})")
-    print(f"{len(prompts)} prompts from {prompt_path} x {samples_per_prompt} samples x 2 models, "
-          f"max {max_new_tokens} new tokens, temperature {temperature}, top_p {top_p}, seed {seed}")
+    print(f"{len(prompts)} prompts from {s.PROMPT_PATH} x {s.SAMPLES_PER_PROMPT} samples x 2 models, "
+          f"max {s.MAX_COMPLETION_LEN} new tokens, temperature {s.TEMPERATURE}, top_p {s.TOP_P}, seed {s.SEED}")
     rows = []
     for model in _MODELS:
-        completions = generate(policy, list(prompts["prompt"]), samples_per_prompt, seed, max_new_tokens, temperature,
-                               top_p, top_k, batch_size, use_adapter=model == "adapter", progress=progress,
-                               desc=f"{model} completions")
+        completions = generate(policy, list(prompts["prompt"]), s.SAMPLES_PER_PROMPT, s.SEED, s.MAX_COMPLETION_LEN,
+                               s.TEMPERATURE, s.TOP_P, s.TOP_K, s.BATCH_SIZE, use_adapter=model == "adapter",
+                               progress=s.PROGRESS, desc=f"{model} completions")
         rows += completion_rows(prompts, completions, model)
     frame = pd.DataFrame(rows)
     frame["action"] = frame["action"].astype("Int64")  # empty cell for an invalid answer, not 1.0-style floats
     summary = summarize(frame)
     summary["experts"] = policy.experts
-    out_csv = Path(out_csv) if out_csv else default_out_csv(adapter_path, quantized)
-    write_csv_atomic(frame, out_csv)
-    write_csv_atomic(summary, summary_path(out_csv))
+    out_dir = Path(s.OUT_DIR) if s.OUT_DIR else default_out_dir(s.ADAPTER_PATH, s.QUANTIZED)
+    write_csv_atomic(frame, out_dir / "completions.csv")
+    write_csv_atomic(summary, out_dir / "completions_summary.csv")
     print()
     print(format_summary(summary.drop(columns="experts")))
     print("\nmean reward counts an invalid answer as 0; mean regret (Q units, x6 = kg CO2) is over valid answers")
-    print(f"wrote {out_csv} ({len(frame)} completions) and {summary_path(out_csv)}")
+    print(f"wrote {out_dir / 'completions.csv'} ({len(frame)} completions) and {out_dir / 'completions_summary.csv'}")
     return summary, frame
 
 
-def main(argv: list[str] | None = None, quantized: bool | None = None) -> int:
+def main(argv: list[str] | None = None, quantized: bool = False) -> int:
     """Command-line entry; quantized=True is test_lora_adapter_quantized.py (QUANTIZED's default becomes True)."""
     from tes_grpo.fileio import InputError
-    from tes_grpo.script_config import configure, constants_of
+    from tes_grpo.script_config import resolve
 
-    defaults = constants_of(globals())
+    # a copy of the constants with QUANTIZED's default changed: --help shows it, --QUANTIZED still overrides it
+    settings = resolve({**globals(), "QUANTIZED": True} if quantized else globals(), argv)
     try:
-        if quantized is not None:
-            globals()["QUANTIZED"] = quantized  # before configure: --help shows it, --QUANTIZED still overrides it
-        configure(globals(), argv)
-        run_adapter_test(ADAPTER_PATH, PROMPT_PATH, BASE_MODEL_ID, SAMPLES_PER_PROMPT, MAX_PROMPTS, MAX_NEW_TOKENS,
-                         TEMPERATURE, TOP_P, TOP_K, SEED, BATCH_SIZE, REASONING_EFFORT, DEVICE, DTYPE, QUANTIZED,
-                         OUT_CSV, PROGRESS, ATTN_IMPLEMENTATION)
+        run_adapter_test(settings)
     except (InputError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    finally:
-        globals().update(defaults)  # a second in-process call (tests, the quantized variant) starts from the defaults
     return 0
 
 

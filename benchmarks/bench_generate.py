@@ -10,7 +10,7 @@ Run on the GPU machine (the numbers go to BENCHMARKS.md):
 It builds the 20B architecture in bf16 straight on the GPU (no download), then times generation (prefill
 included) for each variant in VARIANTS. `default` is transformers' generate as shipped, which switches `grouped_mm`
 experts to `batched_mm` while decoding; `grouped_mm` keeps grouped GEMM throughout (see
-`gpt_oss_shapes.keep_experts_implementation_for_decode`); `static` is graph_decode.py's decode loop without CUDA
+`workarounds.grouped_mm_experts_for_decode`); `static` is graph_decode.py's decode loop without CUDA
 graphs and `graphs` the same with each decode step replayed as a CUDA graph (train_grpo's DECODE_GRAPHS); both
 prefill each distinct prompt once, `static_unshared` / `graphs_unshared` prefill every row.
 
@@ -39,8 +39,9 @@ import contextlib
 import sys
 import time
 
-from tes_grpo.gpt_oss_shapes import build_random_model, keep_experts_implementation_for_decode, stack_versions
+from tes_grpo.gpt_oss_shapes import build_random_model, stack_versions
 from tes_grpo.script_config import resolve
+from tes_grpo.workarounds import grouped_mm_experts_for_decode
 
 NUM_SEQS = 64  # sequences decoded together
 NUM_PROMPTS = 0  # distinct prompts among them, each repeated NUM_SEQS/NUM_PROMPTS times in a row (TRL); 0 = all
@@ -261,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for variant in settings.VARIANTS:
         keep = variant != "default"
-        ctx = keep_experts_implementation_for_decode(model) if keep else contextlib.nullcontext()
+        ctx = grouped_mm_experts_for_decode(model, say=print) if keep else contextlib.nullcontext()
         extra = variant_generate_kwargs(variant)
         with ctx:
             # warm-up: kernels and flex attention compilation at the real shapes; a static cache is sized by the
@@ -280,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                 profile_generate(model, input_ids, attention_mask, settings.PROFILE_TOKENS, variant, bucket, **extra)
     compiles = count_prefill_compiles(model, settings) if settings.RECOMPILE_LENGTHS else []
     if settings.COMPARE_SEQS:
-        with keep_experts_implementation_for_decode(model):
+        with grouped_mm_experts_for_decode(model, say=print):
             compare_logprobs(model, settings.COMPARE_SEQS, settings.COMPARE_TOKENS, settings.PROMPT_LEN)
     distinct = settings.NUM_PROMPTS or settings.NUM_SEQS
     print(f"\n{settings.NUM_SEQS} sequences = {distinct} distinct prompts x {settings.NUM_SEQS // distinct}, "

@@ -46,33 +46,16 @@ def build_random_model(attn_implementation: str = "flex_attention", device: str 
     model.eval()
     n = sum(p.numel() for p in model.parameters())
     print(f"random gpt-oss-20b-shaped model: {n / 1e9:.2f} B parameters, "
-          f"{sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30:.1f} GiB, attention {attn_implementation}")
+          f"{sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30:.1f} GiB, "
+          f"attention {attn_implementation}")
     return model
-
-
-@contextlib.contextmanager
-def keep_experts_implementation_for_decode(model):
-    """Stops transformers' generate from switching grouped_mm experts to batched_mm while decoding.
-
-    transformers (>= 5.x on GPUs) swaps in `batched_mm` for the decode phase, which gathers each token's
-    expert weights: fast for a few sequences, far slower (and memory-hungry) for GRPO's 64+.
-    """
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if not hasattr(inner, "_optimize_model_for_decode"):
-        print("note: this transformers has no decode-time experts switch; nothing to keep")
-        yield model
-        return
-    inner._optimize_model_for_decode = contextlib.nullcontext
-    try:
-        yield model
-    finally:
-        del inner._optimize_model_for_decode
 
 
 def stack_versions() -> str:
     import transformers
 
-    parts = [f"python {platform.python_version()}", f"torch {torch.__version__}", f"transformers {transformers.__version__}"]
+    parts = [f"python {platform.python_version()}", f"torch {torch.__version__}",
+             f"transformers {transformers.__version__}"]
     for name in ("trl", "peft", "accelerate", "triton"):
         with contextlib.suppress(ImportError):
             parts.append(f"{name} {__import__(name).__version__}")

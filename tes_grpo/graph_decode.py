@@ -14,7 +14,7 @@ forward for over seven minutes and is switched off inside TRL, so this module wr
 tokens and 2,138 at 1,024, prefill included):
 
 - prefill: the model's own forward (flex attention on GPUs, transformers' DynamicCache), exactly as generate() does
-  it, then the keys and values are copied into static buffers: one of prompt + MAX_NEW_TOKENS slots per full-attention
+  it, then the keys and values are copied into static buffers: one of prompt + max_new_tokens slots per full-attention
   layer, a ring of `sliding_window` slots per sliding-window layer. Two changes to what goes in, neither of which
   changes a real token's inputs (positions count real tokens only; padding is masked, as generate() treats TRL's
   left padding):

@@ -26,6 +26,15 @@ from pathlib import Path
 from typing import Sequence
 
 from tes_grpo.fileio import InputError
+from tes_grpo.model_loading import (
+    checkpoint_is_mxfp4,
+    dtype_name,
+    load_tokenizer_for,
+    native_mxfp4_blockers,
+    resolve_attention,
+    resolve_device,
+    resolve_dtype,
+)
 
 ADAPTER_CONFIG = "adapter_config.json"
 TRAIN_CONFIG = "train_config.json"  # train_grpo.py's resolved settings, in the run folder (a checkpoint's parent)
@@ -65,6 +74,21 @@ class PolicyModel:
         return bool(self.adapter_path)
 
 
+def prompt_files(path: str | Path) -> list[Path]:
+    """A Harmony CSV, or every *_harmony.csv under a folder (sorted); InputError when there is none."""
+    from data_reward import HARMONY_GLOB, training_csv_paths
+
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise InputError(path, "prompt file or folder does not exist")
+    files = training_csv_paths(path, None)
+    if not files:
+        raise InputError(path, f"no {HARMONY_GLOB} files in this folder (run the data pipeline first)")
+    return files
+
+
 def adapter_config(adapter_path: str | Path) -> dict:
     """The adapter's adapter_config.json; InputError when the folder or the file is missing or unreadable."""
     folder = Path(adapter_path)
@@ -96,7 +120,8 @@ def adapter_touches_experts(adapter_path: str | Path) -> bool:
 
 
 def adapter_run_name(adapter_path: str | Path) -> str:
-    """A short name for output folders: "grpo-tiny" for runs/grpo-tiny, "grpo-tiny-checkpoint-000010" for a checkpoint."""
+    """A short name for output folders: "grpo-tiny" for runs/grpo-tiny, "grpo-tiny-checkpoint-000010" for a
+    checkpoint."""
     folder = Path(adapter_path).resolve()
     return f"{folder.parent.name}-{folder.name}" if folder.parent.name not in ("", "runs") else folder.name
 
@@ -127,70 +152,11 @@ def resolve_reasoning_effort(requested: str, adapter_path: str, fallback: str) -
     return fallback, "no training setting recorded; the dataset's"
 
 
-def resolve_device(device: str) -> str:
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"DEVICE must be auto, cpu or cuda, got {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("DEVICE=cuda but torch sees no GPU")
-    return device
-
-
-def resolve_attention(attn_implementation: str, device: str) -> str:
-    """"auto": flex_attention on CUDA (it supports gpt-oss's attention sinks; sdpa does not), eager on the CPU."""
-    if attn_implementation != "auto":
-        return attn_implementation
-    return "flex_attention" if device == "cuda" else "eager"
-
-
-def resolve_dtype(dtype: str, device: str):
-    """"auto": bfloat16 on a GPU, float32 on the CPU (bf16 matrix products are slow on most CPUs)."""
-    import torch
-
-    if dtype == "auto":
-        return torch.bfloat16 if device == "cuda" else torch.float32
-    choices = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-    if dtype not in choices:
-        raise ValueError(f"DTYPE must be auto, {', '.join(choices)}; got {dtype!r}")
-    return choices[dtype]
-
-
 def experts_are_mxfp4(model) -> bool:
     """Whether transformers kept the MoE experts in MXFP4 (its native path swaps in Mxfp4GptOssExperts)."""
     from transformers.integrations.mxfp4 import Mxfp4GptOssExperts
 
     return any(isinstance(module, Mxfp4GptOssExperts) for module in model.modules())
-
-
-def native_mxfp4_blockers(device: str) -> list[str]:
-    """Why transformers' native MXFP4 path cannot run here (empty when nothing is missing)."""
-    from transformers.utils import is_kernels_available, is_triton_available
-
-    reasons = []
-    if device != "cuda":
-        reasons.append("no GPU (on the CPU transformers runs MXFP4 only through hub kernels, use_kernels=True)")
-    if not is_triton_available():
-        reasons.append("triton is not installed")
-    if not is_kernels_available():
-        reasons.append("the `kernels` package (a version this transformers accepts) is not installed")
-    return reasons
-
-
-def checkpoint_is_mxfp4(model_id: str) -> bool:
-    """Whether the checkpoint's config declares MXFP4 quantization (openai/gpt-oss-* and the tiny model do)."""
-    from transformers import AutoConfig
-
-    quantization = getattr(AutoConfig.from_pretrained(model_id), "quantization_config", None) or {}
-    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization,
-                                                                                             "quant_method", None)
-    return str(getattr(method, "value", method)) == "mxfp4"
-
-
-def dtype_name(torch_dtype) -> str:
-    return str(torch_dtype).removeprefix("torch.")
 
 
 def fallback_note(torch_dtype, reasons: list[str]) -> str:
@@ -230,19 +196,6 @@ def load_base(base_model_id: str, device: str, torch_dtype, quantized: bool, att
         note = f"dequantized to {dtype_name(torch_dtype)} while loading (Mxfp4Config(dequantize=True))"
     model = load(quantization_config=Mxfp4Config(dequantize=True))
     return model.eval(), note, False
-
-
-def load_tokenizer_for(base_model_id: str):
-    """The checkpoint's own tokenizer, or gpt_oss_tokenizer's (same vocabulary) when its folder has none."""
-    from transformers import AutoTokenizer
-
-    folder = Path(base_model_id)
-    if folder.is_dir() and not (folder / "tokenizer.json").is_file():
-        from tes_grpo.gpt_oss_tokenizer import load_tokenizer, tokenizer_source
-
-        print(f"tokenizer: {tokenizer_source()} (no tokenizer.json in {folder})")
-        return load_tokenizer()
-    return AutoTokenizer.from_pretrained(base_model_id)
 
 
 def load_policy_model(base_model_id: str = "", adapter_path: str = "", quantized: bool = False,
@@ -315,9 +268,9 @@ def adapter_switch(policy: PolicyModel, use_adapter: bool):
 def decode_experts_context(policy: PolicyModel, batch_len: int):
     """Keeps grouped_mm experts while decoding for large GPU batches (see GROUPED_MM_MIN_BATCH); else no change."""
     if policy.device == "cuda" and not policy.experts_quantized and batch_len >= GROUPED_MM_MIN_BATCH:
-        from tes_grpo.gpt_oss_shapes import keep_experts_implementation_for_decode
+        from tes_grpo.workarounds import grouped_mm_experts_for_decode
 
-        return keep_experts_implementation_for_decode(policy.model)
+        return grouped_mm_experts_for_decode(policy.model, say=print)
     return contextlib.nullcontext()
 
 

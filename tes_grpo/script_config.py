@@ -255,28 +255,6 @@ def resolve(namespace: dict, argv: list[str] | None = None, positional: str | No
     return settings_from(namespace, overrides, presets)
 
 
-def configure(namespace: dict, argv: list[str] | None = None, positional: str | None = None) -> dict:
-    """Applies command-line overrides to a script's constants in place; returns the resolved config.
-
-    Call it as `configure(globals())` right after the constant block. Exits with status 2 and the list of
-    valid names on a bad override; prints the constants and exits 0 on --help.
-    """
-    argv = sys.argv[1:] if argv is None else argv
-    defaults = constants_of(namespace)
-    if positional is not None and positional not in defaults:
-        raise KeyError(f"positional constant {positional} is not defined")
-    if any(arg in ("-h", "--help") for arg in argv):
-        print(usage(namespace, positional))
-        raise SystemExit(0)
-    try:
-        overrides = parse_overrides(argv, defaults, namespace.get("__annotations__", {}), positional)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
-    namespace.update(overrides)
-    return constants_of(namespace)
-
-
 def save_config(config: dict, path: str | os.PathLike) -> Path:
     """Writes the resolved constants as JSON (atomically) so a run folder records how it was made."""
     from tes_grpo.fileio import atomic_write_text

@@ -240,11 +240,11 @@ def test_a_tiny_budget_truncates_everything(random_policy_model, eval_prompts):
 
 
 def test_script_end_to_end(adapters, tmp_path, capsys):
-    out = tmp_path / "report" / "completions.csv"
+    out = tmp_path / "report" / "completions.csv"  # OUT_DIR/completions.csv
     # greedy, so the format-warmed tiny model answers validly and the reward/regret columns are exercised
     code = adapter_test.main([f"--ADAPTER_PATH={adapters['random']}", f"--PROMPT_PATH={EVAL_DIR}", "--MAX_PROMPTS=2",
-                              "--SAMPLES_PER_PROMPT=2", "--MAX_NEW_TOKENS=40", "--TEMPERATURE=0",
-                              "--REASONING_EFFORT=low", f"--OUT_CSV={out}", "--PROGRESS=0"])
+                              "--SAMPLES_PER_PROMPT=2", "--MAX_COMPLETION_LEN=40", "--TEMPERATURE=0",
+                              "--REASONING_EFFORT=low", f"--OUT_DIR={out.parent}", "--PROGRESS=0"])
     assert code == 0
     frame = pd.read_csv(out)
     assert len(frame) == 2 * 2 * 2  # prompts x samples x (adapter, base)
@@ -269,7 +269,8 @@ def test_quantized_script_says_it_fell_back_on_cpu(adapters, tmp_path, capsys):
     out = tmp_path / "q" / "completions.csv"
     code = test_lora_adapter_quantized.test_lora_adapter.main(
         [f"--ADAPTER_PATH={adapters['random']}", f"--PROMPT_PATH={EVAL_DIR}", "--MAX_PROMPTS=1",
-         "--SAMPLES_PER_PROMPT=1", "--MAX_NEW_TOKENS=4", f"--OUT_CSV={out}", "--PROGRESS=0"], quantized=True)
+         "--SAMPLES_PER_PROMPT=1", "--MAX_COMPLETION_LEN=4", f"--OUT_DIR={out.parent}", "--PROGRESS=0"],
+        quantized=True)
     assert code == 0
     captured = capsys.readouterr()
     assert "FELL BACK to dequantized bfloat16 experts" in captured.err and "no GPU" in captured.err
@@ -279,8 +280,8 @@ def test_quantized_script_says_it_fell_back_on_cpu(adapters, tmp_path, capsys):
 
 
 def test_missing_adapter_is_a_clear_error_and_writes_nothing(tmp_path, capsys):
-    out = tmp_path / "c.csv"
-    code = adapter_test.main([f"--ADAPTER_PATH={tmp_path / 'nope'}", f"--OUT_CSV={out}"])
+    out = tmp_path / "completions.csv"
+    code = adapter_test.main([f"--ADAPTER_PATH={tmp_path / 'nope'}", f"--OUT_DIR={tmp_path}"])
     assert code == 1
     assert "adapter folder does not exist" in capsys.readouterr().err
     assert not out.exists()

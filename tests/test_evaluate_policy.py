@@ -121,9 +121,9 @@ def test_gap_pct(net, optimum, expected):
 def test_lockstep_episodes_equal_tes_env_simulate(eval_series, name):
     # run_lockstep re-implements simulate's loop for batched LLM decisions; it must account exactly alike
     lockstep_policies = [ev.non_llm_policy(name, s, 7) for s in eval_series]
-    by_series = dict(zip((s.name for s in eval_series), lockstep_policies))
+    by_series = dict(zip((s.name for s in eval_series), lockstep_policies, strict=False))
     episodes = ev.run_lockstep(eval_series, functools.partial(decide_by_window, by_series))
-    for series, episode in zip(eval_series, episodes):
+    for series, episode in zip(eval_series, episodes, strict=False):
         assert episode == tes_env.simulate(series, ev.non_llm_policy(name, series, 7))
 
 
@@ -205,7 +205,7 @@ def test_end_to_end_with_the_tiny_model(tmp_path, capsys):
     adapter = make_lora_adapter(ensure_tiny_checkpoint(), tmp_path / "adapter", b_std=0.05)
     out = tmp_path / "eval"
     series = [str(SERIES_DIR / "tes_2024-06-15.csv"), str(SERIES_DIR / "tes_2024-07-01.csv")]
-    code = ev.main([*series, f"--ADAPTER_PATH={adapter}", "--POLICIES=optimal,storage_first", "--MAX_NEW_TOKENS=40",
+    code = ev.main([*series, f"--ADAPTER_PATH={adapter}", "--POLICIES=optimal,storage_first", "--MAX_COMPLETION_LEN=40",
                     "--TEMPERATURE=0", f"--OUT_DIR={out}", "--PROGRESS=0"])
     assert code == 0
     summary = pd.read_csv(out / "summary.csv")

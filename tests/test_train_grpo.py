@@ -242,6 +242,7 @@ def test_cpu_scoring_patch_is_idempotent():
 # The tiny MXFP4 checkpoint
 # ---------------------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_tiny_checkpoint_is_in_the_real_mxfp4_layout():
     from safetensors import safe_open
 
@@ -268,6 +269,7 @@ def test_tiny_checkpoint_is_in_the_real_mxfp4_layout():
 # Generation keeps its KV cache with gradient checkpointing on (the GPU default)
 # ---------------------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_generation_uses_kv_cache_with_gradient_checkpointing(tmp_path, tokenizer):
     data = write_fixture_data(tmp_path, tokenizer)
     settings = train_grpo.default_settings(
@@ -383,6 +385,7 @@ def run(tmp_path_factory, tokenizer):
     return {"out": out, "first": first, "watcher": watcher, "tokenizer": tokenizer}
 
 
+@pytest.mark.slow
 def test_run_writes_adapter_checkpoints_config_and_logs(run):
     out, first = run["out"], run["first"]
     assert first["checkpoints"] == ["checkpoint-000010", "checkpoint-000020"]
@@ -397,6 +400,7 @@ def test_run_writes_adapter_checkpoints_config_and_logs(run):
     assert [m["step"] for m in metrics if "reward" in m] == list(range(1, FIRST_STEPS + 1))
 
 
+@pytest.mark.slow
 def test_adapter_loads_with_peft_and_only_lora_weights_changed(run):
     from peft import PeftModel
     from safetensors.torch import load_file
@@ -418,6 +422,7 @@ def test_adapter_loads_with_peft_and_only_lora_weights_changed(run):
             assert torch.equal(tensor, trained[key])  # the first run's final adapter is what it trained
 
 
+@pytest.mark.slow
 def test_completion_log_scores_each_completion_with_its_own_prompt(run):
     log = run["first"]["completions"]
     assert list(log.columns) == LOG_COLUMNS
@@ -467,6 +472,7 @@ def expected_reward(model, tokenizer, contexts) -> float:
     return total / len(contexts)
 
 
+@pytest.mark.slow
 def test_mean_reward_rises(run):
     """The trained policy's expected reward beats the starting policy's on the same answer contexts.
 
@@ -493,6 +499,7 @@ def test_mean_reward_rises(run):
     assert late["r"].notna().mean() > 0.5  # without giving up the answer format
 
 
+@pytest.mark.slow
 def test_resume_continues_at_the_right_step(run):
     out, first = run["out"], run["first"]
     assert json.loads((out / "trainer_state.json").read_text())["global_step"] == RESUMED_TO
@@ -512,6 +519,7 @@ def test_bad_setting_exits_with_error(tmp_path, capsys):
     assert "error: NUM_GENERATIONS=1: must be at least 2" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_missing_data_exits_with_error(tmp_path, capsys):
     assert train_grpo.main(["--MODEL_ID=tiny", f"--DATA_DIR={tmp_path / 'none'}", f"--OUT_DIR={tmp_path / 'o'}"]) == 1
     assert "no training files" in capsys.readouterr().err
