@@ -42,7 +42,7 @@ ADAPTER_PATH = ""  # LoRA adapter folder; "" (and no BASE_MODEL_ID) = no LLM pol
 BASE_MODEL_ID = ""  # base model folder or hub id; "" = the adapter's base. Without ADAPTER_PATH: the base is the LLM
 ALSO_BASE = False  # with ADAPTER_PATH: also run the base model alone (same weights, adapter disabled, same seeds)
 VOTES = 1  # completions sampled per LLM decision; the most frequent valid action is taken
-MAX_COMPLETION_LEN = 1024  # completion budget in tokens; a completion cut here is invalid
+MAX_COMPLETION_LEN = 4000  # tokens per completion, as in training; a completion cut here is invalid
 TEMPERATURE = 1.0  # sampling temperature (gpt-oss recommends 1.0); 0 = greedy
 TOP_P = 1.0  # nucleus sampling mass
 TOP_K = 0  # top-k sampling (0 = off)

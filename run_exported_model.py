@@ -17,7 +17,7 @@ from pathlib import Path
 MODEL_ID = "runs/export/gpt-oss-tes-mxfp4"  # merged export folder (export_quantized_model.py's OUT_DIR) or hub id
 PROMPT_PATH = "data/eval"  # Harmony CSV, or a folder whose *_harmony.csv files are read in name order
 MAX_ROWS = 5  # prompts to answer (first rows of the sorted files); 0 = all
-MAX_COMPLETION_LEN = 1024  # completion budget in tokens; a completion cut here counts as invalid
+MAX_COMPLETION_LEN = 4000  # tokens per completion, as in training; a completion cut here is invalid
 DO_SAMPLE = True  # sample (gpt-oss's recommended T=1, top_p=1) or decode greedily
 TEMPERATURE = 1.0  # sampling temperature
 TOP_P = 1.0  # nucleus sampling mass

@@ -35,7 +35,7 @@ PROMPT_PATH = "data/eval"  # a *_harmony.csv or a folder of them (default: the e
 BASE_MODEL_ID = ""  # base model folder or hub id; "" = the adapter's base_model_name_or_path
 SAMPLES_PER_PROMPT = 4  # completions per prompt and model
 MAX_PROMPTS = 0  # prompts to use, evenly spaced over all rows (0 = all)
-MAX_COMPLETION_LEN = 1024  # completion budget in tokens; a completion that hits it is truncated (and invalid)
+MAX_COMPLETION_LEN = 4000  # tokens per completion, as in training; a completion cut here is invalid
 TEMPERATURE = 1.0  # sampling temperature (gpt-oss recommends 1.0); 0 = greedy
 TOP_P = 1.0  # nucleus sampling mass (gpt-oss recommends 1.0)
 TOP_K = 0  # top-k sampling (0 = off, as in training; transformers would otherwise default to 50)

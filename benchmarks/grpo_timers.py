@@ -1,0 +1,88 @@
+"""Timers for benchmarks/bench_grpo.py: generation time inside GRPO and per-step rows (imported by its main(), so
+its --help does not load torch)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+from tes_grpo.processes import gather_on_main, process_count, uses_fsdp
+
+
+class GenerationTimer:
+    """Wraps a model's generate() to add up its wall time and the completion tokens it produced."""
+
+    def __init__(self, model):
+        self.model, self.inner = model, model.generate
+        self.seconds = 0.0
+        self.tokens = 0
+        self.sequences = 0
+        model.generate = self
+
+    def __call__(self, *args, **kwargs):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = self.inner(*args, **kwargs)
+        torch.cuda.synchronize()
+        self.seconds += time.perf_counter() - start
+        prompt_len = kwargs["input_ids"].shape[1] if "input_ids" in kwargs else args[0].shape[1]
+        self.tokens += (out.shape[1] - prompt_len) * out.shape[0]
+        self.sequences += out.shape[0]
+        return out
+
+
+class StepTimer(TrainerCallback):
+    """Per optimizer step: wall time, the generation share of it, tokens/s, peak memory, ratios to the limits."""
+
+    def __init__(self, timer: GenerationTimer | None, weight_bytes: int, prompt_tokens: int, results: Path, bench,
+                 layout: dict):
+        self.timer, self.weight_bytes, self.prompt_tokens, self.results = timer, weight_bytes, prompt_tokens, results
+        self.bench, self.layout = bench, layout
+        self.rows: list[dict] = []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        self.start = time.perf_counter()
+        self.before = (self.timer.seconds, self.timer.tokens, self.timer.sequences)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        torch.cuda.synchronize()
+        total = time.perf_counter() - self.start
+        gen, tokens, seqs = (now - then for now, then in
+                             zip((self.timer.seconds, self.timer.tokens, self.timer.sequences), self.before,
+                                 strict=True))
+        # every process's generation time and peak memory, on rank 0 (a collective: every rank gets here each step)
+        per_gpu = gather_on_main([(gen, torch.cuda.max_memory_allocated() / 2**30,
+                                   torch.cuda.max_memory_reserved() / 2**30)])
+        if per_gpu is None:
+            return
+        train_s = total - gen
+        # tokens/s if each decoding step read every weight exactly once at the measured bandwidth
+        decode_limit = seqs / (self.weight_bytes / (self.bench.HBM_TB_PER_S * 1e12))
+        trained_tokens = seqs * self.prompt_tokens + tokens
+        row = dict(step=state.global_step, step_s=total, generation_s=gen, training_s=train_s, sequences=seqs,
+                   completion_tokens=tokens, gen_tokens_per_s=tokens / gen if gen else 0.0, gen_share=gen / total,
+                   decode_limit_tokens_per_s=decode_limit,
+                   train_mfu=trained_tokens * self.bench.TRAIN_GFLOP_PER_TOKEN * 1e9 / max(train_s, 1e-9)
+                   / (self.bench.BF16_TFLOPS * 1e12),
+                   decode_experts=self.bench.DECODE_EXPERTS, decode_graphs=str(self.bench.DECODE_GRAPHS),
+                   max_completion_len=self.bench.MAX_COMPLETION_LEN, prompt_tokens=self.prompt_tokens,
+                   train_batch_size=self.layout["train_batch_size"],
+                   passes=self.layout["gradient_accumulation_steps"])
+        processes = process_count()
+        row.update(processes=processes, sharding="fsdp2" if uses_fsdp() else "ddp" if processes > 1 else "none",
+                   generation_s_per_gpu=[g for g, _, _ in per_gpu], peak_gib_per_gpu=[m for _, m, _ in per_gpu],
+                   peak_gib=max(m for _, m, _ in per_gpu), reserved_gib=max(r for _, _, r in per_gpu),
+                   completions_per_step=seqs * processes,
+                   completions_per_s=seqs * processes / total)
+        self.rows.append(row)
+        with self.results.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(f"[bench] step {row['step']}: {total:.1f} s (generation {gen:.1f} s, training {train_s:.1f} s), "
+              f"{row['gen_tokens_per_s']:.0f} tok/s per GPU, {row['completions_per_s']:.2f} completions/s, peak "
+              + " / ".join(f"{m:.1f}" for m in row["peak_gib_per_gpu"]) + " GiB", flush=True)
