@@ -31,7 +31,7 @@ from pathlib import Path
 
 from tes_grpo.fileio import InputError
 from tes_grpo.processes import is_main_process, process_count, say
-from tes_grpo.script_config import Settings, resolve, save_config
+from tes_grpo.script_config import Settings, SettingsError, resolve, save_config
 
 MODEL_ID = "openai/gpt-oss-20b"  # hub id or local folder of an MXFP4 gpt-oss checkpoint; "tiny" = embedded tiny model
 OUT_DIR = "runs/grpo-gpt-oss-20b"  # run folder: adapter, checkpoints, train_config.json, metrics.jsonl, completions.csv
@@ -86,10 +86,6 @@ _SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "consta
                "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay")  # transformers' SchedulerType, less
 _LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")  # TRL 1.16 GRPOConfig.loss_type
 _SWITCH = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
-
-
-class SettingsError(ValueError):
-    """Settings that cannot work (together); main() prints it and exits 1."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -366,41 +362,6 @@ def describe_run(s, layout: dict, trainer, completion_log) -> None:
         + f": {trainable:,} trainable parameters")
 
 
-def run_summary(s, layout: dict, extra: dict) -> dict:
-    """The resolved settings plus what was derived from them, as written to train_config.json."""
-    import peft
-    import torch
-    import transformers
-    import trl
-
-    versions = {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
-                "trl": trl.__version__, "peft": peft.__version__}
-    return {**s, "derived": {**layout, **extra, "processes": process_count(), "versions": versions,
-                             "preset": {k: v[1] for k, v in s.preset.items()}}}
-
-
-def check_visible_gpus(gpus: int, processes: int) -> None:
-    """One process must see one GPU: the Trainer would wrap the model in nn.DataParallel, which TRL refuses."""
-    if processes == 1 and gpus > 1:
-        raise SettingsError(f"{gpus} GPUs are visible to one process. Train on one of them with CUDA_VISIBLE_DEVICES=0 "
-                            "python train_grpo.py ..., or on all of them with accelerate launch --config_file "
-                            "configs/accelerate/ddp.yaml (or fsdp2.yaml) train_grpo.py ...")
-
-
-def check_machine(s) -> None:
-    """One GPU per process, and vLLM installed when asked for; says which optional extras are installed."""
-    import importlib.util
-
-    import torch
-
-    check_visible_gpus(torch.cuda.device_count(), process_count())
-    have = {name: importlib.util.find_spec(name) is not None for name in ("vllm", "kernels", "liger_kernel")}
-    if s.USE_VLLM and not have["vllm"]:
-        raise SettingsError("USE_VLLM=1 needs vllm (pip install -r requirements-gpu.txt); it is not installed")
-    say("optional extras installed: " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in have.items())
-        + " (kernels/liger are not used by this script)")
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # main: settings, run folder, data, model, trainer, train, save
 # ---------------------------------------------------------------------------------------------------------------
@@ -408,9 +369,9 @@ def check_machine(s) -> None:
 def train(s, environ=None, callbacks=()) -> Path:
     """Runs GRPO for resolved settings; returns OUT_DIR. callbacks: extra TrainerCallbacks (tests look inside)."""
     from data_reward import CompletionLog
-    from tes_grpo.model_loading import load_tokenizer_for, load_training_model, resolve_model_path
+    from tes_grpo.model_loading import check_machine, load_tokenizer_for, load_training_model, resolve_model_path
     from tes_grpo.processes import start_process_group
-    from tes_grpo.run_folder import prepare_resume
+    from tes_grpo.run_folder import prepare_resume, run_summary
 
     check_settings(s)
     env = read_environment(os.environ if environ is None else environ)
@@ -418,7 +379,7 @@ def train(s, environ=None, callbacks=()) -> Path:
     log_path = Path(env["completion_log_path"]) if env["completion_log_path"] else out / "completions.csv"
     # Settings, folder, resume: all from files, before anything slow.
     checkpoint, step = prepare_resume(out, s.RESUME, log_path, process_count(), say, trim=is_main_process())
-    check_machine(s)
+    check_machine(s.USE_VLLM, say)
     start_process_group()
     for name, (default, value) in s.preset.items():
         say(f"MODEL_ID={s.MODEL_ID}: preset {name}={value} (default {default})")
@@ -439,7 +400,7 @@ def train(s, environ=None, callbacks=()) -> Path:
     if is_main_process():
         extra = {"attn_implementation": model.config._attn_implementation, "dtype": str(model.dtype),
                  "train_prompts": len(frame), "completion_log": str(log_path) if completion_log else ""}
-        save_config(run_summary(s, layout, extra), out / "train_config.json")
+        save_config(run_summary(s, layout, extra, process_count()), out / "train_config.json")
 
     # Train and save
     if checkpoint is not None:

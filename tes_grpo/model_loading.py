@@ -175,3 +175,30 @@ def load_training_model(path: str, attn_implementation: str = "auto", dtype=None
     # Generation keeps its KV cache although gradient checkpointing is on for training (TRL's generation_kwargs).
     model.config.use_cache = True
     return model
+
+
+def check_visible_gpus(gpus: int, processes: int) -> None:
+    """One process must see one GPU: the Trainer would wrap the model in nn.DataParallel, which TRL refuses."""
+    from tes_grpo.script_config import SettingsError
+
+    if processes == 1 and gpus > 1:
+        raise SettingsError(f"{gpus} GPUs are visible to one process. Train on one of them with CUDA_VISIBLE_DEVICES=0 "
+                            "python train_grpo.py ..., or on all of them with accelerate launch --config_file "
+                            "configs/accelerate/ddp.yaml (or fsdp2.yaml) train_grpo.py ...")
+
+
+def check_machine(use_vllm: bool, say=print) -> None:
+    """One GPU per process, and vLLM installed when asked for; says which optional extras are installed."""
+    import importlib.util
+
+    import torch
+
+    from tes_grpo.processes import process_count
+    from tes_grpo.script_config import SettingsError
+
+    check_visible_gpus(torch.cuda.device_count(), process_count())
+    have = {name: importlib.util.find_spec(name) is not None for name in ("vllm", "kernels", "liger_kernel")}
+    if use_vllm and not have["vllm"]:
+        raise SettingsError("USE_VLLM=1 needs vllm (pip install -r requirements-gpu.txt); it is not installed")
+    say("optional extras installed: " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in have.items())
+        + " (kernels/liger are not used by this script)")

@@ -210,3 +210,18 @@ def prepare_resume(out: Path, resume: str, completion_log: Path | None, processe
     if trim:
         drop_log_rows_after(out, step, completion_log, say)
     return checkpoint, step
+
+
+def run_summary(settings, layout: dict, extra: dict, processes: int) -> dict:
+    """The resolved settings plus what was derived from them, as written to train_config.json."""
+    import sys
+
+    import peft
+    import torch
+    import transformers
+    import trl
+
+    versions = {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
+                "trl": trl.__version__, "peft": peft.__version__}
+    return {**settings, "derived": {**layout, **extra, "processes": processes, "versions": versions,
+                                    "preset": {k: v[1] for k, v in settings.preset.items()}}}

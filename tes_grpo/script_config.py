@@ -171,6 +171,10 @@ def parse_overrides(argv: list[str], defaults: dict, annotations: dict | None = 
     return result
 
 
+class SettingsError(ValueError):
+    """Settings that cannot work (together), found after parsing; a script prints it as `error: ...`, exits 1."""
+
+
 class Settings(Mapping):
     """A script's resolved settings: read-only, by attribute (`settings.LR`) or key (`settings["LR"]`).
 

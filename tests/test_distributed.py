@@ -23,6 +23,7 @@ from grpo_fixtures import rewards_by_prompt, write_fixture_data
 
 import train_grpo
 from tes_grpo.model_loading import (
+    check_visible_gpus,
     empty_policy_model,
     load_training_model,
     loads_weights_here,
@@ -215,9 +216,9 @@ VISIBLE_GPUS = [
 def test_one_process_sees_one_gpu(processes, gpus, refused):
     if refused:
         with pytest.raises(train_grpo.SettingsError, match="CUDA_VISIBLE_DEVICES=0.*accelerate launch"):
-            train_grpo.check_visible_gpus(gpus, processes)
+            check_visible_gpus(gpus, processes)
     else:
-        train_grpo.check_visible_gpus(gpus, processes)
+        check_visible_gpus(gpus, processes)
 
 
 # (cuda, FSDP config, rank, loads the checkpoint's weights)
