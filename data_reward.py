@@ -301,7 +301,7 @@ def reward_fn(completions, reward_action_0, reward_action_1, reward_action_2, re
             log_metric("action/optimal_fraction", hits / len(actions))
     if completion_log is not None:
         completion_log.write(log_rows(prompts, texts, actions, rewards, truncated, optimal_action, reward_lists,
-                                      trainer_state, completion_log.steps_per_generation))
+                                      trainer_state, completion_log.rows_per_slot))
     return rewards
 
 
@@ -321,11 +321,11 @@ _calls_without_state = itertools.count(1)
 
 @dataclasses.dataclass(frozen=True)
 class CompletionLog:
-    """Where the bound reward function appends every completion (CSV), and how many micro-steps one generation
-    batch feeds (to label each row's micro_step)."""
+    """Where the bound reward function appends every completion (CSV), and how many completions make one
+    micro-step's slot of prompts (PROMPTS_PER_STEP x NUM_GENERATIONS, to label each row's micro_step)."""
 
     path: Path
-    steps_per_generation: int = 1
+    rows_per_slot: int = 0  # 0 = the whole batch is one slot
 
     def write(self, rows: list[list]) -> None:
         """Appends this batch's rows, every process's, to the CSV (header first when the file is new). Called on
@@ -350,17 +350,17 @@ def target_actions(optimal_action, reward_lists, count: int) -> list[int]:
 
 
 def log_rows(prompts, texts, actions, rewards, truncated, optimal_action, reward_lists, trainer_state,
-             steps_per_generation: int = 1) -> list[list]:
+             rows_per_slot: int = 0) -> list[list]:
     """Completion-log rows for one reward call (one generation batch).
 
     step: the optimizer step these completions train (1-based, as in metrics.jsonl and TensorBoard); taken from
-    TRL's trainer_state, else a count of calls. micro_step: the slot (0-based) of the row's prompt among the
-    steps_per_generation micro-steps that this generation batch feeds (TRL shuffles completions across those
-    micro-steps after scoring, so it labels the generation order, not the backward pass).
+    TRL's trainer_state, else a count of calls. micro_step: the gradient-accumulation slot (0-based) of the row's
+    prompt in this generation batch, rows_per_slot completions each, in generation order (the forward/backward
+    passes TRAIN_BATCH_SIZE makes, and TRL's shuffling of completions across them, do not change it).
     """
     count = len(texts)
     step = trainer_state.global_step + 1 if trainer_state is not None else next(_calls_without_state)
-    rows_per_slot = max(1, count // max(1, steps_per_generation))
+    rows_per_slot = rows_per_slot or max(1, count)
     targets = target_actions(optimal_action, reward_lists, count)
     prompt_texts = prompts if prompts is not None else [""] * count
     rank = process_rank()

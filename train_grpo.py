@@ -393,7 +393,8 @@ def train(s, environ=None, callbacks=()) -> Path:
 
     # Model and trainer
     model = load_training_model(model_path, s.ATTN_IMPLEMENTATION, say=say)
-    completion_log = CompletionLog(log_path, layout["steps_per_generation"]) if env["log_completions"] else None
+    slot = s.PROMPTS_PER_STEP * s.NUM_GENERATIONS  # completions of one gradient-accumulation slot
+    completion_log = CompletionLog(log_path, slot) if env["log_completions"] else None
     trainer = build_trainer(s, model, tokenizer, dataset, layout, completion_log, callbacks,
                             resume_step=step if checkpoint else None)
     describe_run(s, layout, trainer, completion_log)

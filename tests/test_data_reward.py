@@ -151,11 +151,11 @@ def test_completion_log_rows_and_columns(tmp_path):
     rows = [[0.1, 0.2, 0.3, 0.4], [0.1, 0.2, 0.3, 0.4], [0.9, 0.0, 0.05, 0.05], [0.9, 0.0, 0.05, 0.05]]
     state = SimpleNamespace(global_step=6, is_world_process_zero=True)
     rewards = call_reward(["p\n1", "p\n1", "p,2", "p,2"], [3, None, 0, 2], rows, state, optimal=[3, 3, 0, 0],
-                          log=CompletionLog(path, steps_per_generation=2))
+                          log=CompletionLog(path, rows_per_slot=2))
     assert rewards[:1] + rewards[2:] == [0.4, 0.9, 0.05] and math.isnan(rewards[1])
     log = read_log(path)
     assert log[0] == LOG_COLUMNS
-    # step is global_step + 1 (the step these completions train); micro_step splits the batch in 2 slots
+    # step is global_step + 1 (the step these completions train); micro_step: slots of 2 rows (1 prompt x 2)
     # truncated: 0 without completion ids; rank: the process that generated the row (0 without a launcher)
     assert log[1:] == [["7", "0", "p\n1", f"{A_F}[3]<|return|>", "3", "0.4", "0", "3", "0"],
                        ["7", "0", "p\n1", "garbage", "", "", "0", "3", "0"],
