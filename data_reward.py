@@ -336,7 +336,9 @@ class CompletionLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         new_file = not self.path.exists() or self.path.stat().st_size == 0
         with open(self.path, "a", encoding="utf-8", newline="") as handle:
-            writer = csv.writer(handle, lineterminator="\n")
+            # every field quoted: csv.writer leaves a bare \r unquoted under lineterminator="\n", and every reader
+            # (pandas, csv) then splits the row there; completions can hold one
+            writer = csv.writer(handle, lineterminator="\n", quoting=csv.QUOTE_ALL)
             if new_file:
                 writer.writerow(LOG_COLUMNS)
             writer.writerows(rows)
@@ -397,7 +399,7 @@ def rescore_log(path: Path) -> dict:
 def _read_log(path: Path) -> tuple[list[str], list[list[str]]]:
     from tes_grpo.run_folder import read_completion_log
 
-    header, rows = read_completion_log(path)
+    header, rows, _ = read_completion_log(path)
     missing = [name for name in ("completion", "action", "target_action") if name not in header]
     if missing:
         raise InputError(path, f"not a completion log: missing column(s) {', '.join(missing)}")

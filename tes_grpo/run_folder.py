@@ -119,6 +119,14 @@ def check_resume_processes(checkpoint: Path, processes: int) -> None:
                          f"with {wrote} ({how})")
 
 
+def read_exactly(path) -> str:
+    """The file's text with its line ends as written: completions can hold a bare \\r, which universal newlines
+    (Path.read_text) would turn into \\n, changing the rows a resume keeps. A write cut inside a multi-byte
+    character leaves one replaced character, in the torn row that is dropped anyway."""
+    with open(path, encoding="utf-8", errors="replace", newline="") as handle:
+        return handle.read()
+
+
 def read_metrics(path: Path, say=print) -> list[dict]:
     """metrics.jsonl's records; a torn last line (a write cut short) is dropped with a note, any other bad line is
     an InputError naming the line."""
@@ -137,31 +145,32 @@ def read_metrics(path: Path, say=print) -> list[dict]:
     return records
 
 
-def read_completion_log(path: Path, say=print) -> tuple[list[str], list[list[str]]]:
-    """(header, rows) of completions.csv; a torn last row (too few fields, or an unclosed quoted field) is dropped
-    with a note, a short row elsewhere is an InputError naming the row."""
-    text = Path(path).read_text(encoding="utf-8", errors="replace")
+def read_completion_log(path: Path, say=print) -> tuple[list[str], list[list[str]], bool]:
+    """(header, rows, torn?) of completions.csv; a torn last row (too few fields, or an unclosed quoted field) is
+    dropped with a note, a short row elsewhere is an InputError naming the row."""
+    text = read_exactly(path)
     try:
         rows = list(csv.reader(io.StringIO(text, newline="")))
         torn_quote = False
     except csv.Error:
         rows, torn_quote = [], True
-    if torn_quote or (text and not text.endswith("\n")):
+    torn = torn_quote or bool(text and not text.endswith("\n"))
+    if torn or (text and not text.endswith("\n")):
         # cut mid-row: parse what precedes the last line break, the rest is the torn row
         head = text[:text.rfind("\n") + 1]
         rows = list(csv.reader(io.StringIO(head, newline="")))
         say(f"resume: {path}: dropping a torn last row (the file did not end with a complete row)")
     if not rows:
-        return [], []
+        return [], [], torn
     header, body = rows[0], rows[1:]
     for number, row in enumerate(body, start=2):
         if len(row) != len(header):
             if number == len(body) + 1:
                 say(f"resume: {path}: dropping the torn last row {number} ({len(row)} of {len(header)} fields)")
-                body = body[:-1]
+                body, torn = body[:-1], True
                 break
             raise InputError(path, f"row {number} has {len(row)} fields, the header {len(header)}")
-    return header, body
+    return header, body, torn
 
 
 def drop_log_rows_after(out: Path, step: int, completion_log: Path | None, say=print) -> None:
@@ -178,7 +187,7 @@ def drop_log_rows_after(out: Path, step: int, completion_log: Path | None, say=p
             if dropped:
                 say(f"resume: dropped {dropped} metrics line(s) after step {step} (or torn)")
     if completion_log is not None and Path(completion_log).is_file() and Path(completion_log).stat().st_size > 0:
-        header, rows = read_completion_log(completion_log, say)
+        header, rows, torn = read_completion_log(completion_log, say)
         step_column = header.index("step") if "step" in header else None
         if step_column is None:
             raise InputError(completion_log, "has no 'step' column (not a completion log)")
@@ -190,9 +199,9 @@ def drop_log_rows_after(out: Path, step: int, completion_log: Path | None, say=p
             except ValueError:
                 raise InputError(completion_log, f"row {number}, column step: not a step number "
                                  f"{row[step_column]!r}") from None
-        buffer = io.StringIO()
-        csv.writer(buffer, lineterminator="\n").writerows([header, *kept_rows])
-        if buffer.getvalue() != Path(completion_log).read_text(encoding="utf-8", errors="replace"):
+        if torn or len(kept_rows) != len(rows):
+            buffer = io.StringIO()
+            csv.writer(buffer, lineterminator="\n", quoting=csv.QUOTE_ALL).writerows([header, *kept_rows])
             atomic_write_text(completion_log, buffer.getvalue())
             if len(kept_rows) != len(rows):
                 say(f"resume: dropped {len(rows) - len(kept_rows)} completion-log row(s) after step {step}")

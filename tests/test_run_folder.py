@@ -114,7 +114,7 @@ def test_drop_log_rows_after_checkpoint(tmp_path, metrics, log, kept_metrics, ke
 
     (tmp_path / "metrics.jsonl").write_text(metrics)
     path = tmp_path / "completions.csv"
-    path.write_text(log)
+    path.write_bytes(log.encode())
     said = []
     drop_log_rows_after(tmp_path, 2, path, said.append)
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == kept_metrics
@@ -123,7 +123,18 @@ def test_drop_log_rows_after_checkpoint(tmp_path, metrics, log, kept_metrics, ke
     for note in notes:
         assert any(note in line for line in said), (note, said)
     if not notes:
-        assert (tmp_path / "metrics.jsonl").read_text() == metrics and path.read_text() == log
+        assert (tmp_path / "metrics.jsonl").read_text() == metrics and path.read_bytes() == log.encode()
+
+
+def test_kept_rows_stay_byte_for_byte_with_carriage_returns(tmp_path):
+    # a completion holding a bare carriage return keeps it (universal newlines would have made it \n)
+    path = tmp_path / "completions.csv"
+    kept = HEADER + '1,0,"p\nq","c\rr",1,0.5,0,1,0\n'  # a quoted \r (CompletionLog quotes every field)
+    path.write_bytes((kept + log_rows([2])).encode())
+    drop_log_rows_after(tmp_path, 1, path, lambda _: None)
+    import pandas as pd
+
+    assert pd.read_csv(path, keep_default_na=False)["completion"].tolist() == ["c\rr"]
 
 
 def test_bad_row_in_the_middle_is_an_error_naming_it(tmp_path):
