@@ -111,7 +111,7 @@ def test_each_rank_trains_its_own_slice_of_the_stream_in_whole_groups(run):
 def test_every_rank_is_logged_once_with_its_own_prompts_rewards(run):
     log = pd.read_csv(run["out"] / "completions.csv", keep_default_na=False)
     assert len(log) == ROWS_PER_STEP * RESUMED_TO  # no rank's rows missing or written twice
-    assert (run["out"] / "completions.csv").read_text().count("step,micro_step,") == 1
+    assert (run["out"] / "completions.csv").read_text().count('"step","micro_step",') == 1  # one header (fields quoted)
     for _, row in log.iterrows():
         rewards, optimal = run["rewards"][row["prompt"]]
         assert int(row["target_action"]) == optimal
