@@ -24,6 +24,7 @@ was derived), metrics.jsonl, completions.csv, tensorboard/, and at the end the a
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import sys
@@ -64,7 +65,7 @@ TEMPERATURE = 1.0  # sampling temperature for the completions
 ROUTER_AUX_LOSS_COEF = 0.0  # MoE load-balancing loss weight; 0 = off (the router stays frozen under LoRA)
 GRADIENT_CHECKPOINTING = True  # recompute activations in backward (saves memory; generation still uses its KV cache)
 DECODE_GRAPHS = "auto"  # sample with graph_decode.py (static KV cache, CUDA graphs): auto = on a GPU when it can, 1, 0
-DECODE_EXPERTS = "auto"  # auto/grouped_mm: keep grouped_mm experts when decoding; transformers: its batched_mm
+DECODE_EXPERTS = "auto"  # auto = mxfp4 under graph_decode on a GPU, else grouped_mm; transformers: its batched_mm
 ATTN_IMPLEMENTATION = "auto"  # auto = flex_attention on CUDA (supports gpt-oss's sinks), eager on CPU
 USE_VLLM = False  # generate with vLLM (colocated; needs requirements-gpu.txt's vllm) instead of transformers
 VLLM_GPU_MEMORY_UTILIZATION = 0.35  # GPU memory fraction vLLM may take when USE_VLLM=1
@@ -130,7 +131,7 @@ def check_settings(s) -> None:
           "must be in (0, 1]")
     _need(str(s.OUT_DIR).strip() != "", "OUT_DIR", s.OUT_DIR, "must name a folder")
     choices = {"LR_SCHEDULER": _SCHEDULERS, "LOSS_TYPE": _LOSS_TYPES, "SCALE_REWARDS": ("none", "group", "batch"),
-               "PROMPT_TOO_LONG": ("error", "skip"), "DECODE_EXPERTS": ("auto", "grouped_mm", "transformers"),
+               "PROMPT_TOO_LONG": ("error", "skip"), "DECODE_EXPERTS": ("auto", "mxfp4", "grouped_mm", "transformers"),
                "REASONING_EFFORT": ("", "low", "medium", "high")}
     for name, allowed in choices.items():
         _need(s[name] in allowed, name, s[name], "must be one of " + ", ".join(repr(a) for a in allowed))
@@ -139,6 +140,8 @@ def check_settings(s) -> None:
           "TRAIN_BATCH_SIZE", s.TRAIN_BATCH_SIZE, "must be auto or a whole number >= 1")
     if s.USE_VLLM and str(s.DECODE_GRAPHS).lower() in ("1", "true", "yes", "on"):
         raise SettingsError("DECODE_GRAPHS=1 and USE_VLLM=1 both choose how completions are generated; set one")
+    if s.DECODE_EXPERTS == "mxfp4" and (s.USE_VLLM or _SWITCH.get(str(s.DECODE_GRAPHS).lower()) is False):
+        raise SettingsError("DECODE_EXPERTS=mxfp4 is graph_decode's; it needs DECODE_GRAPHS=auto or 1 and no vLLM")
     expert_layers(s)
 
 
@@ -288,13 +291,29 @@ def build_grpo_config(s, layout: dict, cuda: bool):
     )
 
 
-def use_graph_decode(model) -> None:
-    """Routes the model's generate() through graph_decode.GraphDecodeGenerate (idempotent)."""
+def decode_experts_wanted(s, cuda: bool) -> tuple[str, str]:
+    """(graph_decode's experts: "mxfp4" or "model", why) for DECODE_EXPERTS, once graph_decode is on. auto = mxfp4
+    on a GPU with Triton (an MXFP4 copy of the frozen experts, read while decoding: mxfp4_decode.py)."""
+    if s.DECODE_EXPERTS == "mxfp4":
+        return "mxfp4", "DECODE_EXPERTS=mxfp4"
+    if s.DECODE_EXPERTS != "auto":
+        return "model", f"DECODE_EXPERTS={s.DECODE_EXPERTS}: the model's bf16 experts"
+    if not cuda:
+        return "model", "DECODE_EXPERTS=auto: the model's bf16 experts (no GPU for the MXFP4 kernel)"
+    if importlib.util.find_spec("triton") is None:
+        return "model", "DECODE_EXPERTS=auto: the model's bf16 experts (no triton for the MXFP4 kernel)"
+    return "mxfp4", "DECODE_EXPERTS=auto: mxfp4 (GPU with Triton)"
+
+
+def use_graph_decode(model, experts: str = "model") -> None:
+    """Routes the model's generate() through graph_decode.GraphDecodeGenerate (idempotent; the latest experts
+    choice wins)."""
     from tes_grpo.graph_decode import GraphDecodeGenerate, causal_lm
 
     inner = causal_lm(model)
     if not isinstance(inner.generate, GraphDecodeGenerate):
         inner.generate = GraphDecodeGenerate(inner, inner.generate, say=say)
+    inner.generate.experts = experts
 
 
 def build_trainer(s, model, tokenizer, train_dataset, layout: dict, completion_log=None, callbacks=(),
@@ -337,10 +356,12 @@ def build_trainer(s, model, tokenizer, train_dataset, layout: dict, completion_l
 
         graphs, detail = auto_decode_graphs(trainer.model, cuda, trainer.is_fsdp_enabled)
         why = f"DECODE_GRAPHS=auto: {detail}"
+    experts, experts_why = decode_experts_wanted(s, cuda) if graphs else ("model", "")
     if graphs:
-        use_graph_decode(trainer.model)
+        use_graph_decode(trainer.model, experts)
     say(f"decoding: {'graph_decode.py, static KV cache' if graphs else 'transformers generate'} ({why}"
-        + (", no GPU: its steps run eagerly, without CUDA graphs" if graphs and not cuda else "") + ")")
+        + (", no GPU: its steps run eagerly, without CUDA graphs" if graphs and not cuda else "")
+        + (f"; experts: {experts_why}" if graphs else "") + ")")
     workarounds.give_trainable_weights_storage(trainer.model)
     return trainer
 

@@ -12,7 +12,8 @@ included) for each variant in VARIANTS. `default` is transformers' generate as s
 experts to `batched_mm` while decoding; `grouped_mm` keeps grouped GEMM throughout (see
 `workarounds.grouped_mm_experts_for_decode`); `static` is graph_decode.py's decode loop without CUDA
 graphs and `graphs` the same with each decode step replayed as a CUDA graph (train_grpo's DECODE_GRAPHS); both
-prefill each distinct prompt once, `static_unshared` / `graphs_unshared` prefill every row.
+prefill each distinct prompt once, `static_unshared` / `graphs_unshared` prefill every row; `graphs_mxfp4` /
+`static_mxfp4` compute the experts from their MXFP4 copy (mxfp4_decode.py, train_grpo's DECODE_EXPERTS=mxfp4).
 
 NUM_PROMPTS > 0 makes the batch GRPO-shaped, as TRL passes it to generate(): NUM_PROMPTS distinct prompts, each
 repeated NUM_SEQS / NUM_PROMPTS times in a row, real lengths up to PROMPT_LEN_SPREAD tokens shorter than PROMPT_LEN
@@ -74,11 +75,11 @@ def variant_generate_kwargs(variant: str) -> dict:
 
 
 _KNOWN_VARIANTS = ("default", "grouped_mm", "grouped_mm_graphs", "static", "graphs", "static_unshared",
-                  "graphs_unshared")
+                   "graphs_unshared", "graphs_mxfp4", "static_mxfp4")
 
 
 def is_graph_decode(variant: str) -> bool:
-    return variant.removesuffix("_unshared") in ("static", "graphs")
+    return variant.removesuffix("_mxfp4").removesuffix("_unshared") in ("static", "graphs")
 
 
 def token_ids(model) -> tuple[int, int]:
@@ -117,7 +118,8 @@ def run_generate(model, input_ids, attention_mask, new_tokens: int, variant: str
         config = GenerationConfig(max_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_p=1.0,
                                   pad_token_id=token_ids(model)[1], eos_token_id=None)
         return graph_decode.generate(model, input_ids, attention_mask, config, graphs=variant.startswith("graphs"),
-                                     share_prompts=not variant.endswith("_unshared"), prefill_bucket=prefill_bucket)
+                                     share_prompts="_unshared" not in variant, prefill_bucket=prefill_bucket,
+                                     experts="mxfp4" if variant.endswith("_mxfp4") else "model")
     return model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
                           min_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_p=1.0, use_cache=True,
                           pad_token_id=token_ids(model)[1], **extra)
@@ -185,10 +187,13 @@ def compare_logprobs(model, seqs: int, tokens: int, prompt_len: int) -> None:
         transformers_lp = torch.log_softmax(torch.stack(out.logits, dim=1).float(), dim=-1) \
             .gather(2, completion[..., None]).squeeze(2)
         ours = graph_decode.completion_logprobs(model, ids, mask, completion, graphs=model.device.type == "cuda")
+        ours_mxfp4 = graph_decode.completion_logprobs(model, ids, mask, completion, experts="mxfp4",
+                                                      graphs=model.device.type == "cuda")
         reference = graph_decode.full_forward_logprobs(model, ids, mask, completion)
     print(f"\nlog-probabilities of {seqs} x {tokens} sampled tokens against one full forward over them "
           f"(mean |log p| {reference.abs().mean():.3f}):")
-    for name, values in (("transformers generate", transformers_lp), ("graph_decode graphs", ours)):
+    for name, values in (("transformers generate", transformers_lp), ("graph_decode graphs", ours),
+                         ("graph_decode mxfp4", ours_mxfp4)):
         diff = (values - reference).abs()
         print(f"  {name:<22} mean |diff| {diff.mean():.5f}  max |diff| {diff.max():.5f}")
 
@@ -253,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(settings.SEED)
     print(stack_versions())
-    model = build_random_model(attn_implementation=settings.ATTN)
+    model = build_random_model(attn_implementation=settings.ATTN).requires_grad_(False)  # nothing trains here
     if settings.LORA_R:
         model = grpo_state(model, settings.LORA_R)
     input_ids, attention_mask = grpo_prompts(settings.NUM_SEQS, settings.NUM_PROMPTS, settings.PROMPT_LEN,

@@ -49,6 +49,7 @@ RESULTS = "runs/bench-grpo/results.jsonl"  # one JSON line per timed step is app
 HBM_TB_PER_S = 3.0  # measured device-to-device copy rate of the H100 here (KINDS.md)
 BF16_TFLOPS = 800.0  # measured bf16 matrix rate of the H100 here (KINDS.md)
 TRAIN_GFLOP_PER_TOKEN = 22.0  # forward + backward to activations + recomputation, 3.6 B active parameters
+PROFILE_TRAIN = False  # after the steps, profile one forward/backward of the last micro-batch (torch.profiler)
 
 
 _FILLER = " Serve the cooling load first; among the ways to serve it, prefer the one with the least CO2."
@@ -73,6 +74,50 @@ def lengthen_prompts(frame, tokenizer, target: int):
     frame = frame.copy()
     frame["prompt"] = frame["prompt"].map(pad)
     return frame
+
+
+def keep_last_loss_inputs(trainer) -> list:
+    """Wraps trainer.compute_loss to keep the inputs of its latest call (one micro-batch, generation done)."""
+    kept, original = [], trainer.compute_loss
+
+    def compute_loss(model, inputs, *args, **kwargs):
+        kept[:] = [inputs]
+        return original(model, inputs, *args, **kwargs)
+
+    trainer.compute_loss = compute_loss
+    return kept
+
+
+def profile_micro_batch(trainer, inputs) -> None:
+    """One forward/backward of a kept micro-batch under torch.profiler: wall and GPU-busy time, then the kernels by
+    GPU time (what the training part of a step is made of). Gradients are zeroed after."""
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    model = trainer.model
+    model.train()
+    for _ in range(2):  # first run: anything left to compile or allocate
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            loss = trainer.compute_loss(model, inputs)
+            trainer.accelerator.backward(loss)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+    model.zero_grad(set_to_none=True)
+    events = prof.key_averages()
+    kernels = [e for e in events if e.self_cpu_time_total == 0 and e.self_device_time_total > 0]
+    gpu_us = sum(e.self_device_time_total for e in kernels)
+    rows = int(inputs["completion_ids"].shape[0])
+    tokens = int(inputs["completion_ids"].numel() + inputs["prompt_ids"].numel())
+    print(f"\nprofile of one micro-batch ({rows} rows, {tokens} tokens incl. padding): wall {wall:.2f} s, GPU busy "
+          f"{gpu_us / 1e6:.2f} s ({100 * gpu_us / 1e6 / wall:.0f}%)")
+    print(f"{'GPU ms':>9}{'share':>7}{'calls':>7}  kernel")
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:30]:
+        print(f"{e.self_device_time_total / 1e3:>9.1f}{100 * e.self_device_time_total / gpu_us:>6.1f}%{e.count:>7}  "
+              f"{e.key[:110]}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -110,7 +155,10 @@ def main(argv: list[str] | None = None) -> None:
     dataset = train_grpo.build_stream(frame, settings).to_iterable_dataset()
     trainer = train_grpo.build_trainer(settings, model, tokenizer, dataset, layout, callbacks=[step_timer])
     step_timer.timer = GenerationTimer(model)  # outermost, around whichever generate() build_trainer installed
+    last_batch = keep_last_loss_inputs(trainer) if bench.PROFILE_TRAIN else None
     trainer.train()
+    if last_batch and is_main_process():
+        profile_micro_batch(trainer, last_batch[0])
     if not is_main_process():
         return
     print(f"\n{stack_versions()}, {process_count()} process(es), sharding {step_timer.rows[0]['sharding']}")

@@ -3,6 +3,7 @@
 `build_random_model()` makes a `GptOssForCausalLM` with openai/gpt-oss-20b's exact shapes (20.9 B
 parameters, 39 GiB in bf16) and random weights directly on the GPU: same cost and memory as the real
 model, though random weights never emit an end token, so every completion runs to its maximum length.
+The expert weights are random MXFP4 values, as the real checkpoint's are once loaded dequantized.
 """
 
 from __future__ import annotations
@@ -30,8 +31,29 @@ def gpt_oss_20b_config(**overrides):
     return GptOssConfig(**{**GPT_OSS_20B, **overrides})
 
 
-def build_random_model(attn_implementation: str = "flex_attention", device: str = "cuda", **overrides):
-    """The 20B architecture in bf16 on `device` with small random weights (std 0.02, like its init)."""
+def random_mxfp4_experts(model, seed: int = 0) -> None:
+    """Sets every expert weight to random MXFP4 values (uniform FP4 codes, scales 2**-8..2**-6: std ~0.02), as the
+    real checkpoint's are when loaded dequantized to bf16; graph_decode's MXFP4 decoding packs only such weights."""
+    from tes_grpo.mxfp4 import BLOCK_SIZE, E8M0_BIAS, mxfp4_to_expert_param
+
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                experts, inputs, outputs = param.shape
+                for e in range(experts):
+                    shape = (1, outputs, inputs // BLOCK_SIZE)
+                    blocks = torch.randint(0, 256, (*shape, BLOCK_SIZE // 2), dtype=torch.uint8, device=param.device,
+                                           generator=generator)
+                    scales = torch.randint(E8M0_BIAS - 8, E8M0_BIAS - 5, shape, dtype=torch.uint8,
+                                           device=param.device, generator=generator)
+                    param[e].copy_(mxfp4_to_expert_param(blocks, scales, param.dtype)[0])
+
+
+def build_random_model(attn_implementation: str = "flex_attention", device: str = "cuda", mxfp4_experts: bool = True,
+                       **overrides):
+    """The 20B architecture in bf16 on `device` with small random weights (std 0.02, like its init); the experts'
+    are random MXFP4 values (random_mxfp4_experts) unless mxfp4_experts=False."""
     from transformers import GptOssForCausalLM
 
     config = gpt_oss_20b_config(**overrides)
@@ -43,11 +65,13 @@ def build_random_model(attn_implementation: str = "flex_attention", device: str 
             model = GptOssForCausalLM(config)
         finally:
             torch.set_default_dtype(previous)
+    if mxfp4_experts:
+        random_mxfp4_experts(model)
     model.eval()
     n = sum(p.numel() for p in model.parameters())
     print(f"random gpt-oss-20b-shaped model: {n / 1e9:.2f} B parameters, "
           f"{sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30:.1f} GiB, "
-          f"attention {attn_implementation}")
+          f"attention {attn_implementation}, experts {'random MXFP4 values' if mxfp4_experts else 'random bf16'}")
     return model
 
 

@@ -94,6 +94,8 @@ BAD_SETTINGS = [
     ({"INVALID_REWARD": INF}, "INVALID_REWARD=inf"),  # nan is allowed (TRL's masking), inf is not
     ({"VLLM_GPU_MEMORY_UTILIZATION": 1.5}, "VLLM_GPU_MEMORY_UTILIZATION=1.5"),
     ({"USE_VLLM": True, "DECODE_GRAPHS": "1"}, "both choose how completions are generated"),
+    ({"DECODE_EXPERTS": "mxfp4", "DECODE_GRAPHS": "0"}, "DECODE_EXPERTS=mxfp4 is graph_decode's"),
+    ({"DECODE_EXPERTS": "mxfp4", "USE_VLLM": True}, "DECODE_EXPERTS=mxfp4 is graph_decode's"),
 ]
 
 
@@ -185,6 +187,41 @@ DECODE_GRAPH_CASES = [
 def test_decode_graphs_wanted(value, vllm, cuda, fsdp, used):
     settings = train_grpo.default_settings(DECODE_GRAPHS=value, USE_VLLM=vllm)
     assert train_grpo.decode_graphs_wanted(settings, cuda, fsdp)[0] is used
+
+
+# (DECODE_EXPERTS, cuda, triton installed?, graph_decode's experts)
+DECODE_EXPERTS_CASES = [
+    ("auto", True, True, "mxfp4"),  # the default on a GPU: the MXFP4 copy of the frozen experts
+    ("auto", False, True, "model"),  # CPU: no GPU kernel, the bf16 experts (the reason is in the log line)
+    ("auto", True, False, "model"),  # no triton: the bf16 experts
+    ("mxfp4", False, True, "mxfp4"),  # asked for (runs only where Triton can: a GPU or its interpreter)
+    ("grouped_mm", True, True, "model"),
+    ("transformers", True, True, "model"),
+]
+
+
+@pytest.mark.parametrize("value, cuda, triton, experts", DECODE_EXPERTS_CASES)
+def test_decode_experts_wanted(value, cuda, triton, experts, monkeypatch):
+    real_find_spec = train_grpo.importlib.util.find_spec
+    monkeypatch.setattr(train_grpo.importlib.util, "find_spec",
+                        lambda name, *a: (real_find_spec(name, *a) if triton else None) if name == "triton"
+                        else real_find_spec(name, *a))
+    chosen, why = train_grpo.decode_experts_wanted(train_grpo.default_settings(DECODE_EXPERTS=value), cuda)
+    assert chosen == experts and f"DECODE_EXPERTS={value}" in why
+
+
+def test_use_graph_decode_passes_the_experts_choice():
+    from tes_grpo.graph_decode import GraphDecodeGenerate
+
+    class Model:
+        def generate(self, **kwargs):
+            return "transformers"
+
+    model = Model()
+    train_grpo.use_graph_decode(model, "mxfp4")
+    assert isinstance(model.generate, GraphDecodeGenerate) and model.generate.experts == "mxfp4"
+    train_grpo.use_graph_decode(model, "model")  # idempotent: the same wrapper, the latest choice
+    assert model.generate.experts == "model"
 
 
 def test_decode_graphs_refused_under_fsdp():

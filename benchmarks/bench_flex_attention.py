@@ -1,0 +1,144 @@
+"""gpt-oss attention at a GRPO training micro-batch's shape through transformers' flex_attention path, per
+kernel_options, on one GPU. Run on the GPU machine (the numbers go to BENCHMARKS.md):
+
+    python benchmarks/bench_flex_attention.py
+    python benchmarks/bench_flex_attention.py --ROWS=8 --LENGTH=5316
+
+Why: profiling one training micro-batch at 1,024-token completions (bench_grpo.py --PROFILE_TRAIN=1) put flex
+attention's forward kernel at 24 % of the GPU time, 25 ms a call, while its backward took 7.6 ms a call, though a
+backward does ~2.5x a forward's arithmetic. This times the forward alone and forward + backward, for a full (causal)
+and a sliding-window layer, with transformers' own function (sinks applied through the returned LSE), for each
+entry of KERNEL_OPTIONS, and SDPA's flash kernel (no sinks: a speed reference, not a substitute) beside them.
+"""
+
+from __future__ import annotations
+
+import sys as _sys
+from pathlib import Path as _Path
+
+_sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))
+
+import json
+import sys
+from contextlib import nullcontext
+
+from tes_grpo.script_config import resolve
+
+ROWS = 16  # sequences in the micro-batch (TRAIN_BATCH_SIZE=auto picks 16 at 1,024-token completions)
+LENGTH = 2335  # tokens per sequence (1,311-token prompt + 1,024 completion)
+LEFT_PAD = 40  # the shortest prompt is this many tokens shorter (left padding, masked)
+REPS = 5  # timed calls per measurement
+WARM_LENGTHS = 0  # >0: first run forward + backward at this many other lengths, as training's micro-batches vary
+DYNAMIC = "auto"  # auto: transformers' torch.compile(flex_attention); false: compiled with dynamic=False instead
+AUTOCAST = False  # run under torch.autocast(bf16), as accelerate runs the training forward with bf16=True
+NO_AUTOCAST_INSIDE = False  # with AUTOCAST: switch autocast off around the attention call (workarounds.py's fix)
+# kernel_options tried, as JSON ("{}" = flex attention's own choice)
+KERNEL_OPTIONS = ('{}', '{"BLOCK_M": 64, "BLOCK_N": 64}', '{"BLOCK_M": 128, "BLOCK_N": 64}',
+                  '{"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}')
+
+
+def cuda_ms(fn, reps: int) -> float:
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def main(argv: list[str] | None = None) -> int:
+    s = resolve(globals(), argv)
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask
+    from transformers.integrations.flex_attention import flex_attention_forward
+
+    from tes_grpo.gpt_oss_shapes import stack_versions
+
+    print(stack_versions())
+    torch.manual_seed(0)
+    heads, kv_heads, dim, window = 64, 8, 64, 128
+    pad = torch.zeros(s.ROWS, dtype=torch.long, device="cuda")
+    pad[1::2] = s.LEFT_PAD
+
+    def full(b, h, q, kv):
+        return (kv <= q) & (kv >= pad[b])
+
+    def sliding(b, h, q, kv):
+        return (kv <= q) & (kv >= pad[b]) & (q - kv < window)
+
+    masks = {name: create_block_mask(fn, s.ROWS, None, s.LENGTH, s.LENGTH, device="cuda")
+             for name, fn in (("full", full), ("sliding", sliding))}
+    module = torch.nn.Module().train()
+    sinks = torch.randn(heads, device="cuda", dtype=torch.bfloat16)
+
+    def tensors():
+        q = torch.randn(s.ROWS, heads, s.LENGTH, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(s.ROWS, kv_heads, s.LENGTH, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(s.ROWS, kv_heads, s.LENGTH, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        return q, k, v
+
+    if s.DYNAMIC == "false":
+        from torch.nn.attention.flex_attention import flex_attention
+        from transformers.integrations.flex_attention import WrappedFlexAttention
+
+        wrapped = WrappedFlexAttention(True)
+        wrapped._compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+    for i in range(s.WARM_LENGTHS):  # automatic dynamic shapes: a second length recompiles for symbolic sizes
+        length = s.LENGTH - 64 * (i + 1)
+        mask = create_block_mask(full, s.ROWS, None, length, length, device="cuda")
+        shape = (s.ROWS, heads, length, dim), (s.ROWS, kv_heads, length, dim)
+        qw = torch.randn(shape[0], device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        kw, vw = (torch.randn(shape[1], device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        flex_attention_forward(module, qw, kw, vw, mask, scaling=dim ** -0.5, s_aux=sinks)[0].sum().backward()
+    q, k, v = tensors()
+    grad = torch.randn(s.ROWS, s.LENGTH, heads, dim, device="cuda", dtype=torch.bfloat16)
+    rows = []
+    for options in s.KERNEL_OPTIONS:
+        kernel_options = json.loads(options) or None
+        for name, mask in masks.items():
+            def forward(mask=mask, kernel_options=kernel_options):
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=s.AUTOCAST):
+                    with torch.autocast("cuda", enabled=not s.NO_AUTOCAST_INSIDE) if s.AUTOCAST else nullcontext():
+                        return flex_attention_forward(module, q, k, v, mask, scaling=dim ** -0.5, s_aux=sinks,
+                                                      kernel_options=kernel_options)[0]
+
+            def forward_backward(forward=forward):
+                forward().backward(grad)
+
+            try:
+                with torch.no_grad():
+                    fwd_nograd = cuda_ms(forward, s.REPS)
+                fwd = cuda_ms(forward, s.REPS)
+                both = cuda_ms(forward_backward, s.REPS)
+                rows.append((options, name, fwd_nograd, fwd, both))
+            except Exception as err:  # a kernel option the compiler refuses is a result, not a crash
+                rows.append((options, name, float("nan"), float("nan"), float("nan")))
+                print(f"{options} {name}: {type(err).__name__}: {str(err)[:200]}")
+            print(rows[-1], flush=True)
+    qs, ks, vs = q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_()
+
+    def sdpa():
+        return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+
+    with torch.no_grad():
+        sdpa_fwd = cuda_ms(sdpa, s.REPS)
+    sdpa_both = cuda_ms(lambda: sdpa().backward(grad.transpose(1, 2)), s.REPS)
+    causal_tflop = 4 * s.ROWS * heads * s.LENGTH ** 2 * dim / 2 / 1e12
+    print(f"\n{s.ROWS} rows x {s.LENGTH} tokens, {heads} query / {kv_heads} key-value heads of {dim}; a causal forward "
+          f"is {causal_tflop:.2f} TFLOP; {s.WARM_LENGTHS} other lengths first, DYNAMIC={s.DYNAMIC}, "
+          f"AUTOCAST={s.AUTOCAST}, NO_AUTOCAST_INSIDE={s.NO_AUTOCAST_INSIDE}")
+    print(f"{'kernel_options':<62}{'layer':>8}{'fwd no_grad ms':>15}{'fwd ms':>8}{'fwd+bwd ms':>11}")
+    for options, name, fwd_nograd, fwd, both in rows:
+        print(f"{options:<62}{name:>8}{fwd_nograd:>15.2f}{fwd:>8.2f}{both:>11.2f}")
+    print(f"{'SDPA (flash, causal, no sinks: reference only)':<62}{'full':>8}{sdpa_fwd:>15.2f}{'':>8}"
+          f"{sdpa_both:>11.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

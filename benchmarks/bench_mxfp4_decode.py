@@ -1,0 +1,133 @@
+"""One gpt-oss-20b MoE layer at decode sizes: the MXFP4 experts kernel (tes_grpo/mxfp4_decode.py) against
+transformers' bf16 grouped_mm, on one GPU. Run on the GPU machine (the numbers go to BENCHMARKS.md):
+
+    python benchmarks/bench_mxfp4_decode.py
+    python benchmarks/bench_mxfp4_decode.py --TOKENS=64 --SWEEP=1      # also try other tile sizes at 64 tokens
+
+It builds one MLP (router + 32 experts) at the 20B shapes with random MXFP4 expert weights (as the checkpoint's,
+loaded dequantized), then:
+- checks the kernel against transformers' own MLP on the same bf16 weights: the share of outputs bit-equal and the
+  largest difference (the sums inside a dot product run in another order, nothing else differs);
+- times one layer's MLP per token count, each replayed as a CUDA graph (as graph_decode replays a decode step):
+  transformers' grouped_mm experts against the MXFP4 kernel, with the weight bytes each read per microsecond;
+- SWEEP: the kernel's time for each tile configuration in SWEEP_CONFIGS at the first token count.
+"""
+
+from __future__ import annotations
+
+import sys as _sys
+from pathlib import Path as _Path
+
+_sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))
+
+import sys
+
+from tes_grpo.script_config import resolve
+
+TOKENS = (16, 64, 128, 256)  # tokens per decode step (= sequences decoded together)
+REPS = 50  # graph replays timed per measurement
+SWEEP = False  # also time the kernel for each tile configuration (first token count)
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) tried by SWEEP
+SWEEP_CONFIGS = ("32,128,4,3", "64,64,4,3", "64,128,4,2", "64,128,4,4", "64,256,4,3", "128,128,4,3",
+                 "128,128,8,3", "128,256,8,3", "32,256,4,4")
+SEED = 0  # torch seed
+
+
+def one_layer(seed: int):
+    import torch
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    from tes_grpo.gpt_oss_shapes import gpt_oss_20b_config, random_mxfp4_experts
+
+    config = gpt_oss_20b_config()
+    config._experts_implementation = "grouped_mm"
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        mlp = GptOssMLP(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for param in mlp.parameters():
+            param.normal_(0.0, 0.02)
+    random_mxfp4_experts(mlp, seed)
+    return mlp.requires_grad_(False).eval()
+
+
+def graph_time(fn, reps: int) -> float:
+    """Microseconds per call of fn() replayed as a CUDA graph."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return 1000 * start.elapsed_time(end) / reps
+
+
+def main(argv: list[str] | None = None) -> int:
+    s = resolve(globals(), argv)
+    import torch
+
+    from tes_grpo import mxfp4_decode
+    from tes_grpo.gpt_oss_shapes import stack_versions
+
+    print(stack_versions())
+    mlp = one_layer(s.SEED)
+    packed = mxfp4_decode.pack_experts(mlp.experts)
+    bf16_bytes = sum(p.numel() * p.element_size() for p in (mlp.experts.gate_up_proj, mlp.experts.down_proj))
+    mxfp4_bytes = packed.nbytes()
+    rows = []
+    for tokens in s.TOKENS:
+        x = torch.randn(tokens, 1, mlp.router.hidden_dim, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            ref = mlp(x)[0]
+            ours = mxfp4_decode.moe_forward(mlp, packed, x)
+            equal = (ours == ref).float().mean().item()
+            diff = (ours.float() - ref.float()).abs().max().item()
+            t_ref = graph_time(lambda x=x: mlp(x), s.REPS)
+            t_ours = graph_time(lambda x=x: mxfp4_decode.moe_forward(mlp, packed, x), s.REPS)
+        rows.append((tokens, equal, diff, t_ref, t_ours))
+        print(f"{tokens} tokens: bit-equal {100 * equal:.2f}%, max |diff| {diff:.2e}, grouped_mm {t_ref:.0f} us, "
+              f"mxfp4 {t_ours:.0f} us", flush=True)
+    sweep = []
+    if s.SWEEP:
+        x = torch.randn(s.TOKENS[0], 1, mlp.router.hidden_dim, device="cuda", dtype=torch.bfloat16)
+        defaults = (mxfp4_decode.BLOCK_N, mxfp4_decode.BLOCK_K, mxfp4_decode.NUM_WARPS, mxfp4_decode.NUM_STAGES)
+        for config in s.SWEEP_CONFIGS:
+            bn, bk, warps, stages = (int(v) for v in config.split(","))
+            (mxfp4_decode.BLOCK_N, mxfp4_decode.BLOCK_K, mxfp4_decode.NUM_WARPS,
+             mxfp4_decode.NUM_STAGES) = bn, bk, warps, stages
+            try:
+                with torch.no_grad():
+                    ok = torch.equal(mxfp4_decode.moe_forward(mlp, packed, x), mxfp4_decode.moe_forward(mlp, packed, x))
+                    t = graph_time(lambda: mxfp4_decode.moe_forward(mlp, packed, x), s.REPS)
+                sweep.append((config, t, ok))
+            except Exception as err:  # noqa: BLE001 - a tile size the compiler refuses is a result, not a crash
+                sweep.append((config, float("nan"), f"{type(err).__name__}: {str(err)[:80]}"))
+            print(f"sweep {config}: {sweep[-1][1]:.0f} us ({sweep[-1][2]})", flush=True)
+        mxfp4_decode.BLOCK_N, mxfp4_decode.BLOCK_K, mxfp4_decode.NUM_WARPS, mxfp4_decode.NUM_STAGES = defaults
+    print(f"\none MoE layer (router + 32 experts, 20B shapes); expert weights read: bf16 {bf16_bytes / 1e6:.0f} MB, "
+          f"MXFP4 {mxfp4_bytes / 1e6:.0f} MB; tiles BLOCK_M/N/K {mxfp4_decode.BLOCK_M}/{mxfp4_decode.BLOCK_N}/"
+          f"{mxfp4_decode.BLOCK_K}, {mxfp4_decode.NUM_WARPS} warps, {mxfp4_decode.NUM_STAGES} stages")
+    print(f"{'tokens':>7}{'bit-equal':>11}{'max diff':>10}{'grouped_mm us':>15}{'mxfp4 us':>10}{'speed-up':>9}"
+          f"{'bf16 GB/s':>11}{'mxfp4 GB/s':>12}")
+    for tokens, equal, diff, t_ref, t_ours in rows:
+        print(f"{tokens:>7}{100 * equal:>10.2f}%{diff:>10.1e}{t_ref:>15.0f}{t_ours:>10.0f}{t_ref / t_ours:>8.2f}x"
+              f"{bf16_bytes / t_ref / 1e3:>11.0f}{mxfp4_bytes / t_ours / 1e3:>12.0f}")
+    for config, t, ok in sweep:
+        print(f"tiles N,K,warps,stages {config}: {t:.0f} us ({ok})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,285 @@
+"""gpt-oss's MoE experts computed from MXFP4 weights while decoding (issue 12). Library module, not a script.
+
+graph_decode.py calls `moe_forward` in place of the model's MLP when DECODE_EXPERTS resolves to mxfp4; the benchmark
+times it against the bf16 experts:
+
+    python benchmarks/bench_mxfp4_decode.py      # GPU machine: kernel check, timings, decode speed
+
+Why: at 64 sequences x top-4 of 32 experts nearly every expert is hit at every decode step, so a step reads all the
+expert weights: 38 GB in bf16, ~15 ms of an H100's bandwidth, over half of a ~28 ms decode step. gpt-oss ships them
+as MXFP4 (4.25 bits a value): 10.2 GB, ~3.7x fewer bytes. Training keeps its bf16 copy (the checkpoint is loaded
+dequantized, which autograd and LoRA need); this module packs a second, MXFP4 copy of the frozen experts for
+sampling only (+10.2 GB on the GPU for the 20B model).
+
+It is the same policy, not an approximation: a layer is packed only when the round trip gives the bf16 weights back
+bit for bit (`pack_experts` checks every expert; true for weights loaded from an MXFP4 checkpoint, since MXFP4
+values are exact in bf16 and the quantizer takes the smallest shared exponent). The kernel then multiplies the same
+numbers; what can differ from transformers' grouped_mm is the order of the float32 sums inside a dot product. Each
+bf16 rounding of transformers' forward (matmul output, + bias, the gate's steps, x routing weight) is repeated.
+
+Kernel: one Triton program per (expert, block of output columns) loops over the rows routed to its expert (sorted
+by expert, as transformers' grouped_mm path sorts them) and over K, reading the packed weights and their scales and
+multiplying with `tl.dot_scaled` (Hopper has no MXFP4 tensor cores: Triton upcasts the tile to bf16 in registers).
+The gate_up launch applies gpt-oss's clamped SwiGLU before it stores; the down launch adds the bias, multiplies by
+the routing weight and writes each row back to its token's slot. No host reads, fixed shapes: CUDA-graph capturable.
+
+Needs Triton on a CUDA device. On CPU the same kernels run under Triton's interpreter (TRITON_INTERPRET=1 while this
+module is imported and its kernels run), which is how the tests check them without a GPU. The kernels call only
+triton.language's builtins, no functions of its standard library (tl.zeros, tl.sigmoid): those were compiled when
+triton was first imported, without the interpreter, and fail inside an interpreted kernel.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tes_grpo.mxfp4 import BLOCK_SIZE, dequantize_mxfp4, quantize_mxfp4
+
+# tile sizes, from benchmarks/bench_mxfp4_decode.py's sweep on an H100 (BENCHMARKS.md); rows per tile: 16 is the
+# smallest a tensor-core dot takes, and a decode step routes ~8 rows to an expert (64 sequences x 4 / 32)
+BLOCK_M = 16
+BLOCK_N = 64
+BLOCK_K = 128
+NUM_WARPS = 4
+NUM_STAGES = 3
+
+
+@triton.jit
+def _bf16(x):
+    """Rounds float32 values to bf16 (to nearest, ties to even) and back: where transformers' bf16 forward rounds,
+    this rounds too. Done on the bits because Triton's interpreter truncates in `.to(tl.bfloat16)` (3.9), which
+    would make the CPU tests check a different rounding than the GPU does; finite values only."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _experts_kernel(x_ptr, x_rows_ptr, offsets_ptr, blocks_ptr, scales_ptr, bias_ptr, weight_ptr, out_ptr,
+                    out_rows_ptr, N, K, alpha, limit,
+                    SWIGLU: tl.constexpr, ROUTED_OUT: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[r] = f(x[x_rows[r]] @ W_e + b_e) for the rows r in offsets[e]:offsets[e+1] (rows sorted by expert).
+
+    W_e is stored as the checkpoint stores it: blocks [E, N, K/32, 16] (two FP4 codes a byte, low nibble first),
+    scales [E, N, K/32] (E8M0). SWIGLU: f is gpt-oss's clamped SwiGLU over interleaved (gate, up) columns, out has
+    N/2 columns. ROUTED_OUT: f multiplies by weight[out_rows[r]] and the row is stored at out_rows[r]."""
+    expert = tl.program_id(0)
+    start = tl.load(offsets_ptr + expert)
+    end = tl.load(offsets_ptr + expert + 1)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    packed_cols = K // 2
+    scale_cols = K // 32
+    w_base = blocks_ptr + expert.to(tl.int64) * N * packed_cols + cols[None, :].to(tl.int64) * packed_cols
+    s_base = scales_ptr + expert.to(tl.int64) * N * scale_cols + cols[:, None].to(tl.int64) * scale_cols
+    bias = tl.load(bias_ptr + expert * N + cols, mask=col_ok, other=0.0).to(tl.float32)
+    for row0 in range(start, end, BLOCK_M):
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < end
+        src = tl.load(x_rows_ptr + rows, mask=row_ok, other=0)
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            groups = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            x = tl.load(x_ptr + src[:, None].to(tl.int64) * K + ks[None, :],
+                        mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
+            w = tl.load(w_base + half[:, None], mask=col_ok[None, :] & (half[:, None] < packed_cols), other=0)
+            s = tl.load(s_base + groups[None, :], mask=col_ok[:, None] & (groups[None, :] < scale_cols), other=127)
+            acc = tl.dot_scaled(x, None, "bf16", w, s, "e2m1", acc, fast_math=True)
+        # transformers: grouped_mm's bf16 output, then `out.add_(bias)` in bf16
+        y = _bf16(_bf16(acc) + bias[None, :])
+        if SWIGLU:
+            gate, up = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            glu = _bf16(gate * _bf16(1.0 / (1.0 + tl.exp(-_bf16(gate * alpha)))))
+            y = _bf16(_bf16(up + 1.0) * glu)
+            half_cols = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            tl.store(out_ptr + rows[:, None].to(tl.int64) * (N // 2) + half_cols[None, :], y,
+                     mask=row_ok[:, None] & (half_cols[None, :] < N // 2))
+        else:
+            dest = rows
+            if ROUTED_OUT:
+                dest = tl.load(out_rows_ptr + rows, mask=row_ok, other=0)
+                y = _bf16(y * tl.load(weight_ptr + dest, mask=row_ok, other=0.0).to(tl.float32)[:, None])
+            tl.store(out_ptr + dest[:, None].to(tl.int64) * N + cols[None, :], y,
+                     mask=row_ok[:, None] & col_ok[None, :])
+
+
+def experts_matmul(x, x_rows, offsets, blocks, scales, bias, out_features: int, *, swiglu=None, weights=None,
+                   out_rows=None, out=None, block_m=None, block_n=None, block_k=None, num_warps=None,
+                   num_stages=None) -> torch.Tensor:
+    """One launch of the experts kernel; see _experts_kernel. x [T, K] bf16 (contiguous), x_rows [S] (the row of x
+    for sorted row r), offsets [E + 1] (sorted rows of expert e: offsets[e]:offsets[e+1]), blocks/scales as packed,
+    bias [E, N]. swiglu=(alpha, limit) applies gpt-oss's gate (out [S, N/2]); weights [S'] with out_rows [S] writes
+    row r, times weights[out_rows[r]], to out[out_rows[r]] (out [S', N], S' >= S). Tiles default to the module's."""
+    experts, n, groups, _ = blocks.shape
+    k = groups * BLOCK_SIZE
+    if n != out_features or x.shape[-1] != k or x.dtype != torch.bfloat16:
+        raise ValueError(f"experts_matmul: x {tuple(x.shape)} {x.dtype} does not match packed weights "
+                         f"{tuple(blocks.shape)} (needs bf16 x with {k} columns and {out_features} outputs)")
+    rows = x_rows.shape[0]
+    if out is None:
+        shape = (rows, n // 2) if swiglu else ((weights.shape[0] if weights is not None else rows), n)
+        out = torch.empty(shape, dtype=torch.bfloat16, device=x.device)
+    bm, bn, bk = block_m or BLOCK_M, block_n or BLOCK_N, block_k or BLOCK_K
+    alpha, limit = swiglu if swiglu else (0.0, 0.0)
+    grid = (experts, triton.cdiv(n, bn))
+    _experts_kernel[grid](x, x_rows, offsets, blocks, scales, bias, weights if weights is not None else bias, out,
+                          out_rows if out_rows is not None else x_rows, n, k, float(alpha), float(limit),
+                          SWIGLU=bool(swiglu), ROUTED_OUT=weights is not None,
+                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps or NUM_WARPS,
+                          num_stages=num_stages or NUM_STAGES)
+    return out
+
+
+@dataclass
+class PackedExperts:
+    """One layer's experts in the checkpoint's MXFP4 layout ([E, out, in/32, 16] blocks, [E, out, in/32] scales),
+    the bf16 biases (the module's own tensors), and the parameter versions they were packed from."""
+
+    gate_up_blocks: torch.Tensor
+    gate_up_scales: torch.Tensor
+    down_blocks: torch.Tensor
+    down_scales: torch.Tensor
+    gate_up_bias: torch.Tensor
+    down_bias: torch.Tensor
+    alpha: float
+    limit: float
+    versions: tuple[int, int]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.gate_up_blocks, self.gate_up_scales,
+                                                         self.down_blocks, self.down_scales))
+
+
+def pack_blockers(experts) -> list[str]:
+    """Why this experts module cannot be decoded from an MXFP4 copy ([] = it can be packed; exactness is checked
+    while packing)."""
+    reasons = []
+    if type(experts).__name__ != "GptOssExperts":
+        reasons.append(f"experts are {type(experts).__name__} (LoRA on the experts, or not gpt-oss)")
+        return reasons
+    for name in ("gate_up_proj", "down_proj"):
+        param = getattr(experts, name, None)
+        if not isinstance(param, torch.Tensor) or param.dim() != 3:
+            reasons.append(f"{name} is not a 3-D tensor")
+        elif param.requires_grad:
+            reasons.append(f"{name} is trained (a packed copy would go stale)")
+        elif param.dtype != torch.bfloat16:
+            reasons.append(f"{name} is {param.dtype} (the kernel takes bf16)")
+        elif param.shape[1] % BLOCK_SIZE:
+            reasons.append(f"{name} has {param.shape[1]} inputs, not a multiple of {BLOCK_SIZE}")
+    return reasons
+
+
+def _pack_param(param: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, in, out] bf16 -> (blocks [E, out, in/32, 16], scales [E, out, in/32]); raises ValueError unless the bf16
+    values come back bit for bit."""
+    blocks, scales = [], []
+    for e in range(param.shape[0]):
+        weight = param[e].detach().t()
+        b, s = quantize_mxfp4(weight)
+        if not torch.equal(dequantize_mxfp4(b, s, torch.bfloat16), weight):
+            raise ValueError(f"{name}[{e}] is not exactly MXFP4 (its weights were not loaded from an MXFP4 "
+                             "checkpoint, or were changed since)")
+        blocks.append(b)
+        scales.append(s)
+    return torch.stack(blocks), torch.stack(scales)
+
+
+def pack_experts(experts) -> PackedExperts:
+    """The experts' MXFP4 copy; ValueError names what prevents it (pack_blockers, or weights not exactly MXFP4)."""
+    reasons = pack_blockers(experts)
+    if reasons:
+        raise ValueError("; ".join(reasons))
+    gate_up_blocks, gate_up_scales = _pack_param(experts.gate_up_proj, "gate_up_proj")
+    down_blocks, down_scales = _pack_param(experts.down_proj, "down_proj")
+    return PackedExperts(gate_up_blocks, gate_up_scales, down_blocks, down_scales, experts.gate_up_proj_bias,
+                         experts.down_proj_bias, float(experts.alpha), float(experts.limit),
+                         (experts.gate_up_proj._version, experts.down_proj._version))
+
+
+_PACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # experts module -> PackedExperts or why not
+
+
+def _versions(experts) -> tuple | None:
+    params = [getattr(experts, name, None) for name in ("gate_up_proj", "down_proj")]
+    return tuple(p._version for p in params) if all(isinstance(p, torch.Tensor) for p in params) else None
+
+
+def packed_experts(experts) -> tuple[PackedExperts | str, bool]:
+    """(pack_experts' result or the reason it failed, whether it was computed now): kept per module and redone only
+    when its weights changed in place (parameter versions)."""
+    kept = _PACKS.get(experts)
+    if kept is not None and kept[0] == _versions(experts):
+        return kept[1], False
+    try:
+        result = pack_experts(experts)
+    except ValueError as err:
+        result = str(err)
+    _PACKS[experts] = (_versions(experts), result)
+    return result, True
+
+
+def pack_model(layers, say=print) -> list[PackedExperts | None]:
+    """Every layer's packed experts (None for a layer that cannot be packed). Says what it packed, and why a layer
+    keeps its bf16 experts, when that was worked out now (later calls reuse the packs silently)."""
+    start = time.perf_counter()
+    packs, new, reasons = [], [], {}
+    for i, layer in enumerate(layers):
+        result, fresh = packed_experts(layer.mlp.experts)
+        packs.append(result if isinstance(result, PackedExperts) else None)
+        if fresh and isinstance(result, PackedExperts):
+            new.append(result)
+        elif fresh:
+            reasons.setdefault(result, []).append(i)
+    if new:
+        say(f"DECODE_EXPERTS=mxfp4: packed {len(new)} layers' experts as MXFP4 for decoding "
+            f"({sum(p.nbytes() for p in new) / 2**30:.2f} GiB, {time.perf_counter() - start:.1f} s)")
+    for reason, ids in reasons.items():
+        say(f"DECODE_EXPERTS=mxfp4: layers {ids} decode with their bf16 experts ({reason})")
+    return packs
+
+
+def route(router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top-k weights [T, k], expert ids [T, k]) from gpt-oss's router (transformers 5.x returns logits, top-k
+    weights and ids; older ones a [T, E] score matrix, which is gathered)."""
+    out = router(x)
+    scores, indices = out[-2], out[-1]
+    if scores.shape[-1] != indices.shape[-1]:
+        scores = scores.gather(-1, indices)
+    return scores, indices
+
+
+def moe_forward(mlp, packed: PackedExperts, hidden: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's MLP (router, top-k experts, weighted sum) for hidden [..., H] with the experts read from `packed`."""
+    shape = hidden.shape
+    x = hidden.reshape(-1, shape[-1])
+    scores, indices = route(mlp.router, x)
+    tokens, top_k = indices.shape
+    experts = packed.gate_up_blocks.shape[0]
+    sorted_ids, order = torch.sort(indices.reshape(-1), stable=True)
+    offsets = torch.searchsorted(sorted_ids, torch.arange(experts + 1, device=x.device, dtype=sorted_ids.dtype))
+    token_rows = torch.div(order, top_k, rounding_mode="floor")
+    gated = experts_matmul(x.contiguous(), token_rows, offsets, packed.gate_up_blocks, packed.gate_up_scales,
+                           packed.gate_up_bias, packed.gate_up_blocks.shape[1], swiglu=(packed.alpha, packed.limit))
+    sequence_rows = torch.arange(order.shape[0], device=x.device)
+    routed = experts_matmul(gated, sequence_rows, offsets, packed.down_blocks, packed.down_scales,
+                            packed.down_bias, packed.down_blocks.shape[1],
+                            weights=scores.reshape(-1).to(torch.bfloat16), out_rows=order)
+    # transformers sums the k weighted rows of a token in float32 and rounds once
+    return routed.view(tokens, top_k, -1).sum(dim=1).to(hidden.dtype).view(shape)
+
+
+def interpreted() -> bool:
+    """Whether the kernels run under Triton's interpreter (TRITON_INTERPRET=1 when this module was imported)."""
+    return type(_experts_kernel).__name__ == "InterpretedFunction"

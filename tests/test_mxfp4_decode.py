@@ -1,0 +1,184 @@
+"""mxfp4_decode.py: the MXFP4 experts kernel gives transformers' bf16 MLP output bit for bit, packs only weights that
+are exactly MXFP4, and graph_decode samples the same tokens with it as with the model's own experts.
+
+The Triton kernels run under Triton's interpreter on the CPU (TRITON_INTERPRET=1 while the module is imported): the
+same kernel code the GPU compiles, with the same bf16 roundings (the module rounds on the bits because the
+interpreter's own float-to-bf16 conversion truncates). On a GPU the sums inside a dot product may run in another
+order; benchmarks/bench_mxfp4_decode.py measures that there.
+"""
+
+import importlib
+import os
+
+import pytest
+import torch
+from transformers import GenerationConfig, GptOssConfig, GptOssForCausalLM
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+from tes_grpo.mxfp4 import fake_quantize_expert_param
+
+pytest.importorskip("triton", reason="requirements-test.txt installs triton (its interpreter runs these on CPU)")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def triton_interpreter():
+    """TRITON_INTERPRET=1 for this module's tests (the interpreter reads it while kernels run, too), with
+    tes_grpo.mxfp4_decode imported, or re-imported, under it; the variable is restored after."""
+    global md
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        md = importlib.import_module("tes_grpo.mxfp4_decode")
+        if not md.interpreted():
+            md = importlib.reload(md)
+        assert md.interpreted()
+        yield
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
+
+md = None  # tes_grpo.mxfp4_decode, set by triton_interpreter
+
+
+def mlp_config(hidden=96, inter=160, experts=8, top_k=4) -> GptOssConfig:
+    config = GptOssConfig(hidden_size=hidden, intermediate_size=inter, num_local_experts=experts,
+                          num_experts_per_tok=top_k)
+    config._experts_implementation = "grouped_mm"
+    return config
+
+
+def mxfp4_exact(module) -> None:
+    """Expert weights as loaded from an MXFP4 checkpoint (dequantized: exactly representable)."""
+    with torch.no_grad():
+        for experts in (m for m in module.modules() if type(m).__name__ == "GptOssExperts"):
+            experts.gate_up_proj.copy_(fake_quantize_expert_param(experts.gate_up_proj))
+            experts.down_proj.copy_(fake_quantize_expert_param(experts.down_proj))
+
+
+def random_mlp(seed=0, **shape) -> GptOssMLP:
+    torch.manual_seed(seed)
+    mlp = GptOssMLP(mlp_config(**shape))
+    with torch.no_grad():
+        for name, param in mlp.named_parameters():
+            param.normal_(0.0, 0.5 if "bias" in name else 0.1)
+    mlp = mlp.to(torch.bfloat16)
+    mxfp4_exact(mlp)
+    return mlp.requires_grad_(False)
+
+
+@pytest.mark.parametrize("tokens, shape", [
+    (1, {}),  # one decode token: 4 of 8 experts get a row, the others none (their programs do nothing)
+    (37, {}),  # 148 rows over 8 experts: several 16-row tiles per expert
+    (5, {"hidden": 64, "inter": 64, "experts": 4, "top_k": 2}),  # K = 64, less than one 128-wide K tile
+    (16, {"hidden": 160, "inter": 96, "experts": 32, "top_k": 4}),  # K = 160: a partial last K tile; 32 experts
+])
+def test_kernel_equals_transformers_mlp_bit_for_bit(tokens, shape):
+    mlp = random_mlp(**shape)
+    x = torch.randn(1, tokens, mlp.router.hidden_dim).to(torch.bfloat16)
+    ours = md.moe_forward(mlp, md.pack_experts(mlp.experts), x)
+    assert torch.equal(ours, mlp(x)[0])
+
+
+@pytest.mark.parametrize("block_n, block_k", [
+    (32, 64),  # narrower tiles than the defaults
+    (128, 256),  # wider than the matrices (everything masked at the edges)
+])
+def test_other_tile_sizes_give_the_same_result(block_n, block_k):
+    mlp = random_mlp(seed=1)
+    x = torch.randn(9, mlp.router.hidden_dim).to(torch.bfloat16)
+    packed = md.pack_experts(mlp.experts)
+    scores, ids = md.route(mlp.router, x)
+    order = torch.sort(ids.reshape(-1), stable=True)[1]
+    offsets = torch.searchsorted(ids.reshape(-1)[order], torch.arange(9))
+    rows = torch.div(order, ids.shape[1], rounding_mode="floor")
+    n = packed.gate_up_blocks.shape[1]
+    default = md.experts_matmul(x, rows, offsets, packed.gate_up_blocks, packed.gate_up_scales, packed.gate_up_bias, n)
+    other = md.experts_matmul(x, rows, offsets, packed.gate_up_blocks, packed.gate_up_scales, packed.gate_up_bias, n,
+                              block_n=block_n, block_k=block_k)
+    assert torch.equal(default, other)
+
+
+def test_pack_refuses_weights_that_are_not_exactly_mxfp4():
+    mlp = random_mlp()
+    with torch.no_grad():
+        mlp.experts.down_proj[3, 0, 0] += 1e-3  # one value off the MXFP4 grid
+    with pytest.raises(ValueError, match=r"down_proj\[3\] is not exactly MXFP4"):
+        md.pack_experts(mlp.experts)
+
+
+@pytest.mark.parametrize("change, reason", [
+    (lambda mlp: mlp.experts.down_proj.requires_grad_(True), "down_proj is trained"),  # a packed copy would go stale
+    (lambda mlp: mlp.float(), "is torch.float32"),  # the kernel takes bf16 activations
+])
+def test_pack_blockers(change, reason):
+    mlp = random_mlp()
+    change(mlp)
+    assert any(reason in r for r in md.pack_blockers(mlp.experts))
+
+
+def test_pack_is_kept_and_redone_when_the_weights_change_in_place():
+    mlp = random_mlp()
+    first, fresh = md.packed_experts(mlp.experts)
+    assert fresh and isinstance(first, md.PackedExperts)
+    assert md.packed_experts(mlp.experts) == (first, False)
+    with torch.no_grad():
+        mlp.experts.gate_up_proj.mul_(2)  # still exact (a power of two), but new values: the copy must follow
+    second, fresh = md.packed_experts(mlp.experts)
+    assert fresh and torch.equal(second.gate_up_scales, first.gate_up_scales + 1)
+
+
+# --- inside graph_decode ---------------------------------------------------------------------------------------
+
+def small_bf16_model(seed=0) -> GptOssForCausalLM:
+    config = GptOssConfig(vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                          num_experts_per_tok=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                          pad_token_id=5, eos_token_id=3, bos_token_id=1, attn_implementation="eager")
+    config._experts_implementation = "grouped_mm"
+    torch.manual_seed(seed)
+    model = GptOssForCausalLM(config).to(torch.bfloat16).eval().requires_grad_(False)
+    mxfp4_exact(model)
+    return model
+
+
+@pytest.mark.slow
+def test_graph_decode_samples_the_same_tokens_with_mxfp4_experts():
+    from tes_grpo import graph_decode
+
+    model = small_bf16_model()
+    ids = torch.randint(10, 512, (4, 11), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[2, :4] = 0  # a left-padded row, as TRL pads shorter prompts
+    config = GenerationConfig(max_new_tokens=12, do_sample=True, temperature=1.0, top_p=1.0, pad_token_id=5,
+                              eos_token_id=[3])
+    said = []
+    outputs = {}
+    for experts in ("model", "mxfp4"):
+        torch.manual_seed(7)
+        outputs[experts] = graph_decode.generate(model, ids, mask, config, graphs=False, experts=experts,
+                                                 say=said.append)
+    assert torch.equal(outputs["model"], outputs["mxfp4"])
+    assert any("packed 2 layers' experts as MXFP4" in line for line in said)
+
+
+@pytest.mark.slow
+def test_layers_that_cannot_be_packed_decode_with_their_own_experts():
+    from tes_grpo import graph_decode
+
+    model = small_bf16_model()
+    with torch.no_grad():
+        model.model.layers[1].mlp.experts.gate_up_proj[0, 0, 0] += 1e-3  # a bf16 checkpoint, not MXFP4
+    said = []
+    packs = graph_decode.expert_packs(model, "mxfp4", say=said.append)
+    assert isinstance(packs[0], md.PackedExperts) and packs[1] is None
+    assert any("layers [1] decode with their bf16 experts" in line and "not exactly MXFP4" in line for line in said)
+    ids = torch.randint(10, 512, (2, 9), generator=torch.Generator().manual_seed(3))
+    completion = torch.randint(10, 512, (2, 6), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    ours = graph_decode.completion_logprobs(model, ids, mask, completion, graphs=False, experts="mxfp4")
+    theirs = graph_decode.completion_logprobs(model, ids, mask, completion, graphs=False, experts="model")
+    assert torch.equal(ours, theirs)
