@@ -20,7 +20,6 @@ _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))
 
 import json
 import sys
-from contextlib import nullcontext
 
 from tes_grpo.script_config import resolve
 
@@ -31,7 +30,7 @@ REPS = 5  # timed calls per measurement
 WARM_LENGTHS = 0  # >0: first run forward + backward at this many other lengths, as training's micro-batches vary
 DYNAMIC = "auto"  # auto: transformers' torch.compile(flex_attention); false: compiled with dynamic=False instead
 AUTOCAST = False  # run under torch.autocast(bf16), as accelerate runs the training forward with bf16=True
-NO_AUTOCAST_INSIDE = False  # with AUTOCAST: switch autocast off around the attention call (workarounds.py's fix)
+NO_AUTOCAST_INSIDE = False  # with AUTOCAST: switch autocast off around the attention call (how much autocast costs)
 # kernel_options tried, as JSON ("{}" = flex attention's own choice)
 KERNEL_OPTIONS = ('{}', '{"BLOCK_M": 64, "BLOCK_N": 64}', '{"BLOCK_M": 128, "BLOCK_N": 64}',
                   '{"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}')
@@ -102,10 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         kernel_options = json.loads(options) or None
         for name, mask in masks.items():
             def forward(mask=mask, kernel_options=kernel_options):
-                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=s.AUTOCAST):
-                    with torch.autocast("cuda", enabled=not s.NO_AUTOCAST_INSIDE) if s.AUTOCAST else nullcontext():
-                        return flex_attention_forward(module, q, k, v, mask, scaling=dim ** -0.5, s_aux=sinks,
-                                                      kernel_options=kernel_options)[0]
+                # only the attention call runs here, so autocast switched off inside it is autocast off
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=s.AUTOCAST and not s.NO_AUTOCAST_INSIDE):
+                    return flex_attention_forward(module, q, k, v, mask, scaling=dim ** -0.5, s_aux=sinks,
+                                                  kernel_options=kernel_options)[0]
 
             def forward_backward(forward=forward):
                 forward().backward(grad)

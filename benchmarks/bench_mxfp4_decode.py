@@ -76,6 +76,11 @@ def graph_time(fn, reps: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     s = resolve(globals(), argv)
+    bad = [c for c in s.SWEEP_CONFIGS if len(c.split(",")) != 4 or not all(v.strip().isdigit() for v in c.split(","))]
+    if bad:
+        print(f"error: SWEEP_CONFIGS: {bad[0]!r} is not BLOCK_N,BLOCK_K,num_warps,num_stages (four whole numbers)",
+              file=sys.stderr)
+        return 2
     import torch
 
     from tes_grpo import mxfp4_decode
@@ -102,23 +107,21 @@ def main(argv: list[str] | None = None) -> int:
     sweep = []
     if s.SWEEP:
         x = torch.randn(s.TOKENS[0], 1, mlp.router.hidden_dim, device="cuda", dtype=torch.bfloat16)
-        defaults = (mxfp4_decode.BLOCK_N, mxfp4_decode.BLOCK_K, mxfp4_decode.NUM_WARPS, mxfp4_decode.NUM_STAGES)
         for config in s.SWEEP_CONFIGS:
             bn, bk, warps, stages = (int(v) for v in config.split(","))
-            (mxfp4_decode.BLOCK_N, mxfp4_decode.BLOCK_K, mxfp4_decode.NUM_WARPS,
-             mxfp4_decode.NUM_STAGES) = bn, bk, warps, stages
+            tiles = mxfp4_decode.Tiles(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
             try:
                 with torch.no_grad():
-                    ok = torch.equal(mxfp4_decode.moe_forward(mlp, packed, x), mxfp4_decode.moe_forward(mlp, packed, x))
-                    t = graph_time(lambda: mxfp4_decode.moe_forward(mlp, packed, x), s.REPS)
+                    ok = torch.equal(mxfp4_decode.moe_forward(mlp, packed, x),
+                                     mxfp4_decode.moe_forward(mlp, packed, x, tiles))
+                    t = graph_time(lambda tiles=tiles: mxfp4_decode.moe_forward(mlp, packed, x, tiles), s.REPS)
                 sweep.append((config, t, ok))
-            except Exception as err:  # noqa: BLE001 - a tile size the compiler refuses is a result, not a crash
+            except Exception as err:  # a tile size the compiler refuses is a result, not a crash
                 sweep.append((config, float("nan"), f"{type(err).__name__}: {str(err)[:80]}"))
-            print(f"sweep {config}: {sweep[-1][1]:.0f} us ({sweep[-1][2]})", flush=True)
-        mxfp4_decode.BLOCK_N, mxfp4_decode.BLOCK_K, mxfp4_decode.NUM_WARPS, mxfp4_decode.NUM_STAGES = defaults
+            print(f"sweep {config}: {sweep[-1][1]:.0f} us (same output as the default tiles: {sweep[-1][2]})",
+                  flush=True)
     print(f"\none MoE layer (router + 32 experts, 20B shapes); expert weights read: bf16 {bf16_bytes / 1e6:.0f} MB, "
-          f"MXFP4 {mxfp4_bytes / 1e6:.0f} MB; tiles BLOCK_M/N/K {mxfp4_decode.BLOCK_M}/{mxfp4_decode.BLOCK_N}/"
-          f"{mxfp4_decode.BLOCK_K}, {mxfp4_decode.NUM_WARPS} warps, {mxfp4_decode.NUM_STAGES} stages")
+          f"MXFP4 {mxfp4_bytes / 1e6:.0f} MB; tiles {mxfp4_decode.TILES}")
     print(f"{'tokens':>7}{'bit-equal':>11}{'max diff':>10}{'grouped_mm us':>15}{'mxfp4 us':>10}{'speed-up':>9}"
           f"{'bf16 GB/s':>11}{'mxfp4 GB/s':>12}")
     for tokens, equal, diff, t_ref, t_ours in rows:

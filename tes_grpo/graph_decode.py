@@ -275,6 +275,8 @@ def decode_step(lm, cache: StaticCache, tokens: torch.Tensor, slot: torch.Tensor
     cos, sin = body.rotary_emb(hidden, positions)
     full_mask, ring_mask = cache.masks(slot, length)
     batch = tokens.shape[0]
+    if packs is not None:
+        from tes_grpo.mxfp4_decode import moe_forward
     for i, layer in enumerate(body.layers):
         attn = layer.self_attn
         residual = hidden
@@ -289,8 +291,6 @@ def decode_step(lm, cache: StaticCache, tokens: torch.Tensor, slot: torch.Tensor
         residual = hidden
         x = layer.post_attention_layernorm(hidden)
         if packs is not None and packs[i] is not None:
-            from tes_grpo.mxfp4_decode import moe_forward
-
             out = moe_forward(layer.mlp, packs[i], x)
         else:
             out = layer.mlp(x)

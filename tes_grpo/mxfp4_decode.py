@@ -41,13 +41,21 @@ import triton.language as tl
 
 from tes_grpo.mxfp4 import BLOCK_SIZE, dequantize_mxfp4, quantize_mxfp4
 
-# tile sizes, from benchmarks/bench_mxfp4_decode.py's sweep on an H100 (BENCHMARKS.md); rows per tile: 16 is the
-# smallest a tensor-core dot takes, and a decode step routes ~8 rows to an expert (64 sequences x 4 / 32)
-BLOCK_M = 16
-BLOCK_N = 64
-BLOCK_K = 128
-NUM_WARPS = 4
-NUM_STAGES = 3
+
+@dataclass(frozen=True)
+class Tiles:
+    """Kernel launch shape. Defaults from benchmarks/bench_mxfp4_decode.py's sweep on an H100 (BENCHMARKS.md); rows
+    per tile: 16 is the smallest a tensor-core dot takes, and a decode step routes ~8 rows to an expert (64
+    sequences x 4 / 32)."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+TILES = Tiles()
 
 
 @triton.jit
@@ -114,30 +122,27 @@ def _experts_kernel(x_ptr, x_rows_ptr, offsets_ptr, blocks_ptr, scales_ptr, bias
                      mask=row_ok[:, None] & col_ok[None, :])
 
 
-def experts_matmul(x, x_rows, offsets, blocks, scales, bias, out_features: int, *, swiglu=None, weights=None,
-                   out_rows=None, out=None, block_m=None, block_n=None, block_k=None, num_warps=None,
-                   num_stages=None) -> torch.Tensor:
+def experts_matmul(x, x_rows, offsets, blocks, scales, bias, *, swiglu=None, weights=None, out_rows=None,
+                   tiles: Tiles = TILES) -> torch.Tensor:
     """One launch of the experts kernel; see _experts_kernel. x [T, K] bf16 (contiguous), x_rows [S] (the row of x
-    for sorted row r), offsets [E + 1] (sorted rows of expert e: offsets[e]:offsets[e+1]), blocks/scales as packed,
-    bias [E, N]. swiglu=(alpha, limit) applies gpt-oss's gate (out [S, N/2]); weights [S'] with out_rows [S] writes
-    row r, times weights[out_rows[r]], to out[out_rows[r]] (out [S', N], S' >= S). Tiles default to the module's."""
+    for sorted row r), offsets [E + 1] (sorted rows of expert e: offsets[e]:offsets[e+1]), blocks/scales as packed
+    (N outputs: blocks.shape[1]), bias [E, N]. swiglu=(alpha, limit) applies gpt-oss's gate (out [S, N/2]);
+    weights [S'] with out_rows [S] writes row r, times weights[out_rows[r]], to out[out_rows[r]] (out [S', N])."""
     experts, n, groups, _ = blocks.shape
     k = groups * BLOCK_SIZE
-    if n != out_features or x.shape[-1] != k or x.dtype != torch.bfloat16:
+    if x.shape[-1] != k or x.dtype != torch.bfloat16:
         raise ValueError(f"experts_matmul: x {tuple(x.shape)} {x.dtype} does not match packed weights "
-                         f"{tuple(blocks.shape)} (needs bf16 x with {k} columns and {out_features} outputs)")
+                         f"{tuple(blocks.shape)} (needs bf16 x with {k} columns)")
     rows = x_rows.shape[0]
-    if out is None:
-        shape = (rows, n // 2) if swiglu else ((weights.shape[0] if weights is not None else rows), n)
-        out = torch.empty(shape, dtype=torch.bfloat16, device=x.device)
-    bm, bn, bk = block_m or BLOCK_M, block_n or BLOCK_N, block_k or BLOCK_K
+    shape = (rows, n // 2) if swiglu else ((weights.shape[0] if weights is not None else rows), n)
+    out = torch.empty(shape, dtype=torch.bfloat16, device=x.device)
     alpha, limit = swiglu if swiglu else (0.0, 0.0)
-    grid = (experts, triton.cdiv(n, bn))
+    grid = (experts, triton.cdiv(n, tiles.block_n))
     _experts_kernel[grid](x, x_rows, offsets, blocks, scales, bias, weights if weights is not None else bias, out,
                           out_rows if out_rows is not None else x_rows, n, k, float(alpha), float(limit),
                           SWIGLU=bool(swiglu), ROUTED_OUT=weights is not None,
-                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps or NUM_WARPS,
-                          num_stages=num_stages or NUM_STAGES)
+                          BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                          num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
 
@@ -250,32 +255,21 @@ def pack_model(layers, say=print) -> list[PackedExperts | None]:
     return packs
 
 
-def route(router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(top-k weights [T, k], expert ids [T, k]) from gpt-oss's router (transformers 5.x returns logits, top-k
-    weights and ids; older ones a [T, E] score matrix, which is gathered)."""
-    out = router(x)
-    scores, indices = out[-2], out[-1]
-    if scores.shape[-1] != indices.shape[-1]:
-        scores = scores.gather(-1, indices)
-    return scores, indices
-
-
-def moe_forward(mlp, packed: PackedExperts, hidden: torch.Tensor) -> torch.Tensor:
+def moe_forward(mlp, packed: PackedExperts, hidden: torch.Tensor, tiles: Tiles = TILES) -> torch.Tensor:
     """gpt-oss's MLP (router, top-k experts, weighted sum) for hidden [..., H] with the experts read from `packed`."""
     shape = hidden.shape
     x = hidden.reshape(-1, shape[-1])
-    scores, indices = route(mlp.router, x)
+    _, scores, indices = mlp.router(x)  # transformers >= 5.17: logits, top-k weights [T, k], expert ids [T, k]
     tokens, top_k = indices.shape
     experts = packed.gate_up_blocks.shape[0]
     sorted_ids, order = torch.sort(indices.reshape(-1), stable=True)
     offsets = torch.searchsorted(sorted_ids, torch.arange(experts + 1, device=x.device, dtype=sorted_ids.dtype))
     token_rows = torch.div(order, top_k, rounding_mode="floor")
     gated = experts_matmul(x.contiguous(), token_rows, offsets, packed.gate_up_blocks, packed.gate_up_scales,
-                           packed.gate_up_bias, packed.gate_up_blocks.shape[1], swiglu=(packed.alpha, packed.limit))
+                           packed.gate_up_bias, swiglu=(packed.alpha, packed.limit), tiles=tiles)
     sequence_rows = torch.arange(order.shape[0], device=x.device)
-    routed = experts_matmul(gated, sequence_rows, offsets, packed.down_blocks, packed.down_scales,
-                            packed.down_bias, packed.down_blocks.shape[1],
-                            weights=scores.reshape(-1).to(torch.bfloat16), out_rows=order)
+    routed = experts_matmul(gated, sequence_rows, offsets, packed.down_blocks, packed.down_scales, packed.down_bias,
+                            weights=scores.reshape(-1).to(torch.bfloat16), out_rows=order, tiles=tiles)
     # transformers sums the k weighted rows of a token in float32 and rounds once
     return routed.view(tokens, top_k, -1).sum(dim=1).to(hidden.dtype).view(shape)
 

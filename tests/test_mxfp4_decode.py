@@ -88,17 +88,17 @@ def test_kernel_equals_transformers_mlp_bit_for_bit(tokens, shape):
     (128, 256),  # wider than the matrices (everything masked at the edges)
 ])
 def test_other_tile_sizes_give_the_same_result(block_n, block_k):
+    tiles = md.Tiles(block_n=block_n, block_k=block_k)
     mlp = random_mlp(seed=1)
     x = torch.randn(9, mlp.router.hidden_dim).to(torch.bfloat16)
     packed = md.pack_experts(mlp.experts)
-    scores, ids = md.route(mlp.router, x)
+    _, scores, ids = mlp.router(x)
     order = torch.sort(ids.reshape(-1), stable=True)[1]
     offsets = torch.searchsorted(ids.reshape(-1)[order], torch.arange(9))
     rows = torch.div(order, ids.shape[1], rounding_mode="floor")
-    n = packed.gate_up_blocks.shape[1]
-    default = md.experts_matmul(x, rows, offsets, packed.gate_up_blocks, packed.gate_up_scales, packed.gate_up_bias, n)
-    other = md.experts_matmul(x, rows, offsets, packed.gate_up_blocks, packed.gate_up_scales, packed.gate_up_bias, n,
-                              block_n=block_n, block_k=block_k)
+    default = md.experts_matmul(x, rows, offsets, packed.gate_up_blocks, packed.gate_up_scales, packed.gate_up_bias)
+    other = md.experts_matmul(x, rows, offsets, packed.gate_up_blocks, packed.gate_up_scales, packed.gate_up_bias,
+                              tiles=tiles)
     assert torch.equal(default, other)
 
 
