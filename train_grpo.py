@@ -66,6 +66,7 @@ ROUTER_AUX_LOSS_COEF = 0.0  # MoE load-balancing loss weight; 0 = off (the route
 GRADIENT_CHECKPOINTING = True  # recompute activations in backward (saves memory; generation still uses its KV cache)
 DECODE_GRAPHS = "auto"  # sample with graph_decode.py (static KV cache, CUDA graphs): auto = on a GPU when it can, 1, 0
 DECODE_EXPERTS = "auto"  # auto = mxfp4 under graph_decode on a GPU, else grouped_mm; transformers: its batched_mm
+TRAIN_EXPERTS = "auto"  # auto = fused (fused_experts.py) on a GPU with Triton, else transformers' grouped_mm; fused
 ATTN_IMPLEMENTATION = "auto"  # auto = flex_attention on CUDA (supports gpt-oss's sinks), eager on CPU
 USE_VLLM = False  # generate with vLLM (colocated; needs requirements-gpu.txt's vllm) instead of transformers
 VLLM_GPU_MEMORY_UTILIZATION = 0.35  # GPU memory fraction vLLM may take when USE_VLLM=1
@@ -132,6 +133,7 @@ def check_settings(s) -> None:
     _need(str(s.OUT_DIR).strip() != "", "OUT_DIR", s.OUT_DIR, "must name a folder")
     choices = {"LR_SCHEDULER": _SCHEDULERS, "LOSS_TYPE": _LOSS_TYPES, "SCALE_REWARDS": ("none", "group", "batch"),
                "PROMPT_TOO_LONG": ("error", "skip"), "DECODE_EXPERTS": ("auto", "mxfp4", "grouped_mm", "transformers"),
+               "TRAIN_EXPERTS": ("auto", "fused", "transformers"),
                "REASONING_EFFORT": ("", "low", "medium", "high")}
     for name, allowed in choices.items():
         _need(s[name] in allowed, name, s[name], "must be one of " + ", ".join(repr(a) for a in allowed))
@@ -305,6 +307,18 @@ def decode_experts_wanted(s, cuda: bool) -> tuple[str, str]:
     return "mxfp4", "DECODE_EXPERTS=auto: mxfp4 (GPU with Triton)"
 
 
+def train_experts_wanted(s, cuda: bool) -> tuple[bool, str]:
+    """(fuse the training forward's MoE elementwise work (fused_experts.py)?, why) for TRAIN_EXPERTS. auto = on a
+    GPU with Triton (torch.compile's kernels); "fused" on the CPU runs the same functions eagerly."""
+    if s.TRAIN_EXPERTS != "auto":
+        return s.TRAIN_EXPERTS == "fused", f"TRAIN_EXPERTS={s.TRAIN_EXPERTS}"
+    if not cuda:
+        return False, "TRAIN_EXPERTS=auto: no GPU"
+    if importlib.util.find_spec("triton") is None:
+        return False, "TRAIN_EXPERTS=auto: no triton for torch.compile's kernels"
+    return True, "TRAIN_EXPERTS=auto: GPU with Triton"
+
+
 def use_graph_decode(model, experts: str = "model") -> None:
     """Routes the model's generate() through graph_decode.GraphDecodeGenerate (idempotent; the latest experts
     choice wins)."""
@@ -338,6 +352,8 @@ def build_trainer(s, model, tokenizer, train_dataset, layout: dict, completion_l
         say("decoding experts: grouped_mm kept for decoding (DECODE_EXPERTS)")
     if not cuda:
         workarounds.score_only_completion_tokens_on_cpu()
+    if model.config._attn_implementation == "flex_attention" and workarounds.flex_masks_with_padding_bounds():
+        say("flex attention: padded masks written as each row's bounds (workarounds.py; 5-7x faster forward kernel)")
     workarounds.quiet_all_rewards_none_warning()
     trainer = GRPOTrainer(
         model=model, reward_funcs=bind_reward(s.INVALID_REWARD, completion_log),
@@ -362,6 +378,15 @@ def build_trainer(s, model, tokenizer, train_dataset, layout: dict, completion_l
     say(f"decoding: {'graph_decode.py, static KV cache' if graphs else 'transformers generate'} ({why}"
         + (", no GPU: its steps run eagerly, without CUDA graphs" if graphs and not cuda else "")
         + (f"; experts: {experts_why}" if graphs else "") + ")")
+    fused, why = train_experts_wanted(s, cuda)
+    if fused:
+        from tes_grpo.fused_experts import use_fused_experts
+
+        layers = use_fused_experts(trainer.model, say=say)
+        say(f"training experts: {layers} layer(s) fused ({why}; fused_experts.py: bias + SwiGLU and bias + routing "
+            "weight + top-k sum as one compiled kernel each, forward and backward)")
+    else:
+        say(f"training experts: transformers' {model.config._experts_implementation} ({why})")
     workarounds.give_trainable_weights_storage(trainer.model)
     return trainer
 

@@ -53,6 +53,7 @@ ATTN = "flex_attention"  # attention kernel: flex_attention (has sinks) | eager 
 VARIANTS = ("default", "grouped_mm")  # default|grouped_mm|grouped_mm_graphs|static|graphs|*_unshared, comma-separated
 PREFILL_BUCKET = 256  # graph_decode variants: prompts left-padded to a multiple of this before prefill; 0 = none
 LORA_R = 0  # >0: generate through train_grpo's LoRA adapter of this rank (fp32 weights), in train mode as GRPO does
+LORA_B_STD = 0.0  # >0: LoRA's B weights drawn from N(0, this) instead of PEFT's zeros, so the adapter changes outputs
 REPEATS = 1  # timed generate calls per variant (after one warm-up call)
 SEED = 0  # torch seed for weights and prompts
 PROFILE_TOKENS = 0  # >0: after timing, profile a generate call of this many new tokens per variant (torch.profiler)
@@ -231,14 +232,21 @@ def count_prefill_compiles(model, settings) -> list[tuple]:
             ("seconds", f"{time.perf_counter() - start:.1f}")]
 
 
-def grpo_state(model, rank: int):
+def grpo_state(model, rank: int, b_std: float = 0.0):
     """The model as GRPO generates with it: train_grpo's LoRA adapter (PEFT casts it to fp32), train mode, PEFT's
-    input-require-grads hook (TRL adds it with gradient checkpointing, which it switches off around generate)."""
+    input-require-grads hook (TRL adds it with gradient checkpointing, which it switches off around generate).
+    b_std > 0: B drawn from N(0, b_std) (PEFT starts it at zero, where the adapter changes nothing)."""
+    import torch
     from peft import get_peft_model
 
     import train_grpo
 
     peft_model = get_peft_model(model, train_grpo.build_lora_config(rank, 2 * rank))
+    if b_std:
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, b_std)
     peft_model.train()
     peft_model.enable_input_require_grads()
     return peft_model
@@ -260,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     print(stack_versions())
     model = build_random_model(attn_implementation=settings.ATTN).requires_grad_(False)  # nothing trains here
     if settings.LORA_R:
-        model = grpo_state(model, settings.LORA_R)
+        model = grpo_state(model, settings.LORA_R, settings.LORA_B_STD)
     input_ids, attention_mask = grpo_prompts(settings.NUM_SEQS, settings.NUM_PROMPTS, settings.PROMPT_LEN,
                                              settings.PROMPT_LEN_SPREAD, model, settings.SEED)
     bucket = settings.PREFILL_BUCKET
@@ -291,8 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     distinct = settings.NUM_PROMPTS or settings.NUM_SEQS
     print(f"\n{settings.NUM_SEQS} sequences = {distinct} distinct prompts x {settings.NUM_SEQS // distinct}, "
           f"{settings.PROMPT_LEN} prompt tokens (real: {settings.PROMPT_LEN_SPREAD} fewer at most), "
-          f"{settings.NEW_TOKENS} new, prefill bucket {bucket}" + (f", LoRA r={settings.LORA_R} in train mode"
-                                                                  if settings.LORA_R else ""))
+          f"{settings.NEW_TOKENS} new, prefill bucket {bucket}" + (f", LoRA r={settings.LORA_R} in train mode, B std "
+                                                                  f"{settings.LORA_B_STD}" if settings.LORA_R else ""))
     print(f"{'variant':<18}{'prefill s':>10}{'seconds':>10}{'tok/s':>10}{'ms/step':>10}{'peak GiB':>10}")
     for variant, prefill, seconds, tps, peak in rows:
         step_ms = 1000 * (seconds - (prefill or 0.0)) / max(1, settings.NEW_TOKENS - 1)

@@ -71,6 +71,7 @@ class StepTimer(TrainerCallback):
                    train_mfu=trained_tokens * self.bench.TRAIN_GFLOP_PER_TOKEN * 1e9 / max(train_s, 1e-9)
                    / (self.bench.BF16_TFLOPS * 1e12),
                    decode_experts=self.bench.DECODE_EXPERTS, decode_graphs=str(self.bench.DECODE_GRAPHS),
+                   train_experts=self.bench.TRAIN_EXPERTS,
                    max_completion_len=self.bench.MAX_COMPLETION_LEN, prompt_tokens=self.prompt_tokens,
                    train_batch_size=self.layout["train_batch_size"],
                    passes=self.layout["gradient_accumulation_steps"])

@@ -28,11 +28,12 @@ tokens and 2,138 at 1,024, prefill included):
     prompt is left-padded further, to a multiple of 256 tokens, and the prefilled row count is a power of two: at
     most MAX_PROMPT_LEN / 256 lengths times a few row counts (one of each for TES prompts, ~1,310 tokens). The
     static cache keeps the prompt as given (the extra slots were masked), so decoding attends over no more slots;
-- decode: `decode_step` runs one new token through the same modules (LoRA-wrapped projections, router, experts as
-  the model has them), with attention written here for one query (sinks included, grouped-query heads without
-  copies) over a fixed-length view of the cache, masks computed on the device from the current slot. It calls the
-  layers' submodules directly, so neither the layers' gradient checkpointing nor train mode changes it (gpt-oss
-  has no dropout outside attention; LoRA's is 0 here);
+- decode: `decode_step` runs one new token through the same modules (router, experts as the model has them; the
+  attention projections with the LoRA adapter merged into a copy of their weights, see merged_linear), with
+  attention written here for one query (sinks included, grouped-query heads without copies; compiled on CUDA, see
+  attention_function) over a fixed-length view of the cache, masks computed on the device from the current slot.
+  It calls the layers' submodules directly, so neither the layers' gradient checkpointing nor train mode changes it
+  (gpt-oss has no dropout outside attention; LoRA's is 0 here);
 - experts="mxfp4" (train_grpo's DECODE_EXPERTS=auto on a GPU): each layer's MLP is computed by mxfp4_decode.py
   from an MXFP4 copy of its frozen experts (3.7x fewer bytes a step than bf16; 28.1 -> 19.3 ms a step at 64
   sequences on an H100), bit-equal to the model's MLP; layers that cannot be packed keep their own;
@@ -54,6 +55,7 @@ graph does no autograd bookkeeping either way, and inference tensors returned to
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
@@ -258,17 +260,94 @@ def one_query_attention(query, keys, values, mask, sinks, scaling: float) -> tor
     return out.reshape(batch, 1, heads * dim)
 
 
+@dataclass(frozen=True)
+class DecodeWeights:
+    """What decode_step computes from besides the model's modules, per layer (None: the module itself):
+    experts: the MXFP4 copy of the layer's experts (mxfp4_decode.PackedExperts; see expert_packs);
+    attention: (weight, bias) of q_proj, k_proj, v_proj, o_proj with LoRA merged in (see merged_linear)."""
+
+    experts: list | None = None
+    attention: list | None = None
+
+
+def merged_linear(module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, bias) that compute what `module` computes here, for F.linear: an nn.Linear's own tensors, or, for a
+    PEFT LoRA Linear, its base weight with each active, unmerged adapter's delta (PEFT's get_delta_weight, scaling
+    included) added in float32 and rounded once to the weight's dtype: a new tensor, the model is untouched. None
+    (call the module) for anything else: other layer types, LoRA variants (DoRA), LoRA biases, dropout left on, or
+    adapters disabled over merged weights.
+
+    Why: unmerged, each LoRA projection adds ~5 small kernels to a decode step (A, B, scale, add, cast), 480 in all
+    for gpt-oss's 24 x 4 projections: 2.6 ms of a 21.9 ms step at 64 sequences on an H100 (BENCHMARKS.md). The
+    merged copy of the 20B model's attention weights takes 1.3 GB while generate() runs.
+    """
+    if type(module) is torch.nn.Linear:
+        return module.weight, module.bias
+    base = getattr(module, "base_layer", None)
+    if type(base) is not torch.nn.Linear or not hasattr(module, "get_delta_weight"):
+        return None
+    merged = set(getattr(module, "merged_adapters", ()))
+    if module.disable_adapters:
+        return None if merged else (base.weight, base.bias)
+    active = [a for a in module.active_adapters if a in module.lora_A and a not in merged]
+    for name in active:
+        dropout = module.lora_dropout[name]
+        if (module.use_dora.get(name) or getattr(module, "lora_bias", {}).get(name)
+                or getattr(module, "lora_variant", {}).get(name) is not None
+                or (isinstance(dropout, torch.nn.Dropout) and dropout.p > 0 and dropout.training)):
+            return None
+    if not active:
+        return base.weight, base.bias
+    weight = base.weight.float()
+    for name in active:
+        weight = weight + module.get_delta_weight(name).float()
+    return weight.to(base.weight.dtype), base.bias
+
+
+def attention_weights(lm) -> list:
+    """Per layer, merged_linear of q_proj, k_proj, v_proj, o_proj (taken anew each generate call: the adapter
+    trains between calls)."""
+    return [tuple(merged_linear(getattr(layer.self_attn, name)) for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
+            for layer in lm.model.layers]
+
+
+def _project(module, merged, x: torch.Tensor) -> torch.Tensor:
+    return module(x) if merged is None else torch.nn.functional.linear(x, *merged)
+
+
+_COMPILED_ATTENTION: list = []
+
+
+def attention_function(like: torch.Tensor):
+    """one_query_attention as run on like's device: compiled on CUDA (torch.compile, once: the cache length is
+    marked dynamic, so every bucket shares one kernel set), itself elsewhere.
+
+    Why: eagerly, its steps between the two matmuls (float, scale, + mask, the sink column, max, softmax, bf16) each
+    read and write the whole score tensor, 64 sequences x 64 heads x the cache length: ~60 bytes a score, ~3.5 ms of
+    a decode step at a 3,300-token cache. Compiled, they are fused into a couple of kernels. emulate_precision_casts:
+    the compiled steps round to bf16 where the eager ones do.
+    """
+    if like.device.type != "cuda":
+        return one_query_attention
+    if not _COMPILED_ATTENTION:
+        _COMPILED_ATTENTION.append(torch.compile(one_query_attention, fullgraph=True,
+                                                 options={"emulate_precision_casts": True}))
+    return _COMPILED_ATTENTION[0]
+
+
 def decode_step(lm, cache: StaticCache, tokens: torch.Tensor, slot: torch.Tensor, length: int,
-                packs: list | None = None) -> torch.Tensor:
+                weights: DecodeWeights | None = None) -> torch.Tensor:
     """Logits [B, vocab] for tokens [B, 1] written at cache slot `slot` (0-d device tensor).
 
     Mirrors GptOssModel/GptOssDecoderLayer.forward for one token, with the module calls kept (so LoRA layers and the
-    experts implementation apply) and attention replaced by one_query_attention over the static cache. packs: per
-    layer, the experts' MXFP4 copy (mxfp4_decode.PackedExperts) to compute the MLP from, or None for the model's own
-    MLP. Everything is a device operation on fixed shapes: no host reads, so it can be captured as a CUDA graph.
+    experts implementation apply) and attention replaced by one_query_attention over the static cache. weights: the
+    MXFP4 experts and merged attention projections to use instead of the modules (DecodeWeights). Everything is a
+    device operation on fixed shapes: no host reads, so it can be captured as a CUDA graph.
     """
     from transformers.models.gpt_oss.modeling_gpt_oss import apply_rotary_pos_emb
 
+    weights = weights or DecodeWeights()
+    packs, attention = weights.experts, weights.attention
     body = lm.model
     hidden = body.embed_tokens(tokens)
     positions = (cache.first_position + (slot - cache.prompt_len)).unsqueeze(1)
@@ -277,17 +356,21 @@ def decode_step(lm, cache: StaticCache, tokens: torch.Tensor, slot: torch.Tensor
     batch = tokens.shape[0]
     if packs is not None:
         from tes_grpo.mxfp4_decode import moe_forward
+    attend = attention_function(hidden)
     for i, layer in enumerate(body.layers):
         attn = layer.self_attn
         residual = hidden
         x = layer.input_layernorm(hidden)
-        query = attn.q_proj(x).view(batch, 1, -1, attn.head_dim).transpose(1, 2)
-        key = attn.k_proj(x).view(batch, 1, -1, attn.head_dim).transpose(1, 2)
-        value = attn.v_proj(x).view(batch, 1, -1, attn.head_dim).transpose(1, 2)
+        q, k, v, o = attention[i] if attention is not None else (None,) * 4
+        query = _project(attn.q_proj, q, x).view(batch, 1, -1, attn.head_dim).transpose(1, 2)
+        key = _project(attn.k_proj, k, x).view(batch, 1, -1, attn.head_dim).transpose(1, 2)
+        value = _project(attn.v_proj, v, x).view(batch, 1, -1, attn.head_dim).transpose(1, 2)
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
         keys, values = cache.write(i, slot, key, value, length)
         mask = ring_mask if cache.sliding[i] else full_mask
-        hidden = residual + attn.o_proj(one_query_attention(query, keys, values, mask, attn.sinks, attn.scaling))
+        for t, dim in ((keys, 2), (values, 2), (mask, 1)):
+            torch._dynamo.maybe_mark_dynamic(t, dim)  # the cache length: one compiled kernel set for all buckets
+        hidden = residual + _project(attn.o_proj, o, attend(query, keys, values, mask, attn.sinks, attn.scaling))
         residual = hidden
         x = layer.post_attention_layernorm(hidden)
         if packs is not None and packs[i] is not None:
@@ -317,8 +400,8 @@ class DecodeGraphs:
     (as warm-up, and for real: it writes the same cache slot the replays would) and is then captured.
     """
 
-    def __init__(self, lm, cache: StaticCache, batch: int, device, packs: list | None = None):
-        self.lm, self.cache, self.packs = lm, cache, packs
+    def __init__(self, lm, cache: StaticCache, batch: int, device, weights: DecodeWeights | None = None):
+        self.lm, self.cache, self.weights = lm, cache, weights
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.slot = torch.zeros((), dtype=torch.long, device=device)
         self.graphs: dict[int, tuple] = {}
@@ -335,12 +418,12 @@ class DecodeGraphs:
         side = warm_up_stream(self.tokens.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            logits = decode_step(self.lm, self.cache, self.tokens, self.slot, length, self.packs)
+            logits = decode_step(self.lm, self.cache, self.tokens, self.slot, length, self.weights)
         torch.cuda.current_stream().wait_stream(side)
         logits.record_stream(torch.cuda.current_stream())  # made on the side stream, read on this one
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            captured = decode_step(self.lm, self.cache, self.tokens, self.slot, length, self.packs)
+            captured = decode_step(self.lm, self.cache, self.tokens, self.slot, length, self.weights)
         self.graphs[length] = (graph, captured)
         return logits
 
@@ -348,14 +431,14 @@ class DecodeGraphs:
 class EagerSteps:
     """decode_step run directly (CPU, or CUDA with graphs off): the same arithmetic as DecodeGraphs."""
 
-    def __init__(self, lm, cache: StaticCache, device, packs: list | None = None):
-        self.lm, self.cache, self.packs = lm, cache, packs
+    def __init__(self, lm, cache: StaticCache, device, weights: DecodeWeights | None = None):
+        self.lm, self.cache, self.weights = lm, cache, weights
         self.slot = torch.zeros((), dtype=torch.long, device=device)
 
     def __call__(self, tokens: torch.Tensor, slot: int) -> torch.Tensor:
         self.slot.fill_(slot)
         return decode_step(self.lm, self.cache, tokens.view(-1, 1), self.slot, bucket_length(slot, self.cache.total),
-                           self.packs)
+                           self.weights)
 
 
 class PrefillShapes:
@@ -422,11 +505,12 @@ def prefill(lm, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_t
     return (logits if source is None else logits.index_select(0, source)), cache
 
 
-def decode_steps(lm, cache: StaticCache, batch: int, device, graphs: bool | None, packs: list | None = None):
+def decode_steps(lm, cache: StaticCache, batch: int, device, graphs: bool | None,
+                 weights: DecodeWeights | None = None):
     """The decode-step runner: CUDA graphs if `graphs` (default: when on CUDA), else eager steps."""
     if graphs is None:
         graphs = device.type == "cuda"
-    return DecodeGraphs(lm, cache, batch, device, packs) if graphs else EagerSteps(lm, cache, device, packs)
+    return DecodeGraphs(lm, cache, batch, device, weights) if graphs else EagerSteps(lm, cache, device, weights)
 
 
 def expert_packs(lm, experts: str, say=print) -> list | None:
@@ -467,9 +551,9 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     blockers = graph_blockers(lm) if (device.type == "cuda" if graphs is None else graphs) else []
     if blockers:
         raise ValueError("graph_decode: cannot capture this model's decode step: " + "; ".join(blockers))
-    packs = expert_packs(lm, experts, say)
+    weights = DecodeWeights(expert_packs(lm, experts, say), attention_weights(lm))
     logits, cache = prefill(lm, input_ids, attention_mask, max_new, pad, share_prompts, prefill_bucket)
-    step = decode_steps(lm, cache, batch, device, graphs, packs)
+    step = decode_steps(lm, cache, batch, device, graphs, weights)
     unfinished = torch.ones(batch, dtype=torch.long, device=device)
     new_tokens = []
     for n in range(max_new):
@@ -497,9 +581,9 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     device = input_ids.device
     batch, prompt_len = input_ids.shape
     steps = completion_ids.shape[1]
-    packs = expert_packs(lm, experts)
+    weights = DecodeWeights(expert_packs(lm, experts), attention_weights(lm))
     logits, cache = prefill(lm, input_ids, attention_mask, steps, share_prompts=share_prompts, bucket=prefill_bucket)
-    step = decode_steps(lm, cache, batch, device, graphs, packs)
+    step = decode_steps(lm, cache, batch, device, graphs, weights)
     out = []
     for n in range(steps):
         token = completion_ids[:, n]

@@ -292,6 +292,98 @@ def test_lora_model_decodes_like_transformers(order):
     assert torch.equal(graph_decode.generate(peft_model, ids, mask, config), expected)
 
 
+def lora_linear(change=None, **config):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(torch.nn.Sequential(torch.nn.Linear(16, 12)),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["0"], init_lora_weights=False, **config))
+    model.eval()
+    if change:
+        change(model)
+    return model, model.base_model.model[0]
+
+
+# (what is done to a PEFT LoRA Linear, what merged_linear gives: "merged" new weight, "base" tensors, None = module)
+MERGED_LINEAR_CASES = [
+    (None, {}, "merged"),  # the adapter's delta added to a copy of the base weight
+    (lambda m: m.disable_adapter_layers(), {}, "base"),  # adapters off: the base layer alone
+    (lambda m: m.base_model.model[0].merge(), {}, "base"),  # PEFT merged it already: the base weight holds it
+    (lambda m: (m.base_model.model[0].merge(), m.disable_adapter_layers()), {}, None),  # PEFT would unmerge
+    (lambda m: m.train(), {"lora_dropout": 0.1}, None),  # dropout on: only the module draws it
+    (None, {"lora_dropout": 0.1}, "merged"),  # eval mode: dropout off
+    (None, {"use_dora": True}, None),  # DoRA rescales the columns: not a plain delta
+]
+
+
+@pytest.mark.parametrize("change, config, expected", MERGED_LINEAR_CASES)
+def test_merged_linear(change, config, expected):
+    model, layer = lora_linear(change, **config)
+    base = layer.base_layer.weight.detach().clone()
+    merged = graph_decode.merged_linear(layer)
+    if expected is None:
+        assert merged is None
+        return
+    assert (merged[0] is layer.base_layer.weight) == (expected == "base")
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.nn.functional.linear(x, *merged), layer(x), atol=1e-5, rtol=1e-5)
+    if expected == "merged":
+        assert torch.equal(layer.base_layer.weight, base)  # the model is untouched
+        assert not torch.allclose(merged[0], base)  # and the adapter changes the weight
+
+
+def test_plain_linear_and_lora_model_projections():
+    linear = torch.nn.Linear(4, 3)
+    assert graph_decode.merged_linear(linear)[0] is linear.weight
+    assert graph_decode.merged_linear(torch.nn.Identity()) is None
+    peft_model = lora_model()
+    lm = graph_decode.causal_lm(peft_model)
+    merged = graph_decode.attention_weights(lm)
+    assert len(merged) == lm.config.num_hidden_layers and all(len(layer) == 4 for layer in merged)
+    for layer, modules in zip(merged, lm.model.layers, strict=True):
+        attn = modules.self_attn
+        for w, p in zip(layer, (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj), strict=True):
+            assert w is not None and w[0] is not p.base_layer.weight  # a merged copy
+
+
+def test_merged_lora_decodes_as_close_to_float64_as_peft_does():
+    """Merging rounds W + delta to bf16 once per weight; PEFT's forward rounds the outputs instead. Against a float64
+    copy of the same model both are equally close (measured: mean |log p error| 0.0157 either way)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    base = GptOssForCausalLM(small_config()).float()
+    with torch.no_grad():
+        for param in base.parameters():
+            param.normal_(0, 0.1)
+
+    def with_adapter(dtype):
+        peft_model = get_peft_model(copy.deepcopy(base).to(dtype), LoraConfig(r=4, lora_alpha=8,
+                                                                              target_modules="all-linear"))
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if "lora_" in name:
+                    param.normal_(0, 0.1)
+        return peft_model.eval()
+
+    reference = with_adapter(torch.float64)
+    reference.config._experts_implementation = "eager"  # grouped_mm has no float64
+    bf16 = with_adapter(torch.bfloat16)
+    g = torch.Generator().manual_seed(2)
+    ids, completion = torch.randint(4, VOCAB, (6, 20), generator=g), torch.randint(4, VOCAB, (6, 16), generator=g)
+    mask = torch.ones_like(ids)
+    truth = graph_decode.full_forward_logprobs(reference, ids, mask, completion)
+    peft_error = (graph_decode.full_forward_logprobs(bf16, ids, mask, completion).double() - truth).abs().mean()
+    merged_error = (graph_decode.completion_logprobs(bf16, ids, mask, completion, graphs=False).double()
+                    - truth).abs().mean()
+    assert peft_error > 1e-3  # bf16 does round here
+    assert merged_error < 1.15 * peft_error
+
+
 @pytest.mark.parametrize("checkpointing", [
     False,  # as TRL 1.16 calls generate(): unwrap_model_for_generation switched checkpointing off
     True,  # a caller that left it on: checkpointed layers would drop the prefill's KV cache
@@ -526,3 +618,27 @@ def test_bench_generate_compares_shared_and_unshared_prefill(model, monkeypatch,
     ids, mask = bench.grpo_prompts(8, 2, 20, 6, model, 0)
     assert torch.equal(ids[:4], ids[:1].expand(4, -1)) and not torch.equal(ids[0], ids[4])  # groups in a row
     assert mask[0].all() and (mask.sum(1) >= 14).all()  # the first is longest; the others left-padded by <= 6
+
+
+@pytest.mark.slow
+def test_compiled_one_query_attention_matches_eager():
+    """What attention_function gives a GPU: one_query_attention through torch.compile (here inductor's CPU backend),
+    the cache length marked dynamic as decode_step marks it: one compilation serves every length, same numbers."""
+    from torch._dynamo.utils import counters
+
+    compiled = torch.compile(graph_decode.one_query_attention, fullgraph=True,
+                             options={"emulate_precision_casts": True})
+    g = torch.Generator().manual_seed(0)
+    sinks = torch.randn(8, generator=g).bfloat16()
+    before = counters["stats"]["unique_graphs"]
+    for length in (48, 64, 80):
+        query = torch.randn(3, 8, 1, 16, generator=g).bfloat16()
+        keys, values = (torch.randn(3, 2, length, 16, generator=g).bfloat16() for _ in range(2))
+        mask = torch.where(torch.rand(3, length, generator=g) < 0.8, 0.0, torch.finfo(torch.float32).min)
+        for t, dim in ((keys, 2), (values, 2), (mask, 1)):
+            torch._dynamo.maybe_mark_dynamic(t, dim)
+        eager = graph_decode.one_query_attention(query, keys, values, mask, sinks, 0.25)
+        got = compiled(query, keys, values, mask, sinks, 0.25)
+        # float32 softmax either way (summation order may differ): at most one bf16 step apart
+        assert ((got.float() - eager.float()).abs() <= eager.float().abs() * 2 ** -7 + 1e-6).all()
+    assert counters["stats"]["unique_graphs"] - before == 1

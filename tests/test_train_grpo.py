@@ -75,6 +75,7 @@ BAD_SETTINGS = [
     ({"SCALE_REWARDS": "std"}, "SCALE_REWARDS='std'"),
     ({"REASONING_EFFORT": "max"}, "REASONING_EFFORT='max'"),
     ({"DECODE_EXPERTS": "fast"}, "DECODE_EXPERTS='fast'"),
+    ({"TRAIN_EXPERTS": "grouped_mm"}, "TRAIN_EXPERTS='grouped_mm'"),  # fused or transformers
     ({"DECODE_GRAPHS": "maybe"}, "DECODE_GRAPHS='maybe'"),
     ({"MAX_COMPLETION_LEN": 0}, "MAX_COMPLETION_LEN=0: must be at least 1"),
     ({"TRAIN_TOKENS_PER_PASS": 0}, "TRAIN_TOKENS_PER_PASS=0"),
@@ -200,14 +201,35 @@ DECODE_EXPERTS_CASES = [
 ]
 
 
-@pytest.mark.parametrize("value, cuda, triton, experts", DECODE_EXPERTS_CASES)
-def test_decode_experts_wanted(value, cuda, triton, experts, monkeypatch):
+def pretend_triton_installed(monkeypatch, installed: bool) -> None:
     real_find_spec = train_grpo.importlib.util.find_spec
     monkeypatch.setattr(train_grpo.importlib.util, "find_spec",
-                        lambda name, *a: (real_find_spec(name, *a) if triton else None) if name == "triton"
+                        lambda name, *a: (real_find_spec(name, *a) if installed else None) if name == "triton"
                         else real_find_spec(name, *a))
+
+
+@pytest.mark.parametrize("value, cuda, triton, experts", DECODE_EXPERTS_CASES)
+def test_decode_experts_wanted(value, cuda, triton, experts, monkeypatch):
+    pretend_triton_installed(monkeypatch, triton)
     chosen, why = train_grpo.decode_experts_wanted(train_grpo.default_settings(DECODE_EXPERTS=value), cuda)
     assert chosen == experts and f"DECODE_EXPERTS={value}" in why
+
+
+# (TRAIN_EXPERTS, cuda, triton installed?, fused training experts?)
+TRAIN_EXPERTS_CASES = [
+    ("auto", True, True, True),  # the default on a GPU: fused_experts.py, compiled
+    ("auto", False, True, False),  # CPU: transformers' grouped_mm
+    ("auto", True, False, False),  # no triton for torch.compile: transformers' grouped_mm
+    ("fused", False, False, True),  # asked for: on CPU its functions run eagerly
+    ("transformers", True, True, False),
+]
+
+
+@pytest.mark.parametrize("value, cuda, triton, fused", TRAIN_EXPERTS_CASES)
+def test_train_experts_wanted(value, cuda, triton, fused, monkeypatch):
+    pretend_triton_installed(monkeypatch, triton)
+    chosen, why = train_grpo.train_experts_wanted(train_grpo.default_settings(TRAIN_EXPERTS=value), cuda)
+    assert chosen is fused and f"TRAIN_EXPERTS={value}" in why
 
 
 def test_use_graph_decode_passes_the_experts_choice():
@@ -311,7 +333,8 @@ def test_generation_uses_kv_cache_with_gradient_checkpointing(tmp_path, tokenize
     data = write_fixture_data(tmp_path, tokenizer)
     settings = train_grpo.default_settings(
         MODEL_ID="tiny", DATA_DIR=str(data), EVAL_DIR=str(data / "eval"), OUT_DIR=str(tmp_path / "run"), TOTAL_STEPS=1,
-        NUM_GENERATIONS=2, GRADIENT_ACCUMULATION_STEPS=1, MAX_COMPLETION_LEN=6, GRADIENT_CHECKPOINTING=True)
+        NUM_GENERATIONS=2, GRADIENT_ACCUMULATION_STEPS=1, MAX_COMPLETION_LEN=6, GRADIENT_CHECKPOINTING=True,
+        TRAIN_EXPERTS="fused")  # the GPU's training experts, run eagerly: recomputed under checkpointing too
     model = load_training_model(resolve_model_path("tiny"))
     frame = train_grpo.load_training_data(settings, tokenizer)
     layout = train_grpo.batch_layout(settings, int(frame["prompt_tokens"].max()))
@@ -327,6 +350,9 @@ def test_generation_uses_kv_cache_with_gradient_checkpointing(tmp_path, tokenize
     assert generation[1:] == [1] * (len(generation) - 1)  # one new token per step: the cache holds the prefix
     assert any(grad and length > prompt_len for length, grad in calls)  # then the training forward
     assert trainer.model.base_model.model.is_gradient_checkpointing
+    from tes_grpo.fused_experts import uses_fused_experts
+
+    assert all(uses_fused_experts(layer.mlp.experts) for layer in trainer.model.base_model.model.model.layers)
 
 
 # ---------------------------------------------------------------------------------------------------------------

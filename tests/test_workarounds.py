@@ -66,3 +66,92 @@ def test_without_purge_step_the_redone_steps_are_doubled(tmp_path):
         point_tensorboard(trainer, log_dir)
         log_steps(trainer, steps)
     assert tensorboard_steps(log_dir) == [1, 2, 3, 3, 4, 4]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# flex attention masks: padding written as each row's bounds gives transformers' mask
+# ---------------------------------------------------------------------------------------------------------------
+
+# (a row of the 2-D attention mask, (start, end) or None)
+BOUNDS = [
+    ([1, 1, 1, 1], (0, 4)),  # no padding
+    ([0, 0, 1, 1], (2, 4)),  # TRL's left-padded prompt
+    ([1, 1, 1, 0], (0, 3)),  # a completion right-padded after its end
+    ([0, 1, 1, 0], (1, 3)),  # both
+    ([0, 0, 0, 0], (0, 0)),  # nothing to attend to
+    ([1, 0, 1, 1], None),  # a hole: not one run
+    ([0, 1, 0, 1], None),
+]
+
+
+@pytest.mark.parametrize("row, expected", BOUNDS)
+def test_padding_bounds(row, expected):
+    import torch
+
+    from tes_grpo.workarounds import padding_bounds
+
+    got = padding_bounds(torch.tensor([row, [1, 1, 1, 1]]))
+    assert (got if got is None else (int(got[0][0]), int(got[1][0]))) == expected
+
+
+def dense_flex_mask(monkeypatch, wrapped: bool, attention_mask, sliding: int | None, q_length: int, q_offset: int):
+    """The mask flex attention would get from transformers' flex_attention_mask (wrapped or not), as a dense
+    [B, 1, Q, KV] bool tensor: create_block_mask is replaced by the dense evaluation of the same mask function."""
+    import torch
+    import transformers.masking_utils as mu
+    from torch.nn.attention.flex_attention import create_mask
+
+    from tes_grpo.workarounds import _flex_mask_with_padding_bounds
+
+    monkeypatch.setattr(mu, "create_block_mask", lambda mask_mod, B, H, Q_LEN, KV_LEN, device, **kw: create_mask(
+        mask_mod, B, 1, Q_LEN, KV_LEN, device=device))
+    function = _flex_mask_with_padding_bounds(mu.flex_attention_mask) if wrapped else mu.flex_attention_mask
+    mask_function = mu.sliding_window_causal_mask_function(sliding) if sliding else mu.causal_mask_function
+    kv_length = attention_mask.shape[1]
+    return function(batch_size=attention_mask.shape[0], q_length=q_length, kv_length=kv_length - q_offset,
+                    q_offset=q_offset, kv_offset=q_offset, mask_function=mask_function,
+                    attention_mask=attention_mask, device="cpu", dtype=torch.bfloat16)
+
+
+# (rows of the attention mask, sliding window or None, query length, query offset)
+FLEX_MASKS = [
+    ([[0, 0, 0, 1, 1, 1, 1, 1, 1, 1], [1] * 10], None, 10, 0),  # TRL: left-padded prompts, a training forward
+    ([[0, 0, 1, 1, 1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1, 1, 1, 1, 1]], 3, 10, 0),  # right padding, sliding window
+    ([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1], [1] * 10], 4, 2, 8),  # the last 2 positions after 8 cached (offsets)
+    ([[1, 1, 0, 1, 1, 1, 1, 1, 1, 1], [1] * 10], None, 10, 0),  # a hole: transformers' own lookup
+    ([[0] * 10, [1] * 10], None, 10, 0),  # a row with nothing to attend to
+]
+
+
+@pytest.mark.parametrize("rows, sliding, q_length, q_offset", FLEX_MASKS)
+def test_bounded_flex_mask_is_transformers_mask(monkeypatch, rows, sliding, q_length, q_offset):
+    import torch
+
+    attention_mask = torch.tensor(rows)
+    ours = dense_flex_mask(monkeypatch, True, attention_mask, sliding, q_length, q_offset)
+    theirs = dense_flex_mask(monkeypatch, False, attention_mask, sliding, q_length, q_offset)
+    assert ours.shape == (2, 1, q_length, 10 - q_offset)
+    assert torch.equal(ours, theirs)
+    assert ours.any() and not ours.all()
+
+
+def test_flex_mask_wrapper_installs_once_and_passes_holes_through(monkeypatch):
+    import torch
+    import transformers.masking_utils as mu
+
+    from tes_grpo.workarounds import _flex_mask_with_padding_bounds, flex_masks_with_padding_bounds
+
+    registry = mu.AttentionMaskInterface()  # a fresh instance: its local entries do not leak into other tests
+    monkeypatch.setattr(mu, "ALL_MASK_ATTENTION_FUNCTIONS", registry)
+    assert flex_masks_with_padding_bounds(say=pytest.fail)
+    first = registry["flex_attention"]
+    assert first.wraps_original is mu.flex_attention_mask
+    assert flex_masks_with_padding_bounds(say=pytest.fail) and registry["flex_attention"] is first  # not twice
+    calls = []
+    wrapped = _flex_mask_with_padding_bounds(lambda **kwargs: calls.append(kwargs["attention_mask"]))
+    wrapped(attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]), mask_function=mu.causal_mask_function)
+    wrapped(attention_mask=torch.tensor([[1, 0, 1], [1, 1, 1]]), mask_function=mu.causal_mask_function)
+    wrapped(attention_mask=torch.ones(2, 3, dtype=torch.long), mask_function=mu.causal_mask_function)
+    assert calls[0] is None  # bounds: transformers gets no per-position mask
+    assert torch.equal(calls[1], torch.tensor([[1, 0, 1], [1, 1, 1]]))  # a hole: passed through
+    assert torch.equal(calls[2], torch.ones(2, 3, dtype=torch.long))  # no padding: transformers skips it itself
