@@ -128,24 +128,39 @@ def test_installed_forward_fuses_only_with_grad_on(monkeypatch):
     assert calls == [1, 1]  # one call per layer
 
 
-def test_tiny_model_loss_and_lora_grads_unchanged():
-    from peft import LoraConfig, get_peft_model
+# (LoRA on the experts of these layers (train_grpo's LORA_EXPERT_LAYERS), trainable tensors)
+LORA_CASES = [
+    ((), 2 * 4 * 2),  # the default: 2 layers x q/k/v/o x A/B
+    ((1,), 2 * 4 * 2 + 2 * 2),  # + layer 1's gate_up_proj and down_proj through PEFT's target_parameters
+]
 
+
+@pytest.mark.parametrize("expert_layers, trainable", LORA_CASES)
+def test_tiny_model_loss_and_lora_grads_unchanged(expert_layers, trainable, monkeypatch):
+    from peft import get_peft_model
+
+    from train_grpo import build_lora_config
+
+    calls = []
+    real = fe.fused_experts_forward
+    monkeypatch.setattr(fe, "fused_experts_forward", lambda *a: calls.append(1) or real(*a))
     results = []
     for fused in (False, True):
         torch.manual_seed(0)
-        model = get_peft_model(tiny_model(), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
-                                                        init_lora_weights=False))
+        config = build_lora_config(4, 8, expert_layers)
+        config.init_lora_weights = False  # B != 0: the adapter changes the outputs
+        model = get_peft_model(tiny_model(), config)
         if fused:
-            fe.use_fused_experts(model, say=pytest.fail)
+            assert fe.use_fused_experts(model, say=pytest.fail) == 2
         ids = torch.randint(0, 100, (3, 11), generator=torch.Generator().manual_seed(4))
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
         results.append((loss.detach(), grads))
     (loss_a, grads_a), (loss_b, grads_b) = results
+    assert calls == [1, 1]  # the second model's two layers took the fused path (through PEFT's wrappers too)
     assert torch.equal(loss_a, loss_b)
-    assert grads_a.keys() == grads_b.keys() and len(grads_a) == 2 * 4 * 2  # 2 layers x q/k/v/o x A/B
+    assert grads_a.keys() == grads_b.keys() and len(grads_a) == trainable
     for name in grads_a:
         assert torch.allclose(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-7), name
 
