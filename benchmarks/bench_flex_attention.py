@@ -2,13 +2,17 @@
 kernel_options, on one GPU. Run on the GPU machine (the numbers go to BENCHMARKS.md):
 
     python benchmarks/bench_flex_attention.py
-    python benchmarks/bench_flex_attention.py --ROWS=8 --LENGTH=5316
+    python benchmarks/bench_flex_attention.py --ROWS=8 --LENGTH=4871 --KERNEL_OPTIONS="{},fwd_BLOCK_M=64 fwd_BLOCK_N=64"
 
 Why: profiling one training micro-batch at 1,024-token completions (bench_grpo.py --PROFILE_TRAIN=1) put flex
 attention's forward kernel at 24 % of the GPU time, 25 ms a call, while its backward took 7.6 ms a call, though a
 backward does ~2.5x a forward's arithmetic. This times the forward alone and forward + backward, for a full (causal)
 and a sliding-window layer, with transformers' own function (sinks applied through the returned LSE), for each
 entry of KERNEL_OPTIONS, and SDPA's flash kernel (no sinks: a speed reference, not a substitute) beside them.
+An entry is flex attention's kernel_options written as space-separated NAME=value pairs (no commas, so a list of them
+fits one command-line value; "{}" or "" is flex attention's own choice); a fwd_ or bwd_ prefix applies a setting to
+that pass only. With COMBINE_BEST, a last row per layer joins the fastest entry's fwd_ settings to the fastest
+entry's bwd_ settings.
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ from pathlib import Path as _Path
 
 _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))
 
-import json
 import sys
 
 from tes_grpo.script_config import resolve
@@ -29,11 +32,38 @@ LEFT_PAD = 40  # the shortest prompt is this many tokens shorter (left padding, 
 REPS = 5  # timed calls per measurement
 WARM_LENGTHS = 0  # >0: first run forward + backward at this many other lengths, as training's micro-batches vary
 DYNAMIC = "auto"  # auto: transformers' torch.compile(flex_attention); false: compiled with dynamic=False instead
+TIME_NO_GRAD = True  # also time a forward under no_grad (one more compilation per entry)
+COMBINE_BEST = False  # add a row per layer: the fastest forward's fwd_ settings with the fastest backward's bwd_ ones
 AUTOCAST = False  # run under torch.autocast(bf16), as accelerate runs the training forward with bf16=True
 NO_AUTOCAST_INSIDE = False  # with AUTOCAST: switch autocast off around the attention call (how much autocast costs)
-# kernel_options tried, as JSON ("{}" = flex attention's own choice)
-KERNEL_OPTIONS = ('{}', '{"BLOCK_M": 64, "BLOCK_N": 64}', '{"BLOCK_M": 128, "BLOCK_N": 64}',
-                  '{"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}')
+# kernel_options tried, each as NAME=value pairs ("{}" = flex attention's own choice)
+KERNEL_OPTIONS = ("{}", "BLOCK_M=64 BLOCK_N=64", "BLOCK_M=128 BLOCK_N=64",
+                  "BLOCK_M=128 BLOCK_N=128 num_warps=8 num_stages=2")
+
+
+def parse_kernel_options(text: str) -> dict | None:
+    """'fwd_BLOCK_M=64 bwd_num_warps=4 USE_TMA=true' -> {'fwd_BLOCK_M': 64, ...}; '{}' or '' -> None."""
+    options = {}
+    for pair in text.split():
+        if pair == "{}":
+            continue
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"error: KERNEL_OPTIONS entry {text!r}: {pair!r} is not NAME=value")
+        low = value.lower()
+        options[name] = True if low == "true" else False if low == "false" else int(value) if value.isdigit() else value
+    return options or None
+
+
+def only(options: str, prefix: str) -> dict:
+    """The settings of a KERNEL_OPTIONS entry whose names start with prefix."""
+    return {k: v for k, v in (parse_kernel_options(options) or {}).items() if k.startswith(prefix)}
+
+
+def joined(options: list[dict | None]) -> str:
+    """kernel_options back in KERNEL_OPTIONS' text form."""
+    pairs = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for o in options if o for k, v in o.items()]
+    return " ".join(pairs) or "{}"
 
 
 def cuda_ms(fn, reps: int) -> float:
@@ -59,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     from tes_grpo.gpt_oss_shapes import stack_versions
 
     print(stack_versions())
+    # each entry x layer x grad mode is a new compilation; past the limit (8) flex attention would run unfused
+    torch._dynamo.config.recompile_limit = 256
+    torch._dynamo.config.accumulated_recompile_limit = 4096
     torch.manual_seed(0)
     heads, kv_heads, dim, window = 64, 8, 64, 128
     pad = torch.zeros(s.ROWS, dtype=torch.long, device="cuda")
@@ -97,28 +130,43 @@ def main(argv: list[str] | None = None) -> int:
     q, k, v = tensors()
     grad = torch.randn(s.ROWS, s.LENGTH, heads, dim, device="cuda", dtype=torch.bfloat16)
     rows = []
-    for options in s.KERNEL_OPTIONS:
-        kernel_options = json.loads(options) or None
-        for name, mask in masks.items():
-            def forward(mask=mask, kernel_options=kernel_options):
-                # only the attention call runs here, so autocast switched off inside it is autocast off
-                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=s.AUTOCAST and not s.NO_AUTOCAST_INSIDE):
-                    return flex_attention_forward(module, q, k, v, mask, scaling=dim ** -0.5, s_aux=sinks,
-                                                  kernel_options=kernel_options)[0]
 
-            def forward_backward(forward=forward):
-                forward().backward(grad)
+    def measure(options: str, name: str, mask) -> None:
+        kernel_options = parse_kernel_options(options)
 
-            try:
+        def forward(mask=mask, kernel_options=kernel_options):
+            # only the attention call runs here, so autocast switched off inside it is autocast off
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=s.AUTOCAST and not s.NO_AUTOCAST_INSIDE):
+                return flex_attention_forward(module, q, k, v, mask, scaling=dim ** -0.5, s_aux=sinks,
+                                              kernel_options=kernel_options)[0]
+
+        def forward_backward(forward=forward):
+            forward().backward(grad)
+
+        try:
+            fwd_nograd = float("nan")
+            if s.TIME_NO_GRAD:
                 with torch.no_grad():
                     fwd_nograd = cuda_ms(forward, s.REPS)
-                fwd = cuda_ms(forward, s.REPS)
-                both = cuda_ms(forward_backward, s.REPS)
-                rows.append((options, name, fwd_nograd, fwd, both))
-            except Exception as err:  # a kernel option the compiler refuses is a result, not a crash
-                rows.append((options, name, float("nan"), float("nan"), float("nan")))
-                print(f"{options} {name}: {type(err).__name__}: {str(err)[:200]}")
-            print(rows[-1], flush=True)
+            fwd = cuda_ms(forward, s.REPS)
+            both = cuda_ms(forward_backward, s.REPS)
+            rows.append((options, name, fwd_nograd, fwd, both))
+        except Exception as err:  # a kernel option the compiler refuses is a result, not a crash
+            rows.append((options, name, float("nan"), float("nan"), float("nan")))
+            print(f"{options} {name}: {type(err).__name__}: {str(err)[:200]}")
+        print(rows[-1], flush=True)
+
+    for options in s.KERNEL_OPTIONS:
+        for name, mask in masks.items():
+            measure(options, name, mask)
+    if s.COMBINE_BEST:
+        for name, mask in masks.items():
+            done = [r for r in rows if r[1] == name and r[4] == r[4]]  # nan != nan: failed entries out
+            if not done:
+                continue
+            best_fwd = min(done, key=lambda r: r[3])[0]
+            best_bwd = min(done, key=lambda r: r[4] - r[3])[0]
+            measure(joined([only(best_fwd, "fwd_"), only(best_bwd, "bwd_")]), name, mask)
     qs, ks, vs = q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_()
 
     def sdpa():

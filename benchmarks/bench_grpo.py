@@ -12,7 +12,8 @@ and runs train_grpo.build_trainer(...).train() for STEPS optimizer steps at trai
 (64 completions a step). Random weights never emit an end token, so every completion runs to
 MAX_COMPLETION_LEN: the worst case. Per step it prints generation and training time, completion tokens/s,
 peak memory, and the ratios to the limits (decode: every weight read once per token step at the measured
-~3.0 TB/s; training: ~22 GFLOP a token against ~800 TFLOP/s of bf16 matrix rate). Under accelerate launch every
+~3.0 TB/s; training: ~22 GFLOP a token against ~800 TFLOP/s of bf16 matrix rate, and "+attn" with attention's
+own matmuls counted too, grpo_timers.attention_gflop_per_row). Under accelerate launch every
 process builds the model on its own GPU (FSDP then shards it) and runs train_grpo's per-process batch; rank 0
 prints each step with the peak memory of every GPU and the completions per second of all of them together.
 """
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     results = Path(bench.RESULTS)
     results.parent.mkdir(parents=True, exist_ok=True)
-    step_timer = StepTimer(None, weight_bytes, prompt_tokens, results, bench, layout)
+    step_timer = StepTimer(None, weight_bytes, prompt_tokens, results, bench, layout, model.config)
     dataset = train_grpo.build_stream(frame, settings).to_iterable_dataset()
     trainer = train_grpo.build_trainer(settings, model, tokenizer, dataset, layout, callbacks=[step_timer])
     step_timer.timer = GenerationTimer(model)  # outermost, around whichever generate() build_trainer installed
@@ -171,12 +172,13 @@ def main(argv: list[str] | None = None) -> None:
           f"{bench.MAX_COMPLETION_LEN}, prompt {prompt_tokens} tokens, {settings.NUM_GENERATIONS} generations x "
           f"{settings.GRADIENT_ACCUMULATION_STEPS} accumulation, {layout['train_batch_size']} completions a pass")
     print(f"{'step':>4}{'step s':>8}{'gen s':>8}{'train s':>8}{'gen %':>7}{'tok/s':>8}{'of limit':>9}"
-          f"{'train MFU':>10}{'compl/s':>8}  peak GiB per GPU (reserved)")
+          f"{'train MFU':>10}{'+attn':>7}{'compl/s':>8}  peak GiB per GPU (reserved)")
     for r in step_timer.rows:
         print(f"{r['step']:>4}{r['step_s']:>8.1f}{r['generation_s']:>8.1f}{r['training_s']:>8.1f}"
               f"{100 * r['gen_share']:>6.0f}%{r['gen_tokens_per_s']:>8.0f}"
               f"{100 * r['gen_tokens_per_s'] / r['decode_limit_tokens_per_s']:>8.1f}%"
-              f"{100 * r['train_mfu']:>9.1f}%{r['completions_per_s']:>8.2f}  "
+              f"{100 * r['train_mfu']:>9.1f}%{100 * r['train_mfu_with_attention']:>6.1f}%"
+              f"{r['completions_per_s']:>8.2f}  "
               + " / ".join(f"{m:.1f}" for m in r["peak_gib_per_gpu"]) + f" ({r['reserved_gib']:.1f})")
 
 

@@ -13,6 +13,24 @@ from transformers import TrainerCallback
 from tes_grpo.processes import gather_on_main, process_count, uses_fsdp
 
 
+def attention_gflop_per_row(length: int, config) -> float:
+    """GFLOP of attention's two matmuls (scores q.k and the weighted sum of v) for one row of `length` real tokens
+    in training: a forward, the backward to q, k and v (twice a forward) and checkpointing's recomputed forward.
+
+    The parameter count (TRAIN_GFLOP_PER_TOKEN) leaves these out, and they grow with the square of the length:
+    ~10 % of the arithmetic at 4,000-token completions. Counted as computed: each token attends to itself and the
+    tokens before it, and on sliding-window layers to at most `sliding_window` of them (as PaLM's and nanoGPT's
+    MFU count attention, less the masked half they include).
+    """
+    keys = 0
+    for kind in config.layer_types:
+        window = config.sliding_window if kind == "sliding_attention" else length
+        window = min(window, length)
+        keys += window * (window + 1) // 2 + (length - window) * window  # sum over positions p of min(p + 1, window)
+    forward = 2 * 2 * config.num_attention_heads * config.head_dim * keys  # two matmuls, a multiply-add each
+    return 4 * forward / 1e9
+
+
 class GenerationTimer:
     """Wraps a model's generate() to add up its wall time and the completion tokens it produced."""
 
@@ -39,9 +57,9 @@ class StepTimer(TrainerCallback):
     """Per optimizer step: wall time, the generation share of it, tokens/s, peak memory, ratios to the limits."""
 
     def __init__(self, timer: GenerationTimer | None, weight_bytes: int, prompt_tokens: int, results: Path, bench,
-                 layout: dict):
+                 layout: dict, model_config):
         self.timer, self.weight_bytes, self.prompt_tokens, self.results = timer, weight_bytes, prompt_tokens, results
-        self.bench, self.layout = bench, layout
+        self.bench, self.layout, self.model_config = bench, layout, model_config
         self.rows: list[dict] = []
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -65,11 +83,15 @@ class StepTimer(TrainerCallback):
         # tokens/s if each decoding step read every weight exactly once at the measured bandwidth
         decode_limit = seqs / (self.weight_bytes / (self.bench.HBM_TB_PER_S * 1e12))
         trained_tokens = seqs * self.prompt_tokens + tokens
+        train_gflop = trained_tokens * self.bench.TRAIN_GFLOP_PER_TOKEN
+        # at the mean row length: the square's convexity makes this a slight undercount when lengths vary
+        attention_gflop = seqs * attention_gflop_per_row(round(trained_tokens / max(seqs, 1)), self.model_config)
+        matrix_rate = self.bench.BF16_TFLOPS * 1e12 * max(train_s, 1e-9)
         row = dict(step=state.global_step, step_s=total, generation_s=gen, training_s=train_s, sequences=seqs,
                    completion_tokens=tokens, gen_tokens_per_s=tokens / gen if gen else 0.0, gen_share=gen / total,
                    decode_limit_tokens_per_s=decode_limit,
-                   train_mfu=trained_tokens * self.bench.TRAIN_GFLOP_PER_TOKEN * 1e9 / max(train_s, 1e-9)
-                   / (self.bench.BF16_TFLOPS * 1e12),
+                   train_mfu=train_gflop * 1e9 / matrix_rate,
+                   train_mfu_with_attention=(train_gflop + attention_gflop) * 1e9 / matrix_rate,
                    decode_experts=self.bench.DECODE_EXPERTS, decode_graphs=str(self.bench.DECODE_GRAPHS),
                    train_experts=self.bench.TRAIN_EXPERTS,
                    max_completion_len=self.bench.MAX_COMPLETION_LEN, prompt_tokens=self.prompt_tokens,

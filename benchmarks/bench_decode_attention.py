@@ -1,0 +1,81 @@
+"""One decode step's attention over a full-attention layer's cache, per implementation, on one GPU: time and distance
+from the exact (float64) result. Run on the GPU machine (the numbers go to BENCHMARKS.md):
+
+    python benchmarks/bench_decode_attention.py
+    python benchmarks/bench_decode_attention.py --LENGTHS=1536,5376 --ROWS=128
+
+Implementations: graph_decode.one_query_attention eagerly and compiled, and graph_decode.flex_one_query_attention
+compiled (what attention_function gives a GPU). The keys, values and mask are a cache-length view of a longer
+buffer, as StaticCache.write returns them, the length marked dynamic as decode_step marks it; the last column counts
+the graphs torch.compile built over all lengths (1 = one kernel set for every bucket).
+"""
+
+from __future__ import annotations
+
+import sys as _sys
+from pathlib import Path as _Path
+
+_sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))
+
+import sys
+
+from tes_grpo.script_config import resolve
+
+ROWS = 64  # sequences decoded together (4 prompts x 16 at the reference recipe)
+LENGTHS = (1536, 2560, 3584, 5376)  # cache lengths (graph_decode's 512-slot buckets over a 1,316-token prompt)
+MASKED = 40  # leading slots masked in every other row (left padding)
+REPS = 50  # timed calls per measurement
+
+
+def main(argv: list[str] | None = None) -> int:
+    s = resolve(globals(), argv)
+    import torch
+    from torch._dynamo.utils import counters
+
+    from benchmarks.bench_flex_attention import cuda_ms
+    from tes_grpo import graph_decode
+    from tes_grpo.gpt_oss_shapes import stack_versions
+
+    print(stack_versions())
+    heads, kv_heads, dim = 64, 8, 64
+    torch.manual_seed(0)
+    total = max(s.LENGTHS) + 512
+    buffers = [torch.randn(s.ROWS, kv_heads, total, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    sinks = torch.randn(heads, device="cuda", dtype=torch.bfloat16)
+    implementations = {
+        "one_query eager": graph_decode.one_query_attention,
+        "one_query compiled": torch.compile(graph_decode.one_query_attention, fullgraph=True,
+                                            options={"emulate_precision_casts": True}),
+        "flex compiled": torch.compile(graph_decode.flex_one_query_attention, fullgraph=True),
+    }
+    graphs = dict.fromkeys(implementations, 0)
+    rows = []
+    for length in s.LENGTHS:
+        query = torch.randn(s.ROWS, heads, 1, dim, device="cuda", dtype=torch.bfloat16)
+        keys, values = (b[:, :, :length] for b in buffers)
+        mask = torch.zeros(s.ROWS, length, device="cuda")
+        mask[1::2, :s.MASKED] = torch.finfo(torch.float32).min
+        for t, d in ((keys, 2), (values, 2), (mask, 1)):
+            torch._dynamo.maybe_mark_dynamic(t, d)
+        args = (query, keys, values, mask, sinks)
+        exact = graph_decode.one_query_attention(*(t.double() for t in args), dim ** -0.5)
+        for name, fn in implementations.items():
+            before = counters["stats"]["unique_graphs"]
+            out = fn(*args, dim ** -0.5)
+            graphs[name] += counters["stats"]["unique_graphs"] - before
+            error = (out.double() - exact).abs()
+            ms = cuda_ms(lambda fn=fn, args=args: fn(*args, dim ** -0.5), s.REPS)
+            gb = 2 * keys.numel() * keys.element_size() / 1e9  # keys and values read once
+            rows.append((length, name, ms, gb / ms, error.mean().item(), error.max().item()))
+            print(rows[-1], flush=True)
+    print(f"\n{s.ROWS} rows, {heads} query / {kv_heads} key-value heads of {dim}, bf16 cache; GB/s counts the keys and "
+          f"values read once")
+    print(f"{'length':>7}  {'implementation':<20}{'us':>8}{'GB/s':>8}{'mean |err|':>12}{'max |err|':>11}")
+    for length, name, ms, rate, mean, worst in rows:
+        print(f"{length:>7}  {name:<20}{1000 * ms:>8.1f}{rate * 1000:>8.0f}{mean:>12.2e}{worst:>11.2e}")
+    print("graphs compiled over all lengths: " + ", ".join(f"{n} {c}" for n, c in graphs.items() if "compiled" in n))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

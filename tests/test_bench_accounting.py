@@ -1,0 +1,52 @@
+"""The benchmarks' FLOP accounting, against a count of the attention masks themselves (CPU, no model)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from benchmarks.grpo_timers import attention_gflop_per_row
+
+
+def counted_by_mask(length: int, config) -> float:
+    """GFLOP from the dense masks: 4 forwards' worth of 2 matmuls of 2 FLOP per attended (query, key) pair."""
+    q = torch.arange(length)[:, None]
+    kv = torch.arange(length)[None, :]
+    pairs = 0
+    for kind in config.layer_types:
+        allowed = kv <= q
+        if kind == "sliding_attention":
+            allowed &= q - kv < config.sliding_window  # transformers' sliding_window_overlay
+        pairs += int(allowed.sum())
+    return 4 * 2 * 2 * config.num_attention_heads * config.head_dim * pairs / 1e9
+
+
+def config(layer_types, window=4, heads=3, head_dim=8):
+    return SimpleNamespace(layer_types=layer_types, sliding_window=window, num_attention_heads=heads,
+                           head_dim=head_dim)
+
+
+SLIDING_FULL = ["sliding_attention", "full_attention"]
+# (length, layer types, window)
+CASES = [
+    (1, SLIDING_FULL, 4),  # one token attends to itself only
+    (3, SLIDING_FULL, 4),  # shorter than the window: sliding layers are causal
+    (4, SLIDING_FULL, 4),  # exactly the window
+    (11, SLIDING_FULL, 4),  # past the window: sliding rows stop growing
+    (11, ["full_attention"] * 3, 4),  # full layers only
+    (37, ["sliding_attention"] * 2 + ["full_attention"], 16),  # gpt-oss's pattern, uneven counts
+]
+
+
+@pytest.mark.parametrize("length, layer_types, window", CASES)
+def test_attention_gflop_counts_the_masked_pairs(length, layer_types, window):
+    c = config(layer_types, window)
+    assert attention_gflop_per_row(length, c) == pytest.approx(counted_by_mask(length, c), rel=1e-12)
+
+
+def test_attention_share_at_the_recipe():
+    # gpt-oss-20b: 24 layers alternating sliding (128) and full, 64 heads of 64; a 4,871-token row (841-token
+    # prompt + 4,000): attention is ~9 % on top of 22 GFLOP a token, ~1 % at 256-token completions
+    c = config(["sliding_attention", "full_attention"] * 12, window=128, heads=64, head_dim=64)
+    assert attention_gflop_per_row(4871, c) / (22.0 * 4871) == pytest.approx(0.091, abs=0.002)
+    assert attention_gflop_per_row(841 + 256, c) / (22.0 * (841 + 256)) < 0.025
