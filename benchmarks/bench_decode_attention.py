@@ -6,7 +6,7 @@ from the exact (float64) result. Run on the GPU machine (the numbers go to BENCH
 
 Implementations: graph_decode.one_query_attention eagerly and compiled, and graph_decode.flex_one_query_attention
 compiled (what attention_function gives a GPU). The keys, values and mask are a cache-length view of a longer
-buffer, as StaticCache.write returns them, the length marked dynamic as decode_step marks it; the last column counts
+buffer, as StaticCache.write returns them, the length marked dynamic as decode_step marks it; the last line counts
 the graphs torch.compile built over all lengths (1 = one kernel set for every bucket).
 """
 
@@ -22,7 +22,7 @@ import sys
 from tes_grpo.script_config import resolve
 
 ROWS = 64  # sequences decoded together (4 prompts x 16 at the reference recipe)
-LENGTHS = (1536, 2560, 3584, 5376)  # cache lengths (graph_decode's 512-slot buckets over a 1,316-token prompt)
+LENGTHS = (1536, 2560, 3584, 5376)  # cache lengths (a decode step attends over its 512-slot bucket of the cache)
 MASKED = 40  # leading slots masked in every other row (left padding)
 REPS = 50  # timed calls per measurement
 

@@ -10,9 +10,9 @@ backward does ~2.5x a forward's arithmetic. This times the forward alone and for
 and a sliding-window layer, with transformers' own function (sinks applied through the returned LSE), for each
 entry of KERNEL_OPTIONS, and SDPA's flash kernel (no sinks: a speed reference, not a substitute) beside them.
 An entry is flex attention's kernel_options written as space-separated NAME=value pairs (no commas, so a list of them
-fits one command-line value; "{}" or "" is flex attention's own choice); a fwd_ or bwd_ prefix applies a setting to
-that pass only. With COMBINE_BEST, a last row per layer joins the fastest entry's fwd_ settings to the fastest
-entry's bwd_ settings.
+fits one command-line value; "{}" is flex attention's own choice); a fwd_ or bwd_ prefix applies a setting to that
+pass only. With COMBINE_BEST, a last row per layer joins the fastest entry's fwd_ settings to the fastest entry's
+bwd_ settings (settings without a prefix are not carried over).
 """
 
 from __future__ import annotations

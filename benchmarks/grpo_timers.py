@@ -18,7 +18,7 @@ def attention_gflop_per_row(length: int, config) -> float:
     in training: a forward, the backward to q, k and v (twice a forward) and checkpointing's recomputed forward.
 
     The parameter count (TRAIN_GFLOP_PER_TOKEN) leaves these out, and they grow with the square of the length:
-    ~10 % of the arithmetic at 4,000-token completions. Counted as computed: each token attends to itself and the
+    9-10 % on top of it at 4,000-token completions. Counted as computed: each token attends to itself and the
     tokens before it, and on sliding-window layers to at most `sliding_window` of them (as PaLM's and nanoGPT's
     MFU count attention, less the masked half they include).
     """

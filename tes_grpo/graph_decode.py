@@ -341,8 +341,8 @@ def attention_function(like: torch.Tensor):
 
     Why: one_query_attention's scores for 64 sequences x 64 heads x the cache length go through memory several times
     (float32, + mask, the sink column, max, softmax, bf16), ~3.5 ms of a decode step at a 3,300-token cache eagerly
-    and still ~2x the cost of reading the keys and values once when compiled; flex attention's decoding kernel reads
-    the cache once and keeps the scores on chip. Measured on an H100 at 64 sequences, 1,316-token prompts, 2,560 new
+    and still 1.4-2.2x flex attention's time when compiled; flex attention's decoding kernel reads the cache once
+    and keeps the scores on chip. Measured on an H100 at 64 sequences, 1,316-token prompts, 2,560 new
     tokens: 20.9 ms a decode step compiled, 18.5 ms through flex attention (BENCHMARKS.md). CPUs run it eagerly:
     torch 2.13's inductor compiles flex attention on CPUs for inference only, without the log-sum-exp the sink needs.
     """
@@ -358,9 +358,9 @@ def decode_step(lm, cache: StaticCache, tokens: torch.Tensor, slot: torch.Tensor
     """Logits [B, vocab] for tokens [B, 1] written at cache slot `slot` (0-d device tensor).
 
     Mirrors GptOssModel/GptOssDecoderLayer.forward for one token, with the module calls kept (so LoRA layers and the
-    experts implementation apply) and attention replaced by one_query_attention over the static cache. weights: the
-    MXFP4 experts and merged attention projections to use instead of the modules (DecodeWeights). Everything is a
-    device operation on fixed shapes: no host reads, so it can be captured as a CUDA graph.
+    experts implementation apply) and attention replaced by attention_function's one-query attention over the static
+    cache. weights: the MXFP4 experts and merged attention projections to use instead of the modules (DecodeWeights).
+    Everything is a device operation on fixed shapes: no host reads, so it can be captured as a CUDA graph.
     """
     from transformers.models.gpt_oss.modeling_gpt_oss import apply_rotary_pos_emb
 

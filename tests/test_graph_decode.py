@@ -626,7 +626,7 @@ FLEX_CASES = [
     (torch.float32, 40, 0.2),  # float32: equal to rounding
     (torch.float32, 1, 0.0),  # a single key
     (torch.bfloat16, 40, 0.2),  # bf16, the model's dtype
-    (torch.bfloat16, 300, 0.5),  # longer than flex attention's 128-key blocks, half of it padding
+    (torch.bfloat16, 300, 0.5),  # a longer cache, half of it padding
 ]
 
 
