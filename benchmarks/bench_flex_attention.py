@@ -22,6 +22,7 @@ from pathlib import Path as _Path
 
 _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))
 
+import math
 import sys
 
 from tes_grpo.script_config import resolve
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             measure(options, name, mask)
     if s.COMBINE_BEST:
         for name, mask in masks.items():
-            done = [r for r in rows if r[1] == name and r[4] == r[4]]  # nan != nan: failed entries out
+            done = [r for r in rows if r[1] == name and not math.isnan(r[4])]  # failed entries out
             if not done:
                 continue
             best_fwd = min(done, key=lambda r: r[3])[0]
