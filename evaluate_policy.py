@@ -93,53 +93,11 @@ def eval_windows(eval_dir: str | Path, series_dir: str | Path) -> list[Path]:
 # Closed loop, all windows in lockstep
 # ---------------------------------------------------------------------------------------------------------------
 
-BatchPolicy = Callable[[list], list]  # [(series, t, energy) of every window] -> [action of every window]
-
-
-def run_lockstep(series_list: Sequence[tes_env.Series], decide: BatchPolicy,
-                 initial_energy: float = tes_env.INITIAL_ENERGY_KWH) -> list[tes_env.Episode]:
-    """tes_env.simulate for several windows at once: at each business hour `decide` gets every window's state.
-
-    The accounting is tes_env.simulate's, step for step (tests check the episodes are equal for the same policy).
-    """
-    energies = [float(initial_energy)] * len(series_list)
-    for energy in energies:
-        tes_env.check_energy(energy)
-    records: list[list[tes_env.StepRecord]] = [[] for _ in series_list]
-    totals = [0.0] * len(series_list)
-    finals: list[float | None] = [None] * len(series_list)
-    credits = [0.0] * len(series_list)
-    for t in range(tes_env.EPISODE_HOURS):
-        if t == tes_env.TERMINAL_TIMESTEP:
-            finals = list(energies)
-            credits = [tes_env.terminal_credit(s, e) for s, e in zip(series_list, energies, strict=False)]
-        if tes_env.is_business_hour(t):
-            actions = decide([(s, t, e) for s, e in zip(series_list, energies, strict=False)])
-        else:
-            actions = [0] * len(series_list)
-        for i, (series, action) in enumerate(zip(series_list, actions, strict=True)):
-            result = tes_env.step(series, t, energies[i], action)
-            records[i].append(tes_env.StepRecord(t=t, energy_before=energies[i], action=action, result=result))
-            totals[i] += result.reward
-            energies[i] = result.energy
-    episodes = []
-    for i in range(len(series_list)):
-        steps = records[i]
-        episodes.append(tes_env.Episode(
-            steps=tuple(steps),
-            emissions_kg=sum(r.result.emissions_kg for r in steps),
-            unserved_kwh=sum(r.result.unserved for r in steps),
-            wasted_kwh=sum(r.result.wasted for r in steps),
-            final_energy=finals[i],
-            terminal_credit=credits[i],
-            total_reward=totals[i] + credits[i],
-        ))
-    return episodes
-
-
-def decide_each(policy: tes_env.Policy, states: list) -> list[int]:
-    """A tes_env policy (series, t, energy) -> action applied to a batch of states (bind it with functools.partial)."""
-    return [policy(*state) for state in states]
+def episodes_by_window(series_list: Sequence[tes_env.Series], decide: tes_env.BatchPolicy,
+                       initial_energy: float = tes_env.INITIAL_ENERGY_KWH) -> dict[str, tes_env.Episode]:
+    """tes_env.simulate_batch of every window under `decide`, keyed by window name."""
+    episodes = tes_env.simulate_batch(series_list, decide, initial_energy)
+    return {series.name: episode for series, episode in zip(series_list, episodes, strict=True)}
 
 
 @dataclasses.dataclass
@@ -369,7 +327,8 @@ def default_out_dir(adapter_path: str, base_model_id: str) -> Path:
 def evaluate(series_list: Sequence[tes_env.Series], policies: Sequence[str], llm_deciders: dict[str, LLMDecider],
              out_dir: str | Path, initial_energy: float = INITIAL_ENERGY, random_seed: int = RANDOM_SEED,
              plots: bool = PLOTS, progress: bool = PROGRESS):
-    """Runs every policy through every window, writes summary.csv (+ PNGs, llm_decisions.csv); returns the summary.
+    """Runs every policy through all windows (tes_env.simulate_batch), writes summary.csv (+ PNGs, llm_decisions.csv);
+    returns the summary.
 
     The DP optimum always runs, first (the gaps need it); `llm_deciders` maps policy names to LLMDeciders.
     """
@@ -384,8 +343,8 @@ def evaluate(series_list: Sequence[tes_env.Series], policies: Sequence[str], llm
         raise ValueError(f"two series share a window name: {', '.join(names)}")
     episodes: dict[str, dict[str, tes_env.Episode]] = {}
     for name in ["optimal", *[p for p in policies if p != "optimal"]]:
-        episodes[name] = {s.name: tes_env.simulate(s, non_llm_policy(name, s, random_seed), initial_energy)
-                          for s in series_list}
+        decide = tes_env.one_policy_per_window([non_llm_policy(name, s, random_seed) for s in series_list])
+        episodes[name] = episodes_by_window(series_list, decide, initial_energy)
     solvers = {s.name: tes_env.QSolver(s) for s in series_list}
     optimum = {s.name: -_KG_PER_REWARD * solvers[s.name].value(0, initial_energy) for s in series_list}
     for name, decider in llm_deciders.items():
@@ -393,9 +352,8 @@ def evaluate(series_list: Sequence[tes_env.Series], policies: Sequence[str], llm
         with tqdm(total=steps, desc=f"{name} decisions ({len(series_list)} windows x {decider.votes} votes)",
                   unit="hour", disable=not progress) as bar:
             decider.progress = bar
-            results = run_lockstep(series_list, decider, initial_energy)
+            episodes[name] = episodes_by_window(series_list, decider, initial_energy)
             decider.progress = None
-        episodes[name] = dict(zip(names, results, strict=False))
     rows = summary_rows(episodes, optimum, llm_deciders)
     summary = pd.DataFrame(rows, columns=list(_SUMMARY_COLUMNS))
     out_dir = Path(out_dir)

@@ -1,7 +1,9 @@
 """The TES cooling plant: simulator, exact dynamic programming over Q, simple policies and the prompt.
 
 A library module (no command); the scripts `make_q_dataset.py`, `make_example_data.py` and any evaluator
-import it. Facts of the plant (issue 2, section 1):
+import it. The closed loop is `simulate_batch`: several windows in lock step, one BatchPolicy deciding all of them
+at each business hour; `simulate` is its one-window case for a per-state Policy (series, t, energy) -> action.
+Facts of the plant:
 
 - An air-source heat pump (ASHP), rated cooling output 100 kW, constant COP 4.0; a TES of 300 kWh.
 - Actions 0..3 set the ASHP output ratio to 0, 1/3, 2/3, 1: scheduled cooling `Qs = ratio * 100` kWh.
@@ -356,6 +358,18 @@ def optimal_trajectory(solver: QSolver, initial_energy: float = INITIAL_ENERGY_K
 
 
 Policy = Callable[[Series, int, float], int]
+# several windows decided together: [(series, t, energy) of every window] -> [action of every window]
+BatchPolicy = Callable[[list[tuple[Series, int, float]]], list[int]]
+
+
+def one_policy_per_window(policies: Sequence[Policy]) -> BatchPolicy:
+    """The BatchPolicy that asks policies[i] for window i's action, so each window keeps its own policy's state."""
+    policies = tuple(policies)
+
+    def decide(states: list[tuple[Series, int, float]]) -> list[int]:
+        return [policy(*state) for policy, state in zip(policies, states, strict=True)]
+
+    return decide
 
 
 def smallest_covering_action(need_kwh: float) -> int:
@@ -450,33 +464,50 @@ class Episode:
         return [record.action for record in self.steps if is_business_hour(record.t)]
 
 
-def simulate(series: Series, policy: Policy, initial_energy: float = INITIAL_ENERGY_KWH) -> Episode:
-    """Runs `policy` over the 72-hour episode; the policy is asked only at business hours."""
+def simulate_batch(series_list: Sequence[Series], decide: BatchPolicy,
+                   initial_energy: float = INITIAL_ENERGY_KWH) -> list[Episode]:
+    """Runs the 72-hour episode of every window of `series_list` in lock step, each from `initial_energy`.
+
+    At each business hour `decide` gets every window's state (series, t, energy), in the order of `series_list`, and
+    returns one action per window; outside business hours every window acts 0. Deciding all windows at once lets a
+    policy batch its work across them (an LLM's prompts); no window's episode depends on another's.
+    """
     energy = float(initial_energy)
     check_energy(energy)
-    records = []
-    total = 0.0
-    final_energy = None
-    credit = 0.0
+    energies = [energy] * len(series_list)
+    records: list[list[StepRecord]] = [[] for _ in series_list]
     for t in range(EPISODE_HOURS):
-        if t == TERMINAL_TIMESTEP:
-            final_energy = energy
-            credit = terminal_credit(series, energy)
-        action = policy(series, t, energy) if is_business_hour(t) else 0
-        result = step(series, t, energy, action)
-        records.append(StepRecord(t=t, energy_before=energy, action=action, result=result))
-        total += result.reward
-        energy = result.energy
-    total += credit
+        if is_business_hour(t):
+            actions = list(decide([(series, t, e) for series, e in zip(series_list, energies, strict=True)]))
+            if len(actions) != len(series_list):
+                raise ValueError(f"the policy gave {len(actions)} actions for {len(series_list)} windows at t={t}")
+        else:
+            actions = [0] * len(series_list)
+        for i, (series, action) in enumerate(zip(series_list, actions, strict=True)):
+            result = step(series, t, energies[i], action)
+            records[i].append(StepRecord(t=t, energy_before=energies[i], action=action, result=result))
+            energies[i] = result.energy
+    return [episode_from_steps(series, steps) for series, steps in zip(series_list, records, strict=True)]
+
+
+def episode_from_steps(series: Series, steps: Sequence[StepRecord]) -> Episode:
+    """The totals of one window's 72 hours, with the terminal credit on the energy before hour TERMINAL_TIMESTEP."""
+    final_energy = steps[TERMINAL_TIMESTEP].energy_before
+    credit = terminal_credit(series, final_energy)
     return Episode(
-        steps=tuple(records),
-        emissions_kg=sum(r.result.emissions_kg for r in records),
-        unserved_kwh=sum(r.result.unserved for r in records),
-        wasted_kwh=sum(r.result.wasted for r in records),
+        steps=tuple(steps),
+        emissions_kg=sum(r.result.emissions_kg for r in steps),
+        unserved_kwh=sum(r.result.unserved for r in steps),
+        wasted_kwh=sum(r.result.wasted for r in steps),
         final_energy=final_energy,
         terminal_credit=credit,
-        total_reward=total,
+        total_reward=sum(r.result.reward for r in steps) + credit,
     )
+
+
+def simulate(series: Series, policy: Policy, initial_energy: float = INITIAL_ENERGY_KWH) -> Episode:
+    """simulate_batch of the one window `series`: `policy` is asked only at business hours."""
+    return simulate_batch([series], one_policy_per_window([policy]), initial_energy)[0]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""evaluate_policy.py: closed-loop accounting against tes_env, the optimum's CO2, gaps, invalid LLM answers, outputs,
-and one end-to-end run with the tiny gpt-oss and a random LoRA adapter on CPU."""
+"""evaluate_policy.py: a fresh policy per window in the batched closed loop, the optimum's CO2, gaps, invalid LLM
+answers, outputs, and one end-to-end run with the tiny gpt-oss and a random LoRA adapter on CPU."""
 
 from __future__ import annotations
 
@@ -118,17 +118,14 @@ def test_gap_pct(net, optimum, expected):
 
 
 @pytest.mark.parametrize("name", ev.non_llm_policy_names())
-def test_lockstep_episodes_equal_tes_env_simulate(eval_series, name):
-    # run_lockstep re-implements simulate's loop for batched LLM decisions; it must account exactly alike
-    lockstep_policies = [ev.non_llm_policy(name, s, 7) for s in eval_series]
-    by_series = dict(zip((s.name for s in eval_series), lockstep_policies, strict=False))
-    episodes = ev.run_lockstep(eval_series, functools.partial(decide_by_window, by_series))
-    for series, episode in zip(eval_series, episodes, strict=False):
-        assert episode == tes_env.simulate(series, ev.non_llm_policy(name, series, 7))
-
-
-def decide_by_window(policies: dict, states: list) -> list[int]:
-    return [policies[series.name](series, t, energy) for series, t, energy in states]
+def test_every_window_starts_a_fresh_policy(baseline_summary, eval_series, name):
+    # all windows run together, yet each must score as if alone: the random policy restarts its stream per window
+    summary, _ = baseline_summary
+    rows = summary[summary["policy"] == name].set_index("window")
+    for series in eval_series:
+        alone = tes_env.simulate(series, ev.non_llm_policy(name, series, ev.RANDOM_SEED), ev.INITIAL_ENERGY)
+        assert rows.loc[series.name, "net_co2_kg"] == alone.net_co2_kg
+        assert rows.loc[series.name, "co2_kg"] == alone.emissions_kg
 
 
 def test_unknown_policy_is_refused(capsys):
@@ -167,10 +164,12 @@ def test_an_always_invalid_llm_acts_0_and_is_counted(eval_series, tmp_path):
 def test_votes_pick_the_majority_and_count_invalid_samples(eval_series, tmp_path):
     texts = [final("[3]"), "no answer", final("[3]"), final("[1]")]
     decider = ev.LLMDecider(generate=functools.partial(fixed_completions, texts), render=plain_render, votes=4)
-    episode = ev.run_lockstep(eval_series[:1], decider)[0]
-    assert episode.actions == [3] * 30
-    assert episode == tes_env.simulate(eval_series[0], tes_env.always_full_policy)
-    assert decider.totals() == (30, 0, 30)
+    episodes = tes_env.simulate_batch(eval_series, decider)
+    for series, episode in zip(eval_series, episodes, strict=True):
+        assert episode.actions == [3] * 30
+        assert episode == tes_env.simulate(series, tes_env.always_full_policy)
+        assert decider.counts[series.name] == [30, 0, 30]
+    assert decider.totals() == (90, 0, 90)
 
 
 def test_llm_prompts_are_the_datasets_prompts(eval_series):
@@ -181,7 +180,7 @@ def test_llm_prompts_are_the_datasets_prompts(eval_series):
     render = functools.partial(ev.render_prompt, load_tokenizer(), "medium", "2025-08-05")
     seen = []
     decider = ev.LLMDecider(generate=functools.partial(record_prompts, seen), render=render)
-    ev.run_lockstep([series], functools.partial(decide_optimally, decider, tes_env.OptimalPolicy(series)))
+    tes_env.simulate_batch([series], functools.partial(decide_optimally, decider, tes_env.OptimalPolicy(series)))
     # the LLM saw, state by state along the optimal trajectory, exactly the rows of the evaluation CSV
     assert seen == list(frame["prompt"])
 

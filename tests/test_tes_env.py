@@ -1,4 +1,5 @@
-"""The TES simulator, the exact DP (against brute force), the policies, series validation and the prompt."""
+"""The TES simulator, the closed loop (episodes by hand, several windows at once), the exact DP (against brute
+force), the policies, series validation and the prompt."""
 
 from __future__ import annotations
 
@@ -244,6 +245,112 @@ def test_net_co2_is_emissions_plus_penalty_minus_credit():
     episode = tes_env.simulate(series, tes_env.RandomPolicy(3), 150.0)
     credit_kg = tes_env.co2_low5(series) * episode.final_energy / tes_env.COP
     assert episode.net_co2_kg == pytest.approx(episode.emissions_kg + 10 * episode.unserved_kwh - credit_kg)
+
+
+# ---- the closed loop ---------------------------------------------------------------------------------------
+
+
+def always_off(series, t, energy):
+    return 0
+
+
+def full_in_the_last_decision(series, t, energy):
+    return 3 if t == tes_env.TERMINAL_TIMESTEP - 1 else 0
+
+
+def business_load(kw: float) -> list[float]:
+    return [kw if tes_env.is_business_hour(h) else 0.0 for h in range(tes_env.SERIES_HOURS)]
+
+
+# days 1-3 at 0.4 kg/kWh, day 4 (which prices the energy left) at 0.2
+EPISODE_CO2 = [0.4] * tes_env.EPISODE_HOURS + [0.2] * 24
+
+# ---- whole episodes by hand: (policy, business-hour load, E0) -> expected totals --------------------------
+EPISODE_CASES = {
+    # 30 hours at 100 kWh x 0.4 / 4 = 300 kg; the TES fills in the 2nd hour (50 wasted), then 28 x 100 wasted;
+    # 300 kWh left x 0.2 / 4 = 15 kg credited
+    "full output, no load": (tes_env.always_full_policy, 0.0, 150.0,
+                             dict(emissions_kg=300.0, unserved_kwh=0.0, wasted_kwh=2850.0, final_energy=300.0,
+                                  net_co2_kg=285.0)),
+    # 15 hours drain the 150 kWh, the other 15 leave 10 kWh each unserved: 150 x 10 kg
+    "off, 10 kW load": (always_off, 10.0, 150.0,
+                        dict(emissions_kg=0.0, unserved_kwh=150.0, wasted_kwh=0.0, final_energy=0.0,
+                             net_co2_kg=1500.0)),
+    # the credit is paid on the energy after the 17:00 hour of day 3: 10 kg emitted, 100 x 0.2 / 4 = 5 credited
+    "full only at 17:00 of day 3": (full_in_the_last_decision, 0.0, 0.0,
+                                    dict(emissions_kg=10.0, unserved_kwh=0.0, wasted_kwh=0.0, final_energy=100.0,
+                                         net_co2_kg=5.0)),
+}
+
+
+@pytest.mark.parametrize("policy, load, energy, expected", EPISODE_CASES.values(), ids=EPISODE_CASES)
+def test_episode_totals_by_hand(policy, load, energy, expected):
+    series = make_series(EPISODE_CO2, business_load(load))
+    episode = tes_env.simulate(series, policy, energy)
+    assert len(episode.steps) == tes_env.EPISODE_HOURS and len(episode.actions) == 30
+    assert {key: getattr(episode, key) for key in expected} == pytest.approx(expected, abs=1e-9)
+    assert episode.total_reward == pytest.approx(sum(r.result.reward for r in episode.steps)
+                                                 + episode.terminal_credit, abs=1e-12)
+
+
+# ---- several windows at once: windows -> one fresh policy per window ---------------------------------------
+BATCH_CASES = {
+    "a different rule policy per window": lambda windows: [tes_env.follow_load_policy, tes_env.storage_first_policy,
+                                                           tes_env.low_co2_charging_policy],
+    "random, one stream per window": lambda windows: [tes_env.RandomPolicy(1), tes_env.RandomPolicy(1),
+                                                      tes_env.RandomPolicy(2)],
+    "optimal": lambda windows: [tes_env.OptimalPolicy(series) for series in windows],
+}
+
+
+@pytest.mark.parametrize("make_policies", BATCH_CASES.values(), ids=BATCH_CASES)
+def test_simulate_batch_of_several_windows_equals_simulate_of_each(make_policies):
+    windows = [random_series(seed) for seed in (4, 5, 6)]
+    batch = tes_env.simulate_batch(windows, tes_env.one_policy_per_window(make_policies(windows)), 40.0)
+    alone = [tes_env.simulate(series, policy, 40.0) for series, policy in zip(windows, make_policies(windows),
+                                                                              strict=True)]
+    assert batch == alone
+    assert len({episode.total_reward for episode in batch}) == len(windows)  # the windows did differ
+
+
+def test_simulate_batch_asks_for_every_window_at_business_hours_only():
+    windows = [random_series(7), random_series(8)]
+    asked = []
+
+    def decide(states):
+        asked.append(states)
+        return [tes_env.storage_first_policy(*state) for state in states]
+
+    episodes = tes_env.simulate_batch(windows, decide, 100.0)
+    assert [states[0][1] for states in asked] == tes_env.business_timesteps()
+    for states in asked:
+        t = states[0][1]
+        assert states == [(series, t, episode.steps[t].energy_before)
+                          for series, episode in zip(windows, episodes, strict=True)]
+    assert all(r.action == 0 for episode in episodes for r in episode.steps if not tes_env.is_business_hour(r.t))
+
+
+def two_actions(states):
+    return [0, 0]
+
+
+def action_4(states):
+    return [4] * len(states)
+
+
+def all_off(states):
+    return [0] * len(states)
+
+
+@pytest.mark.parametrize("decide, energy, message", [
+    (two_actions, 150.0, "2 actions for 3 windows at t=8"),  # one action per window
+    (action_4, 150.0, "action 4 is not allowed at timestep 8"),  # only 0..3
+    (all_off, 300.5, "outside"),  # the tank holds 0..300 kWh
+])
+def test_simulate_batch_refuses(decide, energy, message):
+    windows = [random_series(seed) for seed in range(3)]
+    with pytest.raises(ValueError, match=message):
+        tes_env.simulate_batch(windows, decide, energy)
 
 
 def test_best_action_breaks_ties_towards_the_lowest_action():
