@@ -17,9 +17,7 @@ Exit status: 0 done, 1 bad input file or failed write, 2 bad setting (including 
 
 from __future__ import annotations
 
-import re
 import sys
-from datetime import date as _date
 from pathlib import Path
 from typing import Sequence
 
@@ -31,27 +29,28 @@ from tes_grpo.fileio import (
     read_csv_table,
     write_files_atomic,
 )
+from tes_grpo.harmony import DATASET_DATE as _DATASET_DATE
+from tes_grpo.harmony import DATASET_REASONING_EFFORT as _DATASET_EFFORT
+from tes_grpo.harmony import HARMONY_SUFFIX as _HARMONY_SUFFIX
+from tes_grpo.harmony import (
+    check_date,
+    check_reasoning_effort,
+    harmony_output_path,
+    is_harmony,
+    load_tokenizer,
+    render_harmony_prompt,
+    tokenizer_source,
+)
 from tes_grpo.tes_env import parse_legacy_prompt
 
 PATHS: list = []  # legacy-prompt CSV files or folders (positional arguments)
-TOKENIZER = ""  # tokenizer folder or hub id; "" = gpt_oss_tokenizer.tokenizer_source() (../shared/gpt-oss-tokenizer)
-REASONING_EFFORT = "medium"  # the template's "Reasoning:" line: low, medium or high
-DATE = "2025-08-05"  # the "Current date:" the template prints (YYYY-MM-DD), pinned for reproducible outputs
+TOKENIZER = ""  # tokenizer folder or hub id; "" = GPT_OSS_TOKENIZER, else ../shared/gpt-oss-tokenizer, else the Hub
+REASONING_EFFORT = _DATASET_EFFORT  # the template's "Reasoning:" line: low, medium or high
+DATE = _DATASET_DATE  # the "Current date:" the template prints (YYYY-MM-DD), pinned for reproducible outputs
 OVERWRITE = False  # replace existing *_harmony.csv outputs
-
-_HARMONY_START = "<|start|>"
-_HARMONY_SUFFIX = "_harmony"
-_TEMPLATE_DATE_CALL = 'strftime_now("%Y-%m-%d")'
-_REASONING_EFFORTS = ("low", "medium", "high")
-
-
-def is_harmony(text: str) -> bool:
-    return text.lstrip().startswith(_HARMONY_START)
 
 
 def resolve_tokenizer_source(source: str = "") -> str:
-    from tes_grpo.gpt_oss_tokenizer import tokenizer_source
-
     return source or tokenizer_source()
 
 
@@ -72,8 +71,6 @@ def check_tokenizer_source(source: str, name: str = "TOKENIZER") -> None:
 
 def get_tokenizer(source: str = ""):
     """The tokenizer from `source` ("" = the default); ValueError naming TOKENIZER if it cannot be loaded."""
-    from tes_grpo.gpt_oss_tokenizer import load_tokenizer
-
     resolved = resolve_tokenizer_source(source)
     check_tokenizer_source(resolved)
     local = Path(resolved).expanduser()
@@ -82,57 +79,6 @@ def get_tokenizer(source: str = ""):
     except (OSError, ValueError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"--TOKENIZER={resolved!r}: cannot load a tokenizer from it ({first_line})") from None
-
-
-def check_date(text: str, name: str = "DATE") -> str:
-    """`text` if it is a real date written YYYY-MM-DD, else ValueError naming the setting."""
-    try:
-        if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", text):
-            raise ValueError("expected YYYY-MM-DD")
-        _date.fromisoformat(text)
-    except ValueError as err:
-        raise ValueError(f"--{name}={text!r}: not a real date YYYY-MM-DD ({err})") from None
-    return text
-
-
-def check_reasoning_effort(effort: str, name: str = "REASONING_EFFORT") -> str:
-    if effort not in _REASONING_EFFORTS:
-        raise ValueError(f"--{name}={effort!r}: reasoning effort must be one of {', '.join(_REASONING_EFFORTS)}")
-    return effort
-
-
-def pinned_date_template(template: str, date: str) -> str:
-    """The chat template with its one strftime_now("%Y-%m-%d") call replaced by the literal `date`."""
-    check_date(date)
-    count = template.count(_TEMPLATE_DATE_CALL)
-    if count != 1:
-        raise ValueError(f"the chat template calls {_TEMPLATE_DATE_CALL} {count} times, expected exactly once; "
-                         "cannot pin the date")
-    return template.replace(_TEMPLATE_DATE_CALL, f'"{date}"')
-
-
-def render_harmony_prompt(system: str, user: str, tokenizer=None, reasoning_effort: str = REASONING_EFFORT,
-                          date: str = DATE) -> str:
-    """Harmony text of a developer (`system`) + user conversation, ending with `<|start|>assistant`.
-
-    tokenizer None loads the default one (gpt_oss_tokenizer.tokenizer_source()); a caller with its own
-    settings passes its reasoning effort and date (the defaults are this script's defaults).
-    """
-    check_reasoning_effort(reasoning_effort)
-    tokenizer = tokenizer if tokenizer is not None else get_tokenizer()
-    template = pinned_date_template(tokenizer.chat_template, date)
-    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                         reasoning_effort=reasoning_effort, chat_template=template)
-    date_line = f"Current date: {date}\n"
-    if text.count(date_line) != 1:
-        raise ValueError(f"the rendered prompt has {text.count(date_line)} '{date_line.strip()}' lines, expected 1")
-    return text
-
-
-def harmony_output_path(path: str | Path) -> Path:
-    path = Path(path)
-    return path.with_name(f"{path.stem}{_HARMONY_SUFFIX}{path.suffix}")
 
 
 def legacy_parts(frame, path) -> list[tuple[str, str]]:

@@ -8,13 +8,11 @@ Imported by train_grpo.py (and run on its own to re-score a completion log with 
   `eval_dir`, columns checked (errors name file, row, column and value).
 - `check_prompt_lengths(...)`: prompts longer than the token limit fail (naming file and row) or are skipped
   with a printed count; never cut, which would drop the Harmony header. Adds each prompt's token count.
-- `set_reasoning_effort(prompt, effort)`: rewrites the `Reasoning:` line of a rendered Harmony prompt.
-- `parse_action(text)`: the action in a completion's final channel, or None.
-- `reward_fn(completions, reward_action_0, ..., reward_action_3, **kwargs)`: TRL reward function; the row's
-  `reward_action_<k>` for the parsed action k, `invalid_reward` when the completion has no valid final answer or
-  was cut at the length limit (NaN by default: TRL 1.x then leaves it out of the group statistics, no gradient).
-  train_grpo.py binds `invalid_reward=INVALID_REWARD` and its `CompletionLog` with `bind_reward` (a partial, as
-  open-r1 binds reward parameters).
+- `reward_fn(completions, reward_action_0, ..., reward_action_3, *, invalid_reward, **kwargs)`: TRL reward
+  function; the row's `reward_action_<k>` for the action k parsed from the final channel (harmony.parse_action),
+  `invalid_reward` when the completion has no valid final answer or was cut at the length limit. train_grpo.py
+  binds `invalid_reward=INVALID_REWARD` and its `CompletionLog` with `bind_reward` (a partial, as open-r1 binds
+  reward parameters).
 
 Completion log (`CompletionLog`, written by the bound reward function while training): columns step, micro_step,
 prompt, completion, action, reward, truncated, target_action, rank (the process that generated the row; 0 on one
@@ -30,49 +28,34 @@ import functools
 import itertools
 import math
 import os
-import re
 import sys
 from pathlib import Path
 
 import pandas as pd
 
-from tes_grpo.fileio import InputError
+from tes_grpo.fileio import InputError, read_csv_table
+from tes_grpo.harmony import (
+    HARMONY_GLOB,
+    harmony_csv_files,
+    is_truncated,
+    load_tokenizer,
+    parse_action,
+    prompt_problem,
+    set_reasoning_effort,
+)
 from tes_grpo.processes import gather_on_main, process_rank, say
 from tes_grpo.tes_env import N_ACTIONS as NUM_ACTIONS  # the plant decides how many actions there are
+from tes_grpo.tes_env import REWARD_COLUMNS
 
-REWARD_COLUMNS = [f"reward_action_{k}" for k in range(NUM_ACTIONS)]
-REQUIRED_COLUMNS = ["prompt", "optimal_action", *REWARD_COLUMNS]
-# What StepStream hands to TRL per row; TRL passes every column but `prompt` to reward_fn as a keyword list.
+# The columns training reads from a dataset row, which StepStream hands to TRL; TRL passes every column but `prompt`
+# to reward_fn as a keyword list.
 RECORD_COLUMNS = ["prompt", "optimal_action", *REWARD_COLUMNS]
-HARMONY_GLOB = "*_harmony.csv"
 LOG_COLUMNS = ["step", "micro_step", "prompt", "completion", "action", "reward", "truncated", "target_action", "rank"]
-
-# Harmony special tokens (o200k_harmony ids) that matter for reading a completion.
-END_MARKERS = ("<|return|>", "<|end|>", "<|call|>")  # close a message
-STOP_TOKEN_IDS = frozenset({200002, 200012, 199999})  # <|return|>, <|call|>, <|endoftext|>: generation stopped
-FINAL_HEADER = re.compile(r"<\|channel\|>final(?:[ \t][^<]*)?<\|message\|>")
-# ASCII digits only: the prompt asks for `[k]`, and `\d` would also accept e.g. fullwidth digits.
-BRACKETED_INT = re.compile(r"\[(-?[0-9]+)\]")
-REASONING_LINE = re.compile(r"(<\|start\|>system<\|message\|>(?:(?!<\|end\|>).)*?\nReasoning: )([A-Za-z]+)(\n)",
-                            re.DOTALL)
-REASONING_EFFORTS = ("low", "medium", "high")
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Loading and checking the training CSVs
 # ---------------------------------------------------------------------------------------------------------------
-
-def training_csv_paths(data_dir: str | os.PathLike, eval_dir: str | os.PathLike | None) -> list[Path]:
-    """Sorted `*_harmony.csv` files under data_dir, leaving out everything under eval_dir."""
-    data_dir = Path(data_dir)
-    eval_root = Path(eval_dir).resolve() if eval_dir else None
-    paths = []
-    for path in sorted(data_dir.rglob(HARMONY_GLOB)):
-        if eval_root is not None and path.resolve().is_relative_to(eval_root):
-            continue
-        paths.append(path)
-    return paths
-
 
 def check_frame(frame: pd.DataFrame, path: str | os.PathLike) -> pd.DataFrame:
     """Checks one training CSV's columns and values; returns the checked columns with parsed dtypes.
@@ -80,7 +63,7 @@ def check_frame(frame: pd.DataFrame, path: str | os.PathLike) -> pd.DataFrame:
     Rows are numbered from 1 for the first data row (the header is not counted); prompts hold newlines, so
     CSV records and file lines differ.
     """
-    missing = [column for column in REQUIRED_COLUMNS if column not in frame.columns]
+    missing = [column for column in RECORD_COLUMNS if column not in frame.columns]
     if missing:
         raise InputError(path, f"missing column(s) {', '.join(missing)}; found {', '.join(map(str, frame.columns))}")
     if len(frame) == 0:
@@ -88,12 +71,10 @@ def check_frame(frame: pd.DataFrame, path: str | os.PathLike) -> pd.DataFrame:
     checked = {}
     prompts = []
     for row, value in enumerate(frame["prompt"], start=1):
-        if not isinstance(value, str) or not value.strip():
-            raise InputError(path, "empty prompt", row=row, column="prompt", value=value)
-        if not value.startswith("<|start|>") or not value.rstrip().endswith("<|start|>assistant"):
-            raise InputError(path, "not a Harmony prompt with the generation prompt appended (should start with "
-                             "'<|start|>' and end with '<|start|>assistant'); run the data pipeline's Harmony "
-                             "rendering first", row=row, column="prompt", value=value[:80])
+        problem = prompt_problem(value)
+        if problem is not None:
+            raise InputError(path, problem, row=row, column="prompt",
+                             value=value[:80] if isinstance(value, str) else value)
         prompts.append(value)
     checked["prompt"] = prompts
     actions = []
@@ -124,34 +105,11 @@ def load_training_frames(data_dir: str | os.PathLike, eval_dir: str | os.PathLik
     Columns: prompt, optimal_action, reward_action_0..3 and `source` ("<file>:<row>", for messages).
     Raises InputError naming the file, row, column and value of the first bad cell.
     """
-    paths = training_csv_paths(data_dir, eval_dir)
+    paths = harmony_csv_files(data_dir, eval_dir)
     if not paths:
         raise InputError(data_dir, f"no training files matching {HARMONY_GLOB} (outside {eval_dir}); "
                          "build the datasets with the data pipeline first")
-    frames = []
-    for path in paths:
-        try:
-            raw = pd.read_csv(path, dtype={"prompt": str}, keep_default_na=False, na_values=[""])
-        except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as err:
-            raise InputError(path, f"not a readable CSV ({err})") from None
-        frames.append(check_frame(raw, path))
-    return pd.concat(frames, ignore_index=True)
-
-
-def set_reasoning_effort(prompt: str, effort: str) -> str:
-    """The prompt with its system message's `Reasoning: <effort>` line set to `effort` ("" keeps it).
-
-    Raises ValueError when effort is not low/medium/high or the prompt has no Reasoning line to rewrite.
-    """
-    if effort == "":
-        return prompt
-    if effort not in REASONING_EFFORTS:
-        raise ValueError(f"reasoning effort must be one of {', '.join(REASONING_EFFORTS)} or '' (keep), "
-                         f"got {effort!r}")
-    rewritten, count = REASONING_LINE.subn(lambda m: m.group(1) + effort + m.group(3), prompt, count=1)
-    if count != 1:
-        raise ValueError("no 'Reasoning: ...' line in the prompt's system message")
-    return rewritten
+    return pd.concat([check_frame(read_csv_table(path), path) for path in paths], ignore_index=True)
 
 
 def apply_reasoning_effort(frame: pd.DataFrame, effort: str) -> pd.DataFrame:
@@ -198,67 +156,48 @@ def check_prompt_lengths(frame: pd.DataFrame, tokenizer, max_prompt_len: int,
 # Reading completions and scoring them
 # ---------------------------------------------------------------------------------------------------------------
 
-def parse_action(completion_text: str) -> int | None:
-    """The action k in 0..3 from the last final-channel message of a Harmony completion, else None.
-
-    The text must keep its special tokens (`<|channel|>final<|message|>...<|return|>`). The answer is the last
-    bracketed integer `[k]` in that message; None when there is no final channel, the final message is not closed
-    by <|return|>/<|end|>/<|call|> (truncated), it holds no bracketed integer, or the integer is outside 0..3.
-    """
-    headers = list(FINAL_HEADER.finditer(completion_text))
-    if not headers:
-        return None
-    content = completion_text[headers[-1].end():]
-    ends = [content.find(marker) for marker in END_MARKERS if marker in content]
-    if not ends:
-        return None
-    answers = BRACKETED_INT.findall(content[:min(ends)])
-    if not answers:
-        return None
-    return _small_action(answers[-1])
-
-
-def _small_action(text: str) -> int | None:
-    """The action 0..3 that a bracketed integer's text names, else None; never raises.
-
-    int() refuses texts of more than 4,300 digits (Python's int-conversion limit) and a generated answer may be
-    any length, so the digits are counted before converting: more than one significant digit is never 0..3.
-    """
-    digits = text.lstrip("-").lstrip("0") or "0"
-    if len(digits) > 1:
-        return None
-    action = int(text[0] + digits) if text.startswith("-") else int(digits)
-    return action if 0 <= action < NUM_ACTIONS else None
-
-
-@functools.lru_cache(maxsize=1)
-def _decoding_tokenizer():
-    from tes_grpo.gpt_oss_tokenizer import load_tokenizer
-
-    return load_tokenizer()
-
-
 def decode_with_special_tokens(ids: list[int]) -> str:
     """Completion ids as text with the Harmony markers kept (TRL's own decode drops them)."""
-    return _decoding_tokenizer().decode(list(ids), skip_special_tokens=False)
+    return load_tokenizer().decode(list(ids), skip_special_tokens=False)
+
+
+def _message_text(message, index: int) -> str:
+    """The text of one conversational message: content a string or a list of text parts ({"type": "text", ...})."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(part, dict) and isinstance(part.get("text"), str)
+                                         for part in content):
+        return "".join(part["text"] for part in content)
+    raise TypeError(f"completion message {index} is {_shape(message)}; expected {{'role': ..., 'content': str or "
+                    "a list of {'type': 'text', 'text': str} parts}")
+
+
+def _shape(value) -> str:
+    if isinstance(value, dict):
+        return "a dict with " + ("content " + _shape(value["content"]) if "content" in value else "no 'content'")
+    if isinstance(value, (list, tuple)):
+        return f"a {type(value).__name__} of {len(value)} item(s)"
+    return f"a {type(value).__name__} ({value!r:.40})"
 
 
 def completion_text(completion, ids: list[int] | None) -> str:
-    """The completion as Harmony text: decoded from its ids when TRL passed them, else the given text."""
+    """The completion as Harmony text: decoded from its ids when TRL passed them, else the given text.
+
+    TRL passes either plain text or, for conversational datasets, a list of {"role", "content"} messages; anything
+    else is a TypeError naming the shape it got (never an error from deep inside the parser).
+    """
     if ids is not None:
         return decode_with_special_tokens(ids)
-    if isinstance(completion, list):  # conversational form: [{"role": "assistant", "content": ...}]
-        return "".join(message.get("content") or "" for message in completion)
-    return completion
-
-
-def is_truncated(ids: list[int] | None) -> bool:
-    """Whether generation was cut at the length limit (no stop token at the end); unknown (False) without ids."""
-    return ids is not None and (len(ids) == 0 or ids[-1] not in STOP_TOKEN_IDS)
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list):
+        return "".join(_message_text(message, i) for i, message in enumerate(completion))
+    raise TypeError(f"a completion must be a string or a list of messages; got {_shape(completion)}")
 
 
 def score_completion(text: str, ids: list[int] | None, rewards: list[float],
-                     invalid_reward: float = math.nan) -> tuple[int | None, float]:
+                     invalid_reward: float) -> tuple[int | None, float]:
     """(action, reward) for one completion; `invalid_reward` when the action is invalid or generation was cut."""
     if is_truncated(ids):
         return None, invalid_reward  # cut at MAX_COMPLETION_LEN: the model never finished its answer
@@ -269,19 +208,19 @@ def score_completion(text: str, ids: list[int] | None, rewards: list[float],
 
 
 def reward_fn(completions, reward_action_0, reward_action_1, reward_action_2, reward_action_3,
-              completion_ids=None, prompts=None, optimal_action=None, trainer_state=None, log_metric=None,
-              invalid_reward: float = math.nan, completion_log: CompletionLog | None = None,
-              **kwargs) -> list[float]:
+              completion_ids=None, prompts=None, optimal_action=None, trainer_state=None, log_metric=None, *,
+              invalid_reward: float, completion_log: CompletionLog | None = None, **kwargs) -> list[float]:
     """TRL reward function: the completion's row reward for its parsed action; `invalid_reward` when it is invalid
     or truncated.
 
-    invalid_reward: NaN (default) masks such completions as TRL 1.x does ("unscorable": advantage 0, no gradient);
-    a number (train_grpo.py's INVALID_REWARD, 0.0 by default, what the original recipe's TRL 0.23 did in effect)
-    scores them, so the group pushes them down against valid answers. TRL 1.16 passes `completions` decoded with
-    skip_special_tokens=True (the channel markers are gone), so when `completion_ids` is given the text is decoded
-    again with the markers kept. Row i's rewards come from the i-th entries of the reward_action_<k> lists, which
-    TRL takes from the same dataset row as prompt i. Logs action/valid_fraction, action/truncated_fraction and
-    action/optimal_fraction through TRL's log_metric, and the rows to completion_log when one is bound.
+    invalid_reward (required; train_grpo.py binds its INVALID_REWARD with bind_reward): a number scores such
+    completions, so the group pushes them down against valid answers (0.0, what the original recipe's TRL 0.23 did
+    in effect); NaN leaves them out as TRL 1.x does ("unscorable": advantage 0, no gradient). TRL 1.16 passes
+    `completions` decoded with skip_special_tokens=True (the channel markers are gone), so when `completion_ids` is
+    given the text is decoded again with the markers kept. Row i's rewards come from the i-th entries of the
+    reward_action_<k> lists, which TRL takes from the same dataset row as prompt i. Logs action/valid_fraction,
+    action/truncated_fraction and action/optimal_fraction through TRL's log_metric, and the rows to completion_log
+    when one is bound.
     """
     reward_lists = (reward_action_0, reward_action_1, reward_action_2, reward_action_3)
     ids_list = completion_ids if completion_ids is not None else [None] * len(completions)
@@ -335,7 +274,8 @@ class CompletionLog:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         new_file = not self.path.exists() or self.path.stat().st_size == 0
-        with open(self.path, "a", encoding="utf-8", newline="") as handle:
+        # backslashreplace: a sampled completion can decode to a lone surrogate, which UTF-8 cannot encode
+        with open(self.path, "a", encoding="utf-8", errors="backslashreplace", newline="") as handle:
             # every field quoted: csv.writer leaves a bare \r unquoted under lineterminator="\n", and every reader
             # (pandas, csv) then splits the row there; completions can hold one
             writer = csv.writer(handle, lineterminator="\n", quoting=csv.QUOTE_ALL)
@@ -428,9 +368,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = [
-    "LOG_COLUMNS", "NUM_ACTIONS", "RECORD_COLUMNS", "REQUIRED_COLUMNS", "REWARD_COLUMNS", "STOP_TOKEN_IDS",
-    "CompletionLog", "apply_reasoning_effort", "bind_reward", "check_frame", "check_prompt_lengths",
-    "load_training_frames", "parse_action", "reward_fn", "set_reasoning_effort", "training_csv_paths",
+    "HARMONY_GLOB", "LOG_COLUMNS", "NUM_ACTIONS", "RECORD_COLUMNS", "REWARD_COLUMNS", "CompletionLog",
+    "apply_reasoning_effort", "bind_reward", "check_frame", "check_prompt_lengths", "load_training_frames",
+    "reward_fn",
 ]
 
 

@@ -3,15 +3,17 @@
     python evaluate_policy.py                                              # DP optimum, rule policies, random
     python evaluate_policy.py --ADAPTER_PATH=runs/grpo-gpt-oss-20b         # + the fine-tuned LLM
     python evaluate_policy.py --ADAPTER_PATH=runs/grpo-gpt-oss-20b --ALSO_BASE --VOTES=5
-    python evaluate_policy.py --BASE_MODEL_ID=openai/gpt-oss-20b           # the base model alone as the LLM policy
+    python evaluate_policy.py --BASE_MODEL_ID=openai/gpt-oss-20b --MAX_COMPLETION_LEN=4000 --TEMPERATURE=1
+                                                            # the base model alone (no training run to follow)
     python evaluate_policy.py data/series/tes_2024-06-15.csv               # other windows (series CSVs)
 
 Each policy runs the 72-hour episode of `tes_env` from E = INITIAL_ENERGY kWh and is asked at every business hour.
 The LLM policy sees exactly the dataset's prompt for its current state (`tes_env.build_prompt`, rendered by
-`convert_to_harmony.render_harmony_prompt` with DATE and REASONING_EFFORT; by default the effort the adapter was trained
-with, from train_grpo.py's train_config.json, else the dataset's "medium"); with VOTES > 1 it
-samples that many completions and takes the most frequent valid action (ties: the lowest). A decision with no valid
-answer (no `[k]` in the final channel, or cut at MAX_COMPLETION_LEN) is carried out as action 0 and counted as invalid.
+`harmony.render_harmony_prompt` with DATE and REASONING_EFFORT). MAX_COMPLETION_LEN, TEMPERATURE and the reasoning
+effort follow the training run by default ("auto": train_grpo.py's train_config.json beside the adapter; the effort
+falls back to the dataset's "medium" when none is recorded). With VOTES > 1 it samples that many completions and
+takes the most frequent valid action (ties: the lowest). A decision with no valid answer (no `[k]` in the final
+channel, or cut at MAX_COMPLETION_LEN) is carried out as action 0 and counted as invalid.
 Decisions inside one window are sequential (the state depends on the last action), but all windows are decided
 together: at each business hour the prompts of every window (x VOTES) go to the model in batches.
 
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from tes_grpo import tes_env
+from tes_grpo.harmony import DATASET_DATE as _DATASET_DATE
 
 SERIES: list = []  # series CSVs to run (positional); empty = the windows of EVAL_DIR, read from SERIES_DIR
 EVAL_DIR = "data/eval"  # evaluation split; its <window>_q_dataset_harmony.csv files name the default windows
@@ -42,14 +45,14 @@ ADAPTER_PATH = ""  # LoRA adapter folder; "" (and no BASE_MODEL_ID) = no LLM pol
 BASE_MODEL_ID = ""  # base model folder or hub id; "" = the adapter's base. Without ADAPTER_PATH: the base is the LLM
 ALSO_BASE = False  # with ADAPTER_PATH: also run the base model alone (same weights, adapter disabled, same seeds)
 VOTES = 1  # completions sampled per LLM decision; the most frequent valid action is taken
-MAX_COMPLETION_LEN = 4000  # tokens per completion, as in training; a completion cut here is invalid
-TEMPERATURE = 1.0  # sampling temperature (gpt-oss recommends 1.0); 0 = greedy
+MAX_COMPLETION_LEN = "auto"  # tokens per completion; auto = the training run's; a completion cut here is invalid
+TEMPERATURE = "auto"  # sampling temperature; auto = the training run's; 0 = greedy
 TOP_P = 1.0  # nucleus sampling mass
 TOP_K = 0  # top-k sampling (0 = off)
 SEED = 0  # LLM sampling seed: the generate call for business hour h, batch b uses SEED + 1000 * h + b
 BATCH_SIZE = 32  # sequences per generate call (windows x votes of one hour)
 REASONING_EFFORT = "auto"  # "Reasoning:" line: auto (adapter's training setting, else "medium"), low/medium/high
-DATE = "2025-08-05"  # the prompt's "Current date:" (convert_to_harmony.py's default, as in the dataset)
+DATE = _DATASET_DATE  # the prompt's "Current date:" (YYYY-MM-DD; the dataset's by default)
 QUANTIZED = False  # keep the MXFP4 experts quantized where the machine can (see test_lora_adapter_quantized.py)
 DEVICE = "auto"  # auto (cuda when available), cpu or cuda
 DTYPE = "auto"  # auto (bf16 on GPU, float32 on CPU), bfloat16, float32 or float16
@@ -307,14 +310,14 @@ def generate_decisions(policy_model, use_adapter: bool, max_new_tokens: int, tem
 
 def render_prompt(tokenizer, reasoning_effort: str, date: str, system: str, user: str) -> str:
     """LLMDecider's render(system, user) once tokenizer and settings are bound with functools.partial."""
-    from convert_to_harmony import render_harmony_prompt
+    from tes_grpo.harmony import render_harmony_prompt
 
     return render_harmony_prompt(system, user, tokenizer, reasoning_effort, date)
 
 
 def default_out_dir(adapter_path: str, base_model_id: str) -> Path:
     if adapter_path:
-        from tes_grpo.llm_policy import adapter_run_name
+        from tes_grpo.model_loading import adapter_run_name
 
         name = adapter_run_name(adapter_path)
     elif base_model_id:
@@ -383,11 +386,14 @@ def build_llm_deciders(s) -> dict:
         return {}
     if s.VOTES < 1:
         raise ValueError("VOTES must be >= 1")
-    from convert_to_harmony import REASONING_EFFORT as DATASET_EFFORT
-    from tes_grpo.llm_policy import resolve_reasoning_effort
+    from tes_grpo.harmony import DATASET_REASONING_EFFORT, check_date
+    from tes_grpo.model_loading import checked_training_settings, from_training_run
 
-    effort, origin = resolve_reasoning_effort(s.REASONING_EFFORT, s.ADAPTER_PATH, DATASET_EFFORT)
-    effort = effort or DATASET_EFFORT  # "" (train_grpo's "keep the CSV's") means the dataset's effort
+    check_date(s.DATE)
+    sampling = checked_training_settings(s, ("MAX_COMPLETION_LEN", "TEMPERATURE"), s.ADAPTER_PATH)
+    effort, origin = from_training_run("REASONING_EFFORT", s.REASONING_EFFORT, s.ADAPTER_PATH,
+                                       DATASET_REASONING_EFFORT)
+    effort = effort or DATASET_REASONING_EFFORT  # "" (train_grpo's "keep the CSV's") means the dataset's effort
     policy_model = load_policy_model(s.BASE_MODEL_ID, s.ADAPTER_PATH, quantized=s.QUANTIZED, device=s.DEVICE,
                                      dtype=s.DTYPE, attn_implementation=s.ATTN_IMPLEMENTATION)
     print(f"LLM: {policy_model.base_model_id}" + (f" + adapter {s.ADAPTER_PATH}" if s.ADAPTER_PATH else "")
@@ -397,8 +403,8 @@ def build_llm_deciders(s) -> dict:
     variants = [("llm_adapter", True)] + ([("llm_base", False)] if s.ALSO_BASE else []) if s.ADAPTER_PATH \
         else [("llm_base", False)]
     return {name: LLMDecider(generate=functools.partial(generate_decisions, policy_model, use_adapter,
-                                                        s.MAX_COMPLETION_LEN, s.TEMPERATURE, s.TOP_P, s.TOP_K,
-                                                        s.BATCH_SIZE),
+                                                        sampling["MAX_COMPLETION_LEN"], sampling["TEMPERATURE"],
+                                                        s.TOP_P, s.TOP_K, s.BATCH_SIZE),
                              render=render, votes=s.VOTES, seed=s.SEED, name=name)
             for name, use_adapter in variants}
 

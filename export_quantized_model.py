@@ -32,7 +32,7 @@ import typing
 from pathlib import Path
 
 from tes_grpo.fileio import give_default_modes, temporary_folder
-from tes_grpo.model_loading import checkpoint_is_mxfp4, native_mxfp4_blockers
+from tes_grpo.model_loading import checkpoint_is_mxfp4, expert_load_path
 
 if typing.TYPE_CHECKING:  # annotations only; the module is imported where it is used
     from tes_grpo.mxfp4 import SafetensorsCheckpoint
@@ -50,10 +50,6 @@ CHECK_TEXT = "The storage tank is charged at night when the grid is cleanest."  
 PUSH_TO_HUB = True  # upload OUT_DIR when a repo id is given (HF_REPO_ID or --HUB_REPO_ID); 0 = never upload
 HUB_REPO_ID = ""  # Hub repo "owner/name" for the upload; "" = the HF_REPO_ID environment variable (neither: no upload)
 ALLOW_PUBLIC_REPO = False  # upload into an existing PUBLIC repo (new repos are always created private)
-# gpt-oss's Harmony end tokens: <|return|> ends a final answer, <|call|> a tool call.
-_END_TOKENS = ("<|return|>", "<|call|>")
-_END_TOKEN_IDS = (200002, 200012)  # their ids in o200k_harmony; checked against the tokenizer
-
 _ADAPTER_WEIGHTS = ("adapter_model.safetensors",)  # PEFT's default format; .bin adapters: re-save with PEFT
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -71,22 +67,21 @@ class HubError(RuntimeError):
 
 
 def read_adapter_config(adapter_path: str | os.PathLike) -> dict:
-    """adapter_config.json of a PEFT LoRA folder; ExportError naming what is missing."""
+    """adapter_config.json of a PEFT LoRA folder (model_loading.adapter_config) that this exporter can merge:
+    ExportError naming what is missing."""
+    from tes_grpo.fileio import InputError
+    from tes_grpo.model_loading import ADAPTER_CONFIG, adapter_config
+
     folder = Path(adapter_path)
-    if not folder.is_dir():
-        raise ExportError(f"adapter folder {folder} does not exist (set --ADAPTER_PATH to the run folder of "
-                          f"train_grpo.py, the one holding adapter_config.json)")
-    config_path = folder / "adapter_config.json"
-    if not config_path.is_file():
-        raise ExportError(f"{folder} has no adapter_config.json: not a PEFT adapter folder")
+    try:
+        config = adapter_config(folder)
+    except InputError as err:
+        raise ExportError(str(err)) from None
     if not any((folder / name).is_file() for name in _ADAPTER_WEIGHTS):
         raise ExportError(f"{folder} has no adapter weights ({' or '.join(_ADAPTER_WEIGHTS)})")
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise ExportError(f"{config_path}: not valid JSON ({err})") from None
     if config.get("peft_type") != "LORA":
-        raise ExportError(f"{config_path}: peft_type is {config.get('peft_type')!r}, this exporter merges LoRA only")
+        raise ExportError(f"{folder / ADAPTER_CONFIG}: peft_type is {config.get('peft_type')!r}, this exporter "
+                          "merges LoRA only")
     return config
 
 
@@ -108,11 +103,6 @@ def resolve_base_folder(base_id: str) -> Path:
 
     print(f"base {base_id} is not a local folder: fetching its config and safetensors from the hub (cached)")
     return Path(snapshot_download(base_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.tiktoken"]))
-
-
-def base_is_mxfp4(base_folder: Path) -> bool:
-    config = json.loads((base_folder / "config.json").read_text(encoding="utf-8"))
-    return (config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
 
 
 def adapter_tensor_shapes(adapter_path: Path) -> dict[str, tuple[int, ...]]:
@@ -194,7 +184,7 @@ def load_merged_model(base_folder: Path, adapter_path: Path):
     from peft.tuners.lora.layer import ParamWrapper
     from transformers import AutoModelForCausalLM, Mxfp4Config
 
-    kwargs = {"quantization_config": Mxfp4Config(dequantize=True)} if base_is_mxfp4(base_folder) else {}
+    kwargs = {"quantization_config": Mxfp4Config(dequantize=True)} if checkpoint_is_mxfp4(base_folder) else {}
     base = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.bfloat16, **kwargs)
     peft_model = PeftModel.from_pretrained(base, str(adapter_path))
     touched = set()
@@ -211,7 +201,7 @@ def base_expert_passthrough(base_folder: Path, state_dict: dict, touched: set[st
     """Lazy view of the base's `*_blocks` / `*_scales` for every expert parameter the adapter left alone."""
     from tes_grpo.mxfp4 import EXPERT_PARAM_RE, SafetensorsCheckpoint
 
-    if not base_is_mxfp4(base_folder):
+    if not checkpoint_is_mxfp4(base_folder):
         print(f"base {base_folder} is not an MXFP4 checkpoint: every expert is quantized from its bf16 weights")
         return {}
     wanted = {f"{name}_{part}" for name in state_dict if EXPERT_PARAM_RE.match(name) and name not in touched
@@ -223,7 +213,7 @@ def load_export_tokenizer(adapter_path: Path, base_folder: Path):
     """The adapter's tokenizer (train_grpo.py saves it), else the base's, else the project's gpt-oss tokenizer."""
     from transformers import AutoTokenizer
 
-    from tes_grpo.gpt_oss_tokenizer import tokenizer_source
+    from tes_grpo.harmony import tokenizer_source
 
     for folder in (adapter_path, base_folder):
         if all((folder / name).is_file() for name in _TOKENIZER_FILES):
@@ -236,18 +226,19 @@ def export_generation_config(base_folder: Path, tokenizer):
     """Base generation config (if any) with gpt-oss's end tokens and recommended sampling (T=1, top_p=1)."""
     from transformers import GenerationConfig
 
-    ids = [tokenizer.convert_tokens_to_ids(token) for token in _END_TOKENS]
-    if tuple(ids) != _END_TOKEN_IDS:
-        raise ExportError(f"tokenizer maps {_END_TOKENS} to {ids}, expected {_END_TOKEN_IDS}: "
-                          f"not the gpt-oss tokenizer")
+    from tes_grpo.harmony import ANSWER_END_IDS, BOS_ID, PAD_ID, check_token_ids
+
+    try:
+        check_token_ids(tokenizer)
+    except ValueError as err:
+        raise ExportError(str(err)) from None
     if (base_folder / "generation_config.json").is_file():
         generation = GenerationConfig.from_pretrained(base_folder)
     else:
         generation = GenerationConfig()
-    generation.eos_token_id = list(ids)
-    generation.bos_token_id = tokenizer.convert_tokens_to_ids("<|startoftext|>")
-    generation.pad_token_id = (tokenizer.pad_token_id if tokenizer.pad_token_id is not None
-                               else tokenizer.convert_tokens_to_ids("<|endoftext|>"))
+    generation.eos_token_id = list(ANSWER_END_IDS)  # a served model stops at a final answer or a tool call
+    generation.bos_token_id = BOS_ID
+    generation.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else PAD_ID
     generation.do_sample, generation.temperature, generation.top_p = True, 1.0, 1.0
     return generation
 
@@ -259,6 +250,7 @@ def write_export(merged, touched: set[str], base_folder: Path, adapter_path: Pat
 
     settings_record: the script's settings, written as export_config.json inside the folder.
     """
+    from tes_grpo.model_loading import TRAIN_CONFIG, training_config
     from tes_grpo.mxfp4 import (
         DEFAULT_MAX_SHARD_BYTES,
         estimate_checkpoint_bytes,
@@ -288,6 +280,9 @@ def write_export(merged, touched: set[str], base_folder: Path, adapter_path: Pat
         (temp / "export_info.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
         if settings_record is not None:
             save_config(settings_record, temp / "export_config.json")
+        training, found = training_config(adapter_path)
+        if found is not None:  # run_exported_model.py samples as the run trained (its "auto" settings)
+            save_config(training, temp / TRAIN_CONFIG)
         give_default_modes(temp)
         replace_folder(temp, out_dir)
     except OSError as err:
@@ -357,22 +352,6 @@ def compare_weights(loaded_state: dict, merged_state: dict, export: "Safetensors
             raise CheckFailed(f"{name}: untouched by the adapter but not equal to the base")
         worst = max(worst, error.max().item())
     return {"max_expert_rounding_error": worst}
-
-
-def expert_load_path(model, source_is_mxfp4: bool, dequantize_requested: bool = False) -> str:
-    """How transformers loaded a model's MoE experts: kept in MXFP4, or dequantized to bf16 and why."""
-    import torch
-    from transformers.integrations.mxfp4 import Mxfp4GptOssExperts
-
-    if any(isinstance(m, Mxfp4GptOssExperts) for m in model.modules()):
-        return "native MXFP4: expert weights stay quantized (triton kernels)"
-    if not source_is_mxfp4:
-        return "not an MXFP4 checkpoint: experts loaded as stored"
-    if dequantize_requested:
-        return "dequantized to bf16 as requested (Mxfp4Config(dequantize=True))"
-    reasons = native_mxfp4_blockers("cuda" if torch.cuda.is_available() else "cpu")
-    return ("FELL BACK: transformers dequantized the MXFP4 experts to bf16 while loading ("
-            + ("; ".join(reasons) or "reason not reported") + ")")
 
 
 def native_mxfp4_load(out_dir: Path):

@@ -4,7 +4,9 @@
 
 `PROMPT_PATH` is a Harmony CSV (`*_q_dataset_harmony.csv`, its `prompt` already rendered by the chat template
 with the generation prompt) or a folder of them. The action is read with the training reward's parser
-(`data_reward.parse_action`: the last `[k]` in the final channel, None when invalid or cut off).
+(`harmony.parse_action`: the last `[k]` in the final channel, None when invalid or cut off). MAX_COMPLETION_LEN
+and TEMPERATURE follow the training run ("auto": the train_config.json the export carries), as they would in
+training.
 On a machine without triton + `kernels` (any CPU), transformers dequantizes the MXFP4 experts to bf16
 while loading; the script prints which path was taken.
 """
@@ -17,9 +19,9 @@ from pathlib import Path
 MODEL_ID = "runs/export/gpt-oss-tes-mxfp4"  # merged export folder (export_quantized_model.py's OUT_DIR) or hub id
 PROMPT_PATH = "data/eval"  # Harmony CSV, or a folder whose *_harmony.csv files are read in name order
 MAX_ROWS = 5  # prompts to answer (first rows of the sorted files); 0 = all
-MAX_COMPLETION_LEN = 4000  # tokens per completion, as in training; a completion cut here is invalid
+MAX_COMPLETION_LEN = "auto"  # tokens per completion; auto = the training run's; a completion cut here is invalid
 DO_SAMPLE = True  # sample (gpt-oss's recommended T=1, top_p=1) or decode greedily
-TEMPERATURE = 1.0  # sampling temperature
+TEMPERATURE = "auto"  # sampling temperature; auto = the training run's
 TOP_P = 1.0  # nucleus sampling mass
 SEED = 0  # torch seed for sampling
 DEQUANTIZE = False  # True: load experts as bf16; False: keep MXFP4 where the machine can (falls back, and says so)
@@ -33,19 +35,22 @@ def load_prompts(path: str | Path, max_rows: int):
     """DataFrame with `source`, `row`, `prompt` (+ `optimal_action` when present), at most `max_rows` rows."""
     import pandas as pd
 
-    from tes_grpo.fileio import InputError
+    from tes_grpo.fileio import InputError, read_csv_table
+    from tes_grpo.harmony import prompt_problem
     from tes_grpo.llm_policy import prompt_files
 
     frames = []
     for file in prompt_files(path):
-        frame = pd.read_csv(file)
+        frame = read_csv_table(file)
         if "prompt" not in frame.columns:
             raise InputError(file, f"no 'prompt' column (columns: {', '.join(frame.columns)})")
         for index, prompt in frame["prompt"].items():
-            if not isinstance(prompt, str) or "<|start|>assistant" not in prompt:
-                raise InputError(file, "prompt is not Harmony text ending in the assistant generation prompt; "
-                                       "use the *_harmony.csv files", row=index + 2, column="prompt")
-        frame = frame.assign(source=str(file), row=frame.index + 2)  # row as a spreadsheet shows it (header = 1)
+            problem = prompt_problem(prompt)
+            if problem is not None:
+                raise InputError(file, f"{problem}; use the *_harmony.csv files", row=index + 1, column="prompt")
+        if "optimal_action" in frame.columns:
+            frame["optimal_action"] = pd.to_numeric(frame["optimal_action"], errors="coerce")
+        frame = frame.assign(source=str(file), row=frame.index + 1)  # data row (1 = first after the header)
         frames.append(frame)
         if max_rows and sum(len(f) for f in frames) >= max_rows:
             break
@@ -53,13 +58,21 @@ def load_prompts(path: str | Path, max_rows: int):
     return prompts.head(max_rows) if max_rows else prompts
 
 
+def sampling_settings(s) -> tuple[int, float]:
+    """(MAX_COMPLETION_LEN, TEMPERATURE) with "auto" taken from the training run the export records; says where each
+    came from."""
+    from tes_grpo.model_loading import checked_training_settings
+
+    values = checked_training_settings(s, ("MAX_COMPLETION_LEN", "TEMPERATURE"), s.MODEL_ID)
+    return values["MAX_COMPLETION_LEN"], values["TEMPERATURE"]
+
+
 def load_model(model_id: str, dequantize: bool, device: str):
     """(model, tokenizer, description of how the experts were loaded)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, Mxfp4Config
 
-    from export_quantized_model import expert_load_path
-    from tes_grpo.model_loading import checkpoint_is_mxfp4, resolve_device
+    from tes_grpo.model_loading import checkpoint_is_mxfp4, expert_load_path, resolve_device
 
     kwargs = {"quantization_config": Mxfp4Config(dequantize=True)} if dequantize else {}
     device = resolve_device(device)
@@ -70,14 +83,10 @@ def load_model(model_id: str, dequantize: bool, device: str):
 
 def final_answer(text: str) -> str | None:
     """The last final-channel message of a Harmony completion (to its end marker or the end of text)."""
-    from data_reward import END_MARKERS, FINAL_HEADER
+    from tes_grpo.harmony import final_message
 
-    headers = list(FINAL_HEADER.finditer(text))
-    if not headers:
-        return None
-    content = text[headers[-1].end():]
-    ends = [content.find(marker) for marker in END_MARKERS if marker in content]
-    return content[:min(ends)] if ends else content
+    final = final_message(text)
+    return None if final is None else final[0]
 
 
 def generate_completions(model, tokenizer, prompts: list[str], max_new_tokens: int, do_sample: bool,
@@ -100,7 +109,7 @@ def generate_completions(model, tokenizer, prompts: list[str], max_new_tokens: i
 
 def decisions(prompts, texts: list[str]):
     """Adds `completion`, `action` (None when invalid) and `final_answer` to the prompts frame."""
-    from data_reward import parse_action
+    from tes_grpo.harmony import parse_action
 
     result = prompts.copy()
     result["completion"] = texts
@@ -126,14 +135,15 @@ def main(argv: list[str] | None = None) -> int:
 
     s = resolve(globals(), argv)
     try:
+        max_new_tokens, temperature = sampling_settings(s)
         prompts = load_prompts(s.PROMPT_PATH, s.MAX_ROWS)
         model, tokenizer, path = load_model(s.MODEL_ID, s.DEQUANTIZE, s.DEVICE)
     except (InputError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     print(f"model {s.MODEL_ID}: {path}")
-    texts = generate_completions(model, tokenizer, list(prompts["prompt"]), s.MAX_COMPLETION_LEN, s.DO_SAMPLE,
-                                 s.TEMPERATURE, s.TOP_P, s.SEED)
+    texts = generate_completions(model, tokenizer, list(prompts["prompt"]), max_new_tokens, s.DO_SAMPLE,
+                                 temperature, s.TOP_P, s.SEED)
     result = decisions(prompts, texts)
     print_decisions(result)
     if s.OUT_DIR:

@@ -8,9 +8,10 @@ For every prompt of PROMPT_PATH (the `*_q_dataset_harmony.csv` files of the eval
 SAMPLES_PER_PROMPT completions with the adapter and as many with the base model alone. The weights are loaded once;
 the base pass runs inside PEFT's `disable_adapter()` with the same batches and seeds. The base is loaded through
 `Mxfp4Config(dequantize=True)`: bf16 on a GPU, float32 on the CPU (DTYPE changes it). Actions are read with the
-training reward's parser (`data_reward.parse_action`: the last `[k]` in the final channel). The prompts' reasoning
-effort is by default the one the adapter was trained with (train_grpo.py's train_config.json: "low"), else the
-dataset's ("medium").
+training reward's parser (`harmony.parse_action`: the last `[k]` in the final channel). MAX_COMPLETION_LEN,
+TEMPERATURE and the prompts' reasoning effort follow the training run by default ("auto": train_grpo.py's
+train_config.json beside the adapter, or in the run folder above a checkpoint; the effort falls back to the
+dataset's when none is recorded).
 
 Reported per model (a table on screen, OUT_DIR/completions_summary.csv, and every completion in
 OUT_DIR/completions.csv):
@@ -35,8 +36,8 @@ PROMPT_PATH = "data/eval"  # a *_harmony.csv or a folder of them (default: the e
 BASE_MODEL_ID = ""  # base model folder or hub id; "" = the adapter's base_model_name_or_path
 SAMPLES_PER_PROMPT = 4  # completions per prompt and model
 MAX_PROMPTS = 0  # prompts to use, evenly spaced over all rows (0 = all)
-MAX_COMPLETION_LEN = 4000  # tokens per completion, as in training; a completion cut here is invalid
-TEMPERATURE = 1.0  # sampling temperature (gpt-oss recommends 1.0); 0 = greedy
+MAX_COMPLETION_LEN = "auto"  # tokens per completion; auto = the training run's; a completion cut here is invalid
+TEMPERATURE = "auto"  # sampling temperature; auto = the training run's; 0 = greedy
 TOP_P = 1.0  # nucleus sampling mass (gpt-oss recommends 1.0)
 TOP_K = 0  # top-k sampling (0 = off, as in training; transformers would otherwise default to 50)
 SEED = 0  # generation batch b is seeded with SEED + b, the same for the adapter and the base
@@ -93,17 +94,14 @@ def load_eval_prompts(path: str | Path, max_prompts: int = 0, reasoning_effort: 
     """Checked rows of the Harmony CSVs: source, row, prompt, optimal_action, reward_action_0..3, q_action_0..3."""
     import pandas as pd
 
-    from data_reward import check_frame, set_reasoning_effort
-    from tes_grpo.fileio import InputError
-
-    frames = []
+    from data_reward import check_frame
+    from tes_grpo.fileio import InputError, read_csv_table
+    from tes_grpo.harmony import set_reasoning_effort
     from tes_grpo.llm_policy import prompt_files
 
+    frames = []
     for file in prompt_files(path):
-        try:
-            raw = pd.read_csv(file, dtype={"prompt": str}, keep_default_na=False, na_values=[""])
-        except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as err:
-            raise InputError(file, f"not a readable CSV ({err})") from None
+        raw = read_csv_table(file)
         frame = check_frame(raw, file).drop(columns="source")
         frame = frame.assign(**check_q_columns(raw, file))
         frame.insert(0, "source", file.name)
@@ -182,7 +180,7 @@ def format_summary(summary) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 def default_out_dir(adapter_path: str, quantized: bool) -> Path:
-    from tes_grpo.llm_policy import adapter_run_name
+    from tes_grpo.model_loading import adapter_run_name
 
     return Path("runs") / f"adapter-test-{adapter_run_name(adapter_path)}{'-mxfp4' if quantized else ''}"
 
@@ -193,10 +191,12 @@ def run_adapter_test(s):
     import pandas as pd
 
     from tes_grpo.fileio import write_csv_atomic
-    from tes_grpo.llm_policy import adapter_config, generate, load_policy_model, resolve_reasoning_effort
+    from tes_grpo.llm_policy import generate, load_policy_model
+    from tes_grpo.model_loading import adapter_config, checked_training_settings, from_training_run
 
     adapter_config(s.ADAPTER_PATH)  # a missing adapter fails before anything is read or loaded
-    effort, origin = resolve_reasoning_effort(s.REASONING_EFFORT, s.ADAPTER_PATH, "")
+    sampling = checked_training_settings(s, ("MAX_COMPLETION_LEN", "TEMPERATURE"), s.ADAPTER_PATH)
+    effort, origin = from_training_run("REASONING_EFFORT", s.REASONING_EFFORT, s.ADAPTER_PATH, "")
     prompts = load_eval_prompts(s.PROMPT_PATH, s.MAX_PROMPTS, effort)
     policy = load_policy_model(s.BASE_MODEL_ID, s.ADAPTER_PATH, quantized=s.QUANTIZED, device=s.DEVICE,
                                dtype=s.DTYPE, attn_implementation=s.ATTN_IMPLEMENTATION)
@@ -204,11 +204,13 @@ def run_adapter_test(s):
           f"{policy.device}, {policy.dtype}, attention {policy.attention}")
     print(f"reasoning effort: {effort or 'as in the prompts'} ({origin})")
     print(f"{len(prompts)} prompts from {s.PROMPT_PATH} x {s.SAMPLES_PER_PROMPT} samples x 2 models, "
-          f"max {s.MAX_COMPLETION_LEN} new tokens, temperature {s.TEMPERATURE}, top_p {s.TOP_P}, seed {s.SEED}")
+          f"max {sampling['MAX_COMPLETION_LEN']} new tokens, temperature {sampling['TEMPERATURE']}, top_p {s.TOP_P}, "
+          f"seed {s.SEED}")
     rows = []
     for model in _MODELS:
-        completions = generate(policy, list(prompts["prompt"]), s.SAMPLES_PER_PROMPT, s.SEED, s.MAX_COMPLETION_LEN,
-                               s.TEMPERATURE, s.TOP_P, s.TOP_K, s.BATCH_SIZE, use_adapter=model == "adapter",
+        completions = generate(policy, list(prompts["prompt"]), s.SAMPLES_PER_PROMPT, s.SEED,
+                               sampling["MAX_COMPLETION_LEN"], sampling["TEMPERATURE"], s.TOP_P, s.TOP_K,
+                               s.BATCH_SIZE, use_adapter=model == "adapter",
                                progress=s.PROGRESS, desc=f"{model} completions")
         rows += completion_rows(prompts, completions, model)
     frame = pd.DataFrame(rows)

@@ -24,15 +24,17 @@ was derived), metrics.jsonl, completions.csv, tensorboard/, and at the end the a
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import sys
 from pathlib import Path
 
+from tes_grpo import fast_paths
+from tes_grpo.fast_paths import CHOICES as FAST_PATH_CHOICES
 from tes_grpo.fileio import InputError
+from tes_grpo.harmony import REASONING_EFFORTS as _EFFORTS
 from tes_grpo.processes import is_main_process, process_count, say
-from tes_grpo.script_config import Settings, SettingsError, resolve, save_config
+from tes_grpo.script_config import ConfigError, Settings, SettingsError, check_choices, parse_bool, resolve, save_config
 
 MODEL_ID = "openai/gpt-oss-20b"  # hub id or local folder of an MXFP4 gpt-oss checkpoint; "tiny" = embedded tiny model
 OUT_DIR = "runs/grpo-gpt-oss-20b"  # run folder: adapter, checkpoints, train_config.json, metrics.jsonl, completions.csv
@@ -64,9 +66,9 @@ INVALID_REWARD = 0.0  # reward of an invalid or truncated completion; nan = leav
 TEMPERATURE = 1.0  # sampling temperature for the completions
 ROUTER_AUX_LOSS_COEF = 0.0  # MoE load-balancing loss weight; 0 = off (the router stays frozen under LoRA)
 GRADIENT_CHECKPOINTING = True  # recompute activations in backward (saves memory; generation still uses its KV cache)
-DECODE_GRAPHS = "auto"  # sample with graph_decode.py (static KV cache, CUDA graphs): auto = on a GPU when it can, 1, 0
-DECODE_EXPERTS = "auto"  # auto = mxfp4 under graph_decode on a GPU, else grouped_mm; transformers: its batched_mm
-TRAIN_EXPERTS = "auto"  # auto = fused (fused_experts.py) on a GPU with Triton, else transformers' grouped_mm; fused
+DECODE_GRAPHS = "auto"  # sample with graph_decode.py (static KV cache, CUDA graphs); auto = where it can run
+DECODE_EXPERTS = "auto"  # graph_decode's experts; auto = MXFP4 kernel on a GPU with Triton (fast_paths.py)
+TRAIN_EXPERTS = "auto"  # training MoE elementwise work; auto = fused on a GPU with Triton (fast_paths.py)
 ATTN_IMPLEMENTATION = "auto"  # auto = flex_attention on CUDA (supports gpt-oss's sinks), eager on CPU
 USE_VLLM = False  # generate with vLLM (colocated; needs requirements-gpu.txt's vllm) instead of transformers
 VLLM_GPU_MEMORY_UTILIZATION = 0.35  # GPU memory fraction vLLM may take when USE_VLLM=1
@@ -84,10 +86,16 @@ PRESETS = {"MODEL_ID": {"tiny": {
     "GRADIENT_CHECKPOINTING": False,
 }}}
 
-_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
-               "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay")  # transformers' SchedulerType, less
-_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")  # TRL 1.16 GRPOConfig.loss_type
-_SWITCH = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+# the settings with a fixed set of values (checked when resolved; --help lists them)
+CHOICES = {
+    "LR_SCHEDULER": ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+                     "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay"),  # transformers' SchedulerType
+    "LOSS_TYPE": ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"),  # TRL 1.16's loss_type
+    "SCALE_REWARDS": ("none", "group", "batch"),
+    "PROMPT_TOO_LONG": ("error", "skip"),
+    "REASONING_EFFORT": ("", *_EFFORTS),
+    **FAST_PATH_CHOICES,
+}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -96,10 +104,10 @@ _SWITCH = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false"
 
 def default_settings(**overrides) -> Settings:
     """This module's constants as Settings with overrides applied (and the tiny preset when MODEL_ID=tiny)."""
-    from tes_grpo.script_config import ConfigError, settings_from
+    from tes_grpo.script_config import settings_from
 
     try:
-        return settings_from(globals(), overrides, PRESETS)
+        return settings_from(globals(), overrides, PRESETS)  # check_settings checks CHOICES
     except ConfigError as err:
         raise KeyError(str(err)) from None
 
@@ -131,19 +139,13 @@ def check_settings(s) -> None:
     _need(0 < s.VLLM_GPU_MEMORY_UTILIZATION <= 1, "VLLM_GPU_MEMORY_UTILIZATION", s.VLLM_GPU_MEMORY_UTILIZATION,
           "must be in (0, 1]")
     _need(str(s.OUT_DIR).strip() != "", "OUT_DIR", s.OUT_DIR, "must name a folder")
-    choices = {"LR_SCHEDULER": _SCHEDULERS, "LOSS_TYPE": _LOSS_TYPES, "SCALE_REWARDS": ("none", "group", "batch"),
-               "PROMPT_TOO_LONG": ("error", "skip"), "DECODE_EXPERTS": ("auto", "mxfp4", "grouped_mm", "transformers"),
-               "TRAIN_EXPERTS": ("auto", "fused", "transformers"),
-               "REASONING_EFFORT": ("", "low", "medium", "high")}
-    for name, allowed in choices.items():
-        _need(s[name] in allowed, name, s[name], "must be one of " + ", ".join(repr(a) for a in allowed))
-    _need(str(s.DECODE_GRAPHS).lower() in ("auto", *_SWITCH), "DECODE_GRAPHS", s.DECODE_GRAPHS, "must be auto, 1 or 0")
+    try:
+        check_choices(s, CHOICES)
+    except ConfigError as err:
+        raise SettingsError(str(err)) from None
     _need(str(s.TRAIN_BATCH_SIZE) == "auto" or str(s.TRAIN_BATCH_SIZE).isdigit() and int(s.TRAIN_BATCH_SIZE) >= 1,
           "TRAIN_BATCH_SIZE", s.TRAIN_BATCH_SIZE, "must be auto or a whole number >= 1")
-    if s.USE_VLLM and str(s.DECODE_GRAPHS).lower() in ("1", "true", "yes", "on"):
-        raise SettingsError("DECODE_GRAPHS=1 and USE_VLLM=1 both choose how completions are generated; set one")
-    if s.DECODE_EXPERTS == "mxfp4" and (s.USE_VLLM or _SWITCH.get(str(s.DECODE_GRAPHS).lower()) is False):
-        raise SettingsError("DECODE_EXPERTS=mxfp4 is graph_decode's; it needs DECODE_GRAPHS=auto or 1 and no vLLM")
+    fast_paths.check_settings(s)
     expert_layers(s)
 
 
@@ -192,31 +194,15 @@ def batch_layout(s, longest_prompt: int, steps_per_generation: int | None = None
 
 def read_environment(environ) -> dict:
     """The seed's environment variables, read once at the entry: the completion log and the generation cadence."""
-    log = environ.get("GRPO_LOG_COMPLETIONS", "1").strip().lower()
-    if log not in _SWITCH:
-        raise SettingsError(f"GRPO_LOG_COMPLETIONS={log!r}: must be 1 or 0")
+    try:
+        log = parse_bool("GRPO_LOG_COMPLETIONS", environ.get("GRPO_LOG_COMPLETIONS", "1"))
+    except ConfigError as err:
+        raise SettingsError(str(err)) from None
     steps = environ.get("GRPO_STEPS_PER_GENERATION", "").strip()
     if steps and not (steps.isdigit() and int(steps) >= 1):
         raise SettingsError(f"GRPO_STEPS_PER_GENERATION={steps!r}: must be a whole number >= 1")
-    return {"log_completions": _SWITCH[log], "completion_log_path": environ.get("GRPO_COMPLETION_LOG_PATH", ""),
+    return {"log_completions": log, "completion_log_path": environ.get("GRPO_COMPLETION_LOG_PATH", ""),
             "steps_per_generation": int(steps) if steps else None}
-
-
-def decode_graphs_wanted(s, cuda: bool, sharded: bool) -> tuple[bool, str]:
-    """(use graph_decode?, why) for DECODE_GRAPHS: auto = on a GPU unless vLLM generates or FSDP shards."""
-    value = str(s.DECODE_GRAPHS).lower()
-    if value != "auto":
-        if _SWITCH[value] and sharded:
-            raise SettingsError("DECODE_GRAPHS=1 cannot run under FSDP (every decode step gathers sharded weights); "
-                                "use configs/accelerate/ddp.yaml or DECODE_GRAPHS=0")
-        return _SWITCH[value], "DECODE_GRAPHS=" + value
-    if s.USE_VLLM:
-        return False, "DECODE_GRAPHS=auto: off, vLLM generates"
-    if sharded:
-        return False, "DECODE_GRAPHS=auto: off under FSDP (each decode step gathers sharded weights)"
-    if not cuda:
-        return False, "DECODE_GRAPHS=auto: off without a GPU (transformers' generate with KV cache)"
-    return True, "DECODE_GRAPHS=auto: on (GPU)"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -293,46 +279,9 @@ def build_grpo_config(s, layout: dict, cuda: bool):
     )
 
 
-def decode_experts_wanted(s, cuda: bool) -> tuple[str, str]:
-    """(graph_decode's experts: "mxfp4" or "model", why) for DECODE_EXPERTS, once graph_decode is on. auto = mxfp4
-    on a GPU with Triton (an MXFP4 copy of the frozen experts, read while decoding: mxfp4_decode.py)."""
-    if s.DECODE_EXPERTS == "mxfp4":
-        return "mxfp4", "DECODE_EXPERTS=mxfp4"
-    if s.DECODE_EXPERTS != "auto":
-        return "model", f"DECODE_EXPERTS={s.DECODE_EXPERTS}: the model's bf16 experts"
-    if not cuda:
-        return "model", "DECODE_EXPERTS=auto: the model's bf16 experts (no GPU for the MXFP4 kernel)"
-    if importlib.util.find_spec("triton") is None:
-        return "model", "DECODE_EXPERTS=auto: the model's bf16 experts (no triton for the MXFP4 kernel)"
-    return "mxfp4", "DECODE_EXPERTS=auto: mxfp4 (GPU with Triton)"
-
-
-def train_experts_wanted(s, cuda: bool) -> tuple[bool, str]:
-    """(fuse the training forward's MoE elementwise work (fused_experts.py)?, why) for TRAIN_EXPERTS. auto = on a
-    GPU with Triton (torch.compile's kernels); "fused" on the CPU runs the same functions eagerly."""
-    if s.TRAIN_EXPERTS != "auto":
-        return s.TRAIN_EXPERTS == "fused", f"TRAIN_EXPERTS={s.TRAIN_EXPERTS}"
-    if not cuda:
-        return False, "TRAIN_EXPERTS=auto: no GPU"
-    if importlib.util.find_spec("triton") is None:
-        return False, "TRAIN_EXPERTS=auto: no triton for torch.compile's kernels"
-    return True, "TRAIN_EXPERTS=auto: GPU with Triton"
-
-
-def use_graph_decode(model, experts: str = "model") -> None:
-    """Routes the model's generate() through graph_decode.GraphDecodeGenerate (idempotent; the latest experts
-    choice wins)."""
-    from tes_grpo.graph_decode import GraphDecodeGenerate, causal_lm
-
-    inner = causal_lm(model)
-    if not isinstance(inner.generate, GraphDecodeGenerate):
-        inner.generate = GraphDecodeGenerate(inner, inner.generate, say=say)
-    inner.generate.experts = experts
-
-
 def build_trainer(s, model, tokenizer, train_dataset, layout: dict, completion_log=None, callbacks=(),
                   resume_step: int | None = None):
-    """GRPOTrainer wired with the bound reward, LoRA, the stream, and the run folder's callbacks.
+    """GRPOTrainer wired with the bound reward, LoRA, the stream, the run folder's callbacks and the fast paths.
 
     `model` is a loaded (not yet PEFT-wrapped) gpt-oss; the trainer adds the LoRA adapter. Model loading stays
     outside, so a benchmark can pass any gpt-oss-shaped model.
@@ -341,20 +290,12 @@ def build_trainer(s, model, tokenizer, train_dataset, layout: dict, completion_l
     from trl import GRPOTrainer
 
     from data_reward import bind_reward
-    from tes_grpo import workarounds
     from tes_grpo.callbacks import JsonlMetricsCallback, ProgressLineCallback, ZeroPaddedCheckpointNames
     from tes_grpo.model_loading import cuda_available
-    from tes_grpo.processes import uses_fsdp
+    from tes_grpo.workarounds import point_tensorboard
 
     out, cuda = Path(s.OUT_DIR), cuda_available()
     out.mkdir(parents=True, exist_ok=True)
-    if s.DECODE_EXPERTS != "transformers" and workarounds.keep_grouped_mm_experts_for_decode(model):
-        say("decoding experts: grouped_mm kept for decoding (DECODE_EXPERTS)")
-    if not cuda:
-        workarounds.score_only_completion_tokens_on_cpu()
-    if model.config._attn_implementation == "flex_attention" and workarounds.flex_masks_with_padding_bounds():
-        say("flex attention: padded masks written as each row's bounds (workarounds.py; 5-7x faster forward kernel)")
-    workarounds.quiet_all_rewards_none_warning()
     trainer = GRPOTrainer(
         model=model, reward_funcs=bind_reward(s.INVALID_REWARD, completion_log),
         args=build_grpo_config(s, layout, cuda), train_dataset=train_dataset, processing_class=tokenizer,
@@ -362,32 +303,9 @@ def build_trainer(s, model, tokenizer, train_dataset, layout: dict, completion_l
         callbacks=[JsonlMetricsCallback(out / "metrics.jsonl"), ProgressLineCallback(), ZeroPaddedCheckpointNames(),
                    *callbacks])
     trainer.remove_callback(PrinterCallback)  # ProgressLineCallback prints a compact line instead of the raw dict
-    workarounds.point_tensorboard(trainer, out / "tensorboard", resume_step)
-    if uses_fsdp() and not trainer.is_fsdp_enabled:
-        say("note: the FSDP config has no effect without GPUs; accelerate runs plain data parallelism here")
-    workarounds.sync_generation_across_processes(trainer.model, trainer.is_fsdp_enabled, process_count())
-    graphs, why = decode_graphs_wanted(s, cuda, trainer.is_fsdp_enabled)
-    if graphs and str(s.DECODE_GRAPHS).lower() == "auto":  # and nothing in this model blocks the capture
-        from tes_grpo.graph_decode import auto_decode_graphs
-
-        graphs, detail = auto_decode_graphs(trainer.model, cuda, trainer.is_fsdp_enabled)
-        why = f"DECODE_GRAPHS=auto: {detail}"
-    experts, experts_why = decode_experts_wanted(s, cuda) if graphs else ("model", "")
-    if graphs:
-        use_graph_decode(trainer.model, experts)
-    say(f"decoding: {'graph_decode.py, static KV cache' if graphs else 'transformers generate'} ({why}"
-        + (", no GPU: its steps run eagerly, without CUDA graphs" if graphs and not cuda else "")
-        + (f"; experts: {experts_why}" if graphs else "") + ")")
-    fused, why = train_experts_wanted(s, cuda)
-    if fused:
-        from tes_grpo.fused_experts import use_fused_experts
-
-        layers = use_fused_experts(trainer.model, say=say)
-        say(f"training experts: {layers} layer(s) fused ({why}; fused_experts.py: bias + SwiGLU and bias + routing "
-            "weight + top-k sum as one compiled kernel each, forward and backward)")
-    else:
-        say(f"training experts: transformers' {model.config._experts_implementation} ({why})")
-    workarounds.give_trainable_weights_storage(trainer.model)
+    point_tensorboard(trainer, out / "tensorboard", resume_step)
+    for line in fast_paths.install(trainer, s, cuda, process_count()):
+        say(line)
     return trainer
 
 
@@ -461,7 +379,7 @@ def train(s, environ=None, callbacks=()) -> Path:
 
 def main(argv: list[str] | None = None, callbacks=()) -> int:
     """Command-line entry: resolves --NAME=value overrides (and the tiny preset), trains; returns the exit status."""
-    settings = resolve(globals(), argv, presets=PRESETS, allow_nan={"INVALID_REWARD"})
+    settings = resolve(globals(), argv, presets=PRESETS, allow_nan={"INVALID_REWARD"}, choices=CHOICES)
     try:
         train(settings, callbacks=callbacks)
     except (InputError, SettingsError) as err:

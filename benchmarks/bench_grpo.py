@@ -45,7 +45,7 @@ DECODE_GRAPHS = "auto"  # train_grpo's DECODE_GRAPHS: auto (on, on a GPU), 1, 0 
 TRAIN_EXPERTS = "auto"  # train_grpo's TRAIN_EXPERTS: auto (fused on a GPU), fused, transformers
 TRAIN_BATCH_SIZE = "auto"  # train_grpo's TRAIN_BATCH_SIZE: auto (from TRAIN_TOKENS_PER_PASS) or a number
 TRAIN_TOKENS_PER_PASS = 40000  # train_grpo's auto micro-batch budget (tokens per forward/backward, worst case)
-PROMPT_TOKENS = 1316  # lengthen each data/ prompt to about this many tokens (issue 3's measured length); 0 = as is
+PROMPT_TOKENS = 1316  # lengthen each data/ prompt to about this many tokens (BENCHMARKS.md's length); 0 = as is
 OUT_DIR = "runs/bench-grpo"  # run folder (adapter, logs) on the GPU machine
 RESULTS = "runs/bench-grpo/results.jsonl"  # one JSON line per timed step is appended here
 HBM_TB_PER_S = 3.0  # measured device-to-device copy rate of the H100 here (KINDS.md)
@@ -60,7 +60,7 @@ _FILLER = " Serve the cooling load first; among the ways to serve it, prefer the
 def lengthen_prompts(frame, tokenizer, target: int):
     """Pads each prompt's developer message with a repeated note until the prompt is about `target` tokens.
 
-    The repo's TES prompts are ~850 tokens; the measurements in issues 3 and 5 used ~1,316-token prompts. Cost
+    The repo's TES prompts are ~850 tokens; the measurements in BENCHMARKS.md used ~1,316-token prompts. Cost
     depends on length, not content (random weights), so padding makes the figures comparable.
     """
     per_filler = len(tokenizer(_FILLER, add_special_tokens=False).input_ids)
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     start_process_group()
     torch.cuda.set_device(local_rank())
     say(stack_versions())
-    from tes_grpo.gpt_oss_tokenizer import load_tokenizer
+    from tes_grpo.harmony import load_tokenizer
 
     settings = train_grpo.default_settings(
         OUT_DIR=bench.OUT_DIR, TOTAL_STEPS=bench.STEPS, MAX_COMPLETION_LEN=bench.MAX_COMPLETION_LEN, SAVE_STEPS=10_000,

@@ -172,6 +172,20 @@ def read_csv_header(path: str | os.PathLike) -> list[str]:
     return header
 
 
+def read_csv_rows(path: str | os.PathLike) -> list[list[str]]:
+    """The CSV's records as lists of strings, header first, header cells stripped; InputError naming the file for an
+    unreadable file, invalid UTF-8, a duplicate column name, or text the csv module cannot parse."""
+    text = read_csv_text(path)
+    try:
+        table = [record for record in csv.reader(io.StringIO(text))]
+    except csv.Error as err:
+        raise InputError(path, f"cannot read as CSV: {err}") from None
+    if table:
+        table[0] = [cell.strip() for cell in table[0]]
+        check_unique_columns(path, table[0])
+    return table
+
+
 def read_csv_table(path: str | os.PathLike):
     """The CSV as a pandas DataFrame of strings (nothing reformatted; empty cells stay empty strings).
 

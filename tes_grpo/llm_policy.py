@@ -10,7 +10,7 @@ Not a script: `test_lora_adapter.py`, `test_lora_adapter_quantized.py` and `eval
   the adapter pass and the base pass with the same batching draw from the same random streams. On a GPU, batches of
   GROUPED_MM_MIN_BATCH or more sequences keep the grouped_mm experts while decoding (measured faster; see there).
 - A completion is cut after its first stop token (<|return|>, <|call|>, <|endoftext|>: the generation config's
-  end tokens); one that hit `max_new_tokens` first is `truncated`. Actions come from `data_reward.parse_action`
+  end tokens); one that hit `max_new_tokens` first is `truncated`. Actions come from `harmony.parse_action`
   (the last `[k]` in the final channel), None when invalid or truncated.
 - `majority_vote(actions)`: the most frequent valid action (ties go to the lowest action), None when none is valid.
 """
@@ -20,15 +20,19 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import json
 import sys
 from pathlib import Path
 from typing import Sequence
 
 from tes_grpo.fileio import InputError
+from tes_grpo.harmony import HARMONY_GLOB, STOP_TOKEN_IDS, harmony_csv_files, parse_action
 from tes_grpo.model_loading import (
+    adapter_base_model,
+    adapter_config,
+    adapter_touches_experts,
     checkpoint_is_mxfp4,
     dtype_name,
+    experts_are_mxfp4,
     load_tokenizer_for,
     native_mxfp4_blockers,
     resolve_attention,
@@ -36,11 +40,9 @@ from tes_grpo.model_loading import (
     resolve_dtype,
 )
 
-ADAPTER_CONFIG = "adapter_config.json"
-TRAIN_CONFIG = "train_config.json"  # train_grpo.py's resolved settings, in the run folder (a checkpoint's parent)
 # From this many sequences per generate call on a GPU, the dequantized experts keep grouped_mm while decoding instead of
-# transformers' switch to batched_mm. bench_generate.py on an H100 (gpt-oss-20b shapes, 1316-token prompts, 128 new
-# tokens): 4 sequences 7.9 s grouped_mm vs 6.9 s default; 16: 8.7 vs 10.8 s; 64: 10.8 vs 36.4 s.
+# transformers' switch to batched_mm, which was faster only below it (BENCHMARKS.md, "Generation alone: which experts
+# implementation decodes").
 GROUPED_MM_MIN_BATCH = 16
 
 
@@ -76,87 +78,15 @@ class PolicyModel:
 
 def prompt_files(path: str | Path) -> list[Path]:
     """A Harmony CSV, or every *_harmony.csv under a folder (sorted); InputError when there is none."""
-    from data_reward import HARMONY_GLOB, training_csv_paths
-
     path = Path(path)
     if path.is_file():
         return [path]
     if not path.is_dir():
         raise InputError(path, "prompt file or folder does not exist")
-    files = training_csv_paths(path, None)
+    files = harmony_csv_files(path)
     if not files:
         raise InputError(path, f"no {HARMONY_GLOB} files in this folder (run the data pipeline first)")
     return files
-
-
-def adapter_config(adapter_path: str | Path) -> dict:
-    """The adapter's adapter_config.json; InputError when the folder or the file is missing or unreadable."""
-    folder = Path(adapter_path)
-    if not folder.is_dir():
-        raise InputError(folder, "adapter folder does not exist (train one with train_grpo.py or set ADAPTER_PATH)")
-    path = folder / ADAPTER_CONFIG
-    if not path.is_file():
-        raise InputError(path, "missing: this folder is not a PEFT adapter (no adapter_config.json)")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise InputError(path, f"not valid JSON ({err})") from None
-
-
-def adapter_base_model(adapter_path: str | Path) -> str:
-    """The base model the adapter was trained on (its `base_model_name_or_path`)."""
-    config = adapter_config(adapter_path)
-    base = config.get("base_model_name_or_path")
-    if not base:
-        raise InputError(Path(adapter_path) / ADAPTER_CONFIG, "no base_model_name_or_path; set BASE_MODEL_ID",
-                         column="base_model_name_or_path", value=base)
-    return str(base)
-
-
-def adapter_touches_experts(adapter_path: str | Path) -> bool:
-    """Whether the adapter has LoRA on the MoE expert weights (PEFT `target_parameters`)."""
-    targets = adapter_config(adapter_path).get("target_parameters") or []
-    return any("experts" in str(target) for target in targets)
-
-
-def adapter_run_name(adapter_path: str | Path) -> str:
-    """A short name for output folders: "grpo-tiny" for runs/grpo-tiny, "grpo-tiny-checkpoint-000010" for a
-    checkpoint."""
-    folder = Path(adapter_path).resolve()
-    return f"{folder.parent.name}-{folder.name}" if folder.parent.name not in ("", "runs") else folder.name
-
-
-def training_config(adapter_path: str | Path) -> tuple[dict, Path | None]:
-    """train_grpo.py's train_config.json for an adapter (its folder, or the run folder above a checkpoint)."""
-    folder = Path(adapter_path)
-    for candidate in (folder / TRAIN_CONFIG, folder.parent / TRAIN_CONFIG):
-        if candidate.is_file():
-            try:
-                return json.loads(candidate.read_text(encoding="utf-8")), candidate
-            except json.JSONDecodeError as err:
-                raise InputError(candidate, f"not valid JSON ({err})") from None
-    return {}, None
-
-
-def resolve_reasoning_effort(requested: str, adapter_path: str, fallback: str) -> tuple[str, str]:
-    """(effort, where it came from). "auto" = the adapter's training REASONING_EFFORT when recorded, else fallback.
-
-    An effort of "" means "keep the prompt's own Reasoning line" (the dataset's).
-    """
-    if requested != "auto":
-        return requested, "as set"
-    if adapter_path:
-        config, path = training_config(adapter_path)
-        if path is not None and "REASONING_EFFORT" in config:
-            return str(config["REASONING_EFFORT"]), f"the adapter's training setting ({path})"
-    return fallback, "no training setting recorded; the dataset's"
-
-
-def experts_are_mxfp4(model) -> bool:
-    """Whether transformers kept the MoE experts in MXFP4 (its native path swaps in Mxfp4GptOssExperts)."""
-    from transformers.integrations.mxfp4 import Mxfp4GptOssExperts
-
-    return any(isinstance(module, Mxfp4GptOssExperts) for module in model.modules())
 
 
 def fallback_note(torch_dtype, reasons: list[str]) -> str:
@@ -232,8 +162,6 @@ def load_policy_model(base_model_id: str = "", adapter_path: str = "", quantized
     eos = model.generation_config.eos_token_id
     stop_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
     if not stop_ids:
-        from data_reward import STOP_TOKEN_IDS
-
         print(f"note: {base_model_id} has no generation-config end tokens; using gpt-oss's {sorted(STOP_TOKEN_IDS)}")
         stop_ids = STOP_TOKEN_IDS
     return PolicyModel(model=model, tokenizer=tokenizer, base_model_id=base_model_id, adapter_path=adapter_path or "",
@@ -250,8 +178,6 @@ def split_at_stop(ids: Sequence[int], stop_ids) -> tuple[list[int], bool]:
 
 
 def completion_from_ids(tokenizer, ids: Sequence[int], stop_ids) -> Completion:
-    from data_reward import parse_action
-
     kept, truncated = split_at_stop(ids, stop_ids)
     text = tokenizer.decode(kept, skip_special_tokens=False)
     return Completion(text=text, n_tokens=len(kept), truncated=truncated,
@@ -321,6 +247,5 @@ def majority_vote(actions: Sequence[int | None]) -> int | None:
     return min(a for a, n in counts.items() if n == top)
 
 
-__all__ = ["Completion", "PolicyModel", "adapter_base_model", "adapter_config", "adapter_touches_experts",
-           "completion_from_ids", "experts_are_mxfp4", "generate", "load_policy_model", "majority_vote",
-           "native_mxfp4_blockers", "resolve_device", "resolve_dtype", "split_at_stop"]
+__all__ = ["Completion", "PolicyModel", "completion_from_ids", "generate", "load_policy_model", "majority_vote",
+           "prompt_files", "split_at_stop"]

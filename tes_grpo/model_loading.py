@@ -1,16 +1,20 @@
-"""Where and how a gpt-oss checkpoint is loaded: device, dtype, attention, MXFP4 or not, tokenizer (one home).
+"""Where and how a gpt-oss checkpoint is loaded, and what a trained adapter says about itself (one home).
 
-train_grpo.py, llm_policy.py (test_lora_adapter.py, evaluate_policy.py) and export_quantized_model.py all decide
-these the same way here:
+train_grpo.py, llm_policy.py (test_lora_adapter.py, evaluate_policy.py), export_quantized_model.py and
+run_exported_model.py all decide these the same way here:
 - device "auto": the GPU when torch sees one, else the CPU;
 - dtype "auto": bfloat16 on a GPU, float32 on the CPU (bf16 matrix products are slow on most CPUs, and the tiny
   model is small);
 - attention "auto": flex_attention on CUDA (it supports gpt-oss's attention sinks; sdpa and flash-attention 2 do
-  not), eager on the CPU.
+  not), eager on the CPU;
+- an adapter's adapter_config.json, its base model, the training run's train_config.json (evaluation settings set
+  to "auto" follow it: from_training_run), and how the experts were loaded (expert_load_path).
 """
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -82,16 +86,15 @@ def native_mxfp4_blockers(device: str) -> list[str]:
 
 
 def load_tokenizer_for(model_path, say=print):
-    """The checkpoint's own tokenizer, or gpt_oss_tokenizer's (same vocabulary) when its local folder has none."""
-    from transformers import AutoTokenizer
+    """The checkpoint's own tokenizer, or harmony's (same vocabulary) when its local folder has none; either way its
+    special token ids are checked (harmony.load_tokenizer)."""
+    from tes_grpo.harmony import load_tokenizer, tokenizer_source
 
     folder = Path(model_path)
     if folder.is_dir() and not (folder / "tokenizer.json").is_file():
-        from tes_grpo.gpt_oss_tokenizer import load_tokenizer, tokenizer_source
-
         say(f"tokenizer: {tokenizer_source()} (no tokenizer.json in {folder})")
         return load_tokenizer()
-    return AutoTokenizer.from_pretrained(str(model_path))
+    return load_tokenizer(str(model_path))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -202,3 +205,137 @@ def check_machine(use_vllm: bool, say=print) -> None:
         raise SettingsError("USE_VLLM=1 needs vllm (pip install -r requirements-gpu.txt); it is not installed")
     say("optional extras installed: " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in have.items())
         + " (kernels/liger are not used by this script)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Adapters, the training run they come from, and how a model's experts were loaded (train, evaluation and export)
+# ---------------------------------------------------------------------------------------------------------------
+
+ADAPTER_CONFIG = "adapter_config.json"
+TRAIN_CONFIG = "train_config.json"  # train_grpo.py's resolved settings, in the run folder (a checkpoint's parent)
+AUTO = "auto"  # an evaluation setting that follows the training run (from_training_run)
+
+
+def adapter_config(adapter_path: str | Path) -> dict:
+    """The adapter's adapter_config.json; InputError when the folder or the file is missing or unreadable."""
+    from tes_grpo.fileio import InputError
+
+    folder = Path(adapter_path)
+    if not folder.is_dir():
+        raise InputError(folder, "adapter folder does not exist (train one with train_grpo.py or set ADAPTER_PATH)")
+    path = folder / ADAPTER_CONFIG
+    if not path.is_file():
+        raise InputError(path, "missing: this folder is not a PEFT adapter (no adapter_config.json)")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise InputError(path, f"not valid JSON ({err})") from None
+
+
+def adapter_base_model(adapter_path: str | Path) -> str:
+    """The base model the adapter was trained on (its `base_model_name_or_path`)."""
+    from tes_grpo.fileio import InputError
+
+    base = adapter_config(adapter_path).get("base_model_name_or_path")
+    if not base:
+        raise InputError(Path(adapter_path) / ADAPTER_CONFIG, "no base_model_name_or_path; set BASE_MODEL_ID",
+                         column="base_model_name_or_path", value=base)
+    return str(base)
+
+
+def adapter_touches_experts(adapter_path: str | Path) -> bool:
+    """Whether the adapter has LoRA on the MoE expert weights (PEFT `target_parameters`)."""
+    targets = adapter_config(adapter_path).get("target_parameters") or []
+    return any("experts" in str(target) for target in targets)
+
+
+def adapter_run_name(adapter_path: str | Path) -> str:
+    """A short name for output folders: "grpo-tiny" for runs/grpo-tiny, "grpo-tiny-checkpoint-000010" for a
+    checkpoint."""
+    folder = Path(adapter_path).resolve()
+    return f"{folder.parent.name}-{folder.name}" if folder.parent.name not in ("", "runs") else folder.name
+
+
+def training_config(folder: str | Path) -> tuple[dict, Path | None]:
+    """train_grpo.py's train_config.json for an adapter or a merged export: in the folder, or in the run folder
+    above a checkpoint; ({}, None) when neither has one."""
+    from tes_grpo.fileio import InputError
+
+    folder = Path(folder)
+    for candidate in (folder / TRAIN_CONFIG, folder.parent / TRAIN_CONFIG):
+        if candidate.is_file():
+            try:
+                return json.loads(candidate.read_text(encoding="utf-8")), candidate
+            except json.JSONDecodeError as err:
+                raise InputError(candidate, f"not valid JSON ({err})") from None
+    return {}, None
+
+
+def from_training_run(name: str, requested, folder: str | Path, fallback):
+    """(value, where it came from) of an evaluation setting that follows training: `requested` as set unless it is
+    "auto", then the training run's value of setting `name` (train_config.json of the adapter or export in
+    `folder`), else `fallback` (the dataset's or the recipe's value).
+    """
+    if requested != AUTO:
+        return requested, "as set"
+    if folder:
+        config, path = training_config(folder)
+        if path is not None and name in config:
+            return config[name], f"the training run's {name} ({path})"
+    return fallback, "no training run recorded; the recipe's default"
+
+
+def _whole_number(text) -> int:
+    value = int(str(text))
+    if value < 1:
+        raise ValueError("must be at least 1")
+    return value
+
+
+def _temperature(text) -> float:
+    value = float(str(text))
+    if not math.isfinite(value) or value < 0:
+        raise ValueError("must be a finite number >= 0 (0 decodes greedily)")
+    return value
+
+
+# evaluation settings that can follow the training run, and how a value of each is read
+FOLLOWS_TRAINING = {"MAX_COMPLETION_LEN": _whole_number, "TEMPERATURE": _temperature}
+
+
+def checked_training_settings(s, names, folder: str | Path, say=print) -> dict:
+    """{name: value} for evaluation settings that default to "auto" (see FOLLOWS_TRAINING): the value set, else the
+    training run's from train_config.json in or above `folder`; says where each came from. ValueError naming the
+    setting for a value that does not parse, or for "auto" with no training run to follow."""
+    values = {}
+    for name in names:
+        value, origin = from_training_run(name, s[name], folder, None)
+        if value is None:
+            raise ValueError(f"{name}=auto follows the training run, but {folder or 'no adapter'} has no "
+                             f"{TRAIN_CONFIG}; set --{name}=... (train_grpo.py --help shows the recipe's)")
+        try:
+            values[name] = FOLLOWS_TRAINING[name](value)
+        except ValueError as err:
+            raise ValueError(f"{name}={value!r} ({origin}): {err}") from None
+        say(f"{name}={values[name]} ({origin})")
+    return values
+
+
+def experts_are_mxfp4(model) -> bool:
+    """Whether transformers kept the MoE experts in MXFP4 (its native path swaps in Mxfp4GptOssExperts)."""
+    from transformers.integrations.mxfp4 import Mxfp4GptOssExperts
+
+    return any(isinstance(module, Mxfp4GptOssExperts) for module in model.modules())
+
+
+def expert_load_path(model, source_is_mxfp4: bool, dequantize_requested: bool = False) -> str:
+    """How transformers loaded a model's MoE experts, in words: kept in MXFP4, or dequantized to bf16 and why."""
+    if experts_are_mxfp4(model):
+        return "native MXFP4: expert weights stay quantized (triton kernels)"
+    if not source_is_mxfp4:
+        return "not an MXFP4 checkpoint: experts loaded as stored"
+    if dequantize_requested:
+        return "dequantized to bf16 as requested (Mxfp4Config(dequantize=True))"
+    reasons = native_mxfp4_blockers(resolve_device("auto"))
+    return ("FELL BACK: transformers dequantized the MXFP4 experts to bf16 while loading ("
+            + ("; ".join(reasons) or "reason not reported") + ")")

@@ -12,8 +12,9 @@ run twice in one process. Then, for any constant `FOO_BAR`:
     python script.py a.csv b.csv        # positional words go to the constant named by `positional`
     python script.py --help             # lists every constant with its default and comment
 
-An unknown name or a value of the wrong type is an error that lists the valid names (exit 2). Float settings must
-be finite (nan, inf and numbers too large for a float are refused).
+An unknown name or a value of the wrong type is an error that says what is wrong and lists the valid names (exit 2);
+a setting with a fixed set of values (`choices`) lists those values instead. Float settings must be finite (nan,
+inf and numbers too large for a float are refused).
 The value's type comes from the constant's default (or its annotation when the default is None).
 
 Presets are data: `resolve(..., presets={"MODEL_ID": {"tiny": {...}}})` replaces the defaults of the names in the
@@ -59,6 +60,22 @@ def _annotation_types(annotation) -> tuple:
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         return tuple(a for a in args if a is not type(None))
     return (annotation,) if isinstance(annotation, type) else ()
+
+
+def parse_bool(name: str, text: str) -> bool:
+    """A yes/no word (1/0, true/false, yes/no, on/off, any case) as a bool; ConfigError naming `name` otherwise."""
+    low = str(text).strip().lower()
+    if low in _TRUE or low in _FALSE:
+        return low in _TRUE
+    raise ConfigError(f"{name}={text!r}: expected one of 1/0, true/false, yes/no, on/off")
+
+
+def check_choices(values: Mapping, choices: Mapping) -> None:
+    """ConfigError naming the setting, its value and the valid values when a setting with a fixed set of values
+    (choices: NAME -> allowed values) has another."""
+    for name, allowed in choices.items():
+        if name in values and values[name] not in allowed:
+            raise ConfigError(f"--{name}={values[name]!r}: must be one of {', '.join(map(str, allowed))}")
 
 
 def convert_value(name: str, text: str, default, annotation=None, allow_nan: bool = False):
@@ -112,13 +129,16 @@ def _doc_lines(namespace: dict) -> dict:
     return comments
 
 
-def usage(namespace: dict, positional: str | None = None, presets: dict | None = None) -> str:
+def usage(namespace: dict, positional: str | None = None, presets: dict | None = None,
+          choices: Mapping | None = None) -> str:
     script = Path(namespace.get("__file__", "script.py")).name
     doc = (namespace.get("__doc__") or "").strip()
     comments = _doc_lines(namespace)
+    choices = choices or {}
     lines = [doc, "", f"usage: python {script} [--NAME=value ...]" + (f" [{positional} ...]" if positional else ""), ""]
     for name, value in constants_of(namespace).items():
-        lines.append(f"  {f'--{name}={value!s}':<40} {comments.get(name, '')}".rstrip())
+        allowed = f" [{' | '.join(map(str, choices[name]))}]" if name in choices else ""
+        lines.append(f"  {f'--{name}={value!s}':<40} {comments.get(name, '')}{allowed}".rstrip())
     for key, by_value in (presets or {}).items():
         for value, preset in by_value.items():
             lines += ["", f"preset {key}={value} (replaces these defaults unless given):"]
@@ -161,7 +181,10 @@ def parse_overrides(argv: list[str], defaults: dict, annotations: dict | None = 
                 raise ConfigError(f"--{key} needs a value (--{name}=value)")
             text = argv[i]
             i += 1
-        result[name] = convert_value(name, text, default, annotations.get(name), allow_nan=name in allow_nan)
+        try:
+            result[name] = convert_value(name, text, default, annotations.get(name), allow_nan=name in allow_nan)
+        except ConfigError as err:
+            raise ConfigError(f"{err}. Valid names: {', '.join(valid)}") from None
     if words:
         if positional is None:
             raise ConfigError(f"unexpected argument {words[0]!r}: settings take the form --NAME=value. "
@@ -216,10 +239,11 @@ class Settings(Mapping):
 
 
 def settings_from(namespace: dict, overrides: dict | None = None, presets: dict | None = None,
-                  given=None) -> Settings:
+                  given=None, choices: Mapping | None = None) -> Settings:
     """The namespace's constants with overrides (NAME=value) applied, then any matching preset for names not given.
 
-    Unknown override names raise ConfigError listing the valid ones (for tests and other Python callers).
+    Unknown override names, and values outside `choices` (NAME -> allowed values), raise ConfigError listing the
+    valid ones (for tests and other Python callers).
     """
     defaults = constants_of(namespace)
     overrides = dict(overrides or {})
@@ -234,29 +258,32 @@ def settings_from(namespace: dict, overrides: dict | None = None, presets: dict 
             if name not in given:
                 applied[name] = (values[name], preset_value)
                 values[name] = preset_value
+    check_choices(values, choices or {})
     return Settings(values, given, applied)
 
 
 def resolve(namespace: dict, argv: list[str] | None = None, positional: str | None = None,
-            presets: dict | None = None, allow_nan=()) -> Settings:
+            presets: dict | None = None, allow_nan=(), choices: Mapping | None = None) -> Settings:
     """The script's settings from its constants and the command line (the one way every script reads them).
 
-    Prints the constants (and presets) and exits 0 on --help; prints `error: ...` with the valid names and exits 2
-    on an unknown name or a value of the wrong type. The namespace itself is left as written.
+    Prints the constants (and presets, and each choice setting's values) and exits 0 on --help; prints
+    `error: ...` and exits 2 on an unknown name (listing the valid names), a value of the wrong type (naming the
+    type it needs), or a value outside `choices` (listing the valid values). The namespace itself is left as
+    written.
     """
     argv = sys.argv[1:] if argv is None else argv
     defaults = constants_of(namespace)
     if positional is not None and positional not in defaults:
         raise KeyError(f"positional constant {positional} is not defined")
     if any(arg in ("-h", "--help") for arg in argv):
-        print(usage(namespace, positional, presets))
+        print(usage(namespace, positional, presets, choices))
         raise SystemExit(0)
     try:
         overrides = parse_overrides(argv, defaults, namespace.get("__annotations__", {}), positional, allow_nan)
+        return settings_from(namespace, overrides, presets, choices=choices)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    return settings_from(namespace, overrides, presets)
 
 
 def save_config(config: dict, path: str | os.PathLike) -> Path:
@@ -269,5 +296,5 @@ def save_config(config: dict, path: str | os.PathLike) -> Path:
     return atomic_write_text(path, json.dumps(serialisable, indent=2, sort_keys=True) + "\n")
 
 
-__all__ = ["ConfigError", "Settings", "constants_of", "convert_value", "parse_overrides", "resolve", "save_config",
-           "settings_from", "usage"]
+__all__ = ["ConfigError", "Settings", "check_choices", "constants_of", "convert_value", "parse_bool",
+           "parse_overrides", "resolve", "save_config", "settings_from", "usage"]

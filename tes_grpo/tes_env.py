@@ -31,7 +31,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Callable, Sequence
 
-from tes_grpo.fileio import InputError, check_unique_columns, parse_finite, read_csv_text
+from tes_grpo.fileio import InputError, parse_finite, read_csv_rows
 
 RATED_KW = 100.0  # ASHP rated cooling output (kW); one hour at ratio 1 schedules 100 kWh
 COP = 4.0  # ASHP coefficient of performance (kWh cooling per kWh electricity), constant
@@ -138,19 +138,11 @@ def load_series(path: str | Path) -> Series:
 
     UTF-8, with or without a byte-order mark; InputError naming the file (and row, column, value) on any problem.
     """
-    import csv
-    import io
-
     path = Path(path)
-    text = read_csv_text(path)
-    try:
-        table = list(csv.reader(io.StringIO(text)))
-    except csv.Error as err:
-        raise InputError(path, f"cannot read as CSV: {err}") from None
+    table = read_csv_rows(path)
     if not table:
         raise InputError(path, "empty file")
-    header = [cell.strip() for cell in table[0]]
-    check_unique_columns(path, header)
+    header = table[0]
     if header != list(SERIES_COLUMNS):
         raise InputError(path, f"columns must be exactly {','.join(SERIES_COLUMNS)}; found {','.join(header)}")
     rows = table[1:]

@@ -8,7 +8,7 @@
 What it is: gpt-oss's architecture at toy size (hidden 64, 2 layers: one sliding-window and one full attention
 layer with attention sinks, 2 query heads sharing 1 key/value head, 4 experts of which 2 are active per token)
 with the real 201,088-token vocabulary and the real tokenizer and chat template (from `../shared/gpt-oss-tokenizer`,
-see gpt_oss_tokenizer.py), random weights from a fixed seed. It is written by `mxfp4.write_mxfp4_checkpoint` exactly
+see harmony.py), random weights from a fixed seed. It is written by `mxfp4.write_mxfp4_checkpoint` exactly
 like openai/gpt-oss-20b: expert weights as `*_blocks` / `*_scales` (MXFP4), everything else bf16, `quantization_config`
 mxfp4, the original checkpoint's config keys (`rope_theta`, `rope_scaling`, `experts_per_token`, ...), plus the
 tokenizer files (the chat template also inside tokenizer_config.json, where Ollama reads it) and gpt-oss-20b's
@@ -18,7 +18,7 @@ generation_config.json (stop tokens <|return|>, <|endoftext|>, <|call|>). Traini
 The warm-up (why and what): a random model never writes a Harmony answer, so every reward would be NaN and GRPO
 would have nothing to learn from. Before writing, a short supervised warm-up (WARMUP_STEPS AdamW steps, ~1.5 min
 on 2 CPU cores, on task prompts built by tes_env.build_prompt from random series and rendered like the datasets
-by convert_to_harmony; no dataset is read) teaches the answer FORMAT only:
+by harmony.render_harmony_prompt; no dataset is read) teaches the answer FORMAT only:
 
     <|channel|>analysis<|message|>Compare load and CO2 for the hours left.<|end|><|start|>assistant
     <|channel|>final<|message|>[k]<|return|>        (one line in the model's text)
@@ -40,6 +40,7 @@ import time
 import typing
 from pathlib import Path
 
+from tes_grpo import harmony  # the module, not its constants: current_settings() reads this module's UPPER_CASE names
 from tes_grpo.fileio import give_default_modes, temporary_folder
 from tes_grpo.script_config import constants_of
 
@@ -66,9 +67,6 @@ REBUILD = False  # build again even if TINY_DIR already holds a finished checkpo
 _WARMUP_ANALYSIS = "Compare load and CO2 for the hours left."
 _BUILD_VERSION = 3  # bump when the builder changes, so cached checkpoints from older builders are rebuilt
 _BUILD_INFO = "tiny_model.json"  # written last: its presence marks a finished checkpoint
-# openai/gpt-oss-20b's generation_config.json
-_GENERATION_CONFIG = {"bos_token_id": 199998, "do_sample": True, "eos_token_id": [200002, 199999, 200012],
-                     "pad_token_id": 199999}
 
 
 def current_settings() -> dict:
@@ -90,7 +88,8 @@ def tiny_config(vocab_size: int = 201088, settings: dict | None = None):
         sliding_window=128,
         layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(s["NUM_LAYERS"])],
         max_position_embeddings=131072, rms_norm_eps=1e-5, swiglu_limit=7.0, attention_bias=True,
-        tie_word_embeddings=False, pad_token_id=199999, eos_token_id=200002, bos_token_id=199998, use_cache=True,
+        tie_word_embeddings=False, pad_token_id=harmony.PAD_ID, eos_token_id=harmony.RETURN_ID,
+        bos_token_id=harmony.BOS_ID, use_cache=True,
     )
 
 
@@ -139,14 +138,14 @@ def random_series(rng: torch.Generator):
 
 
 def warmup_prompt(tokenizer, rng: torch.Generator) -> str:
-    """A task prompt (tes_env.build_prompt, rendered like the datasets by convert_to_harmony) on a random series.
+    """A task prompt (tes_env.build_prompt, rendered like the datasets by harmony.render_harmony_prompt) on a random
+    series.
 
     Same instructions, table layout and length (~850 tokens) as the training prompts, with random numbers and a
     random reasoning effort, so the format the warm-up teaches carries over to the real prompts.
     """
     import torch
 
-    from convert_to_harmony import render_harmony_prompt
     from tes_grpo import tes_env
 
     series = random_series(rng)
@@ -154,8 +153,8 @@ def warmup_prompt(tokenizer, rng: torch.Generator) -> str:
     t = decisions[int(torch.randint(0, len(decisions), (1,), generator=rng))]
     energy = round(float(torch.rand(1, generator=rng)) * tes_env.CAPACITY_KWH, 1)
     system, user = tes_env.build_prompt(series, t, energy)
-    effort = ("low", "medium", "high")[int(torch.randint(0, 3, (1,), generator=rng))]
-    return render_harmony_prompt(system, user, tokenizer, effort)
+    effort = harmony.REASONING_EFFORTS[int(torch.randint(0, len(harmony.REASONING_EFFORTS), (1,), generator=rng))]
+    return harmony.render_harmony_prompt(system, user, tokenizer, effort)
 
 
 def warmup_completion(action: int) -> str:
@@ -235,7 +234,10 @@ def write_tiny_checkpoint(model, tokenizer, out_dir: str | os.PathLike, info: di
     model.config.architectures = ["GptOssForCausalLM"]  # as in openai/gpt-oss-20b's config.json
     stats = write_mxfp4_checkpoint(model, model.config, out_dir)
     save_tokenizer_files(tokenizer, out_dir)
-    GenerationConfig(**_GENERATION_CONFIG).save_pretrained(out_dir)
+    # openai/gpt-oss-20b's generation_config.json: generation stops at any of the stop tokens
+    GenerationConfig(bos_token_id=harmony.BOS_ID, do_sample=True,
+                     eos_token_id=[harmony.RETURN_ID, harmony.PAD_ID, harmony.CALL_ID],
+                     pad_token_id=harmony.PAD_ID).save_pretrained(out_dir)
     info = {**info, "checkpoint": {k: v for k, v in stats.items() if k != "files"}}
     (out_dir / _BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
     return out_dir
@@ -262,17 +264,15 @@ def stale_reason(path: str | os.PathLike, settings: dict | None = None) -> str |
 
 def build_tiny_checkpoint(out_dir: str | os.PathLike, settings: dict | None = None) -> Path:
     """Builds, warms up and writes the tiny model into out_dir (via a temporary folder renamed at the end)."""
-    from tes_grpo.gpt_oss_tokenizer import load_tokenizer, tokenizer_source
-
     s = settings or current_settings()
     out_dir = Path(out_dir)
-    tokenizer = load_tokenizer()
+    tokenizer = harmony.load_tokenizer()
     started = time.time()
     config = tiny_config(vocab_size=len(tokenizer), settings=s)
     model = build_tiny_model(config, s["SEED"])
     n_params = sum(p.numel() for p in model.parameters())
     print(f"tiny gpt-oss: {n_params / 1e6:.1f} M parameters (hidden {config.hidden_size}, {config.num_hidden_layers} "
-          f"layers, {config.num_local_experts} experts), tokenizer from {tokenizer_source()}")
+          f"layers, {config.num_local_experts} experts), tokenizer from {harmony.tokenizer_source()}")
     losses = []
     if s["WARMUP_STEPS"] > 0:
         losses = warm_up_format(model, tokenizer, s["WARMUP_STEPS"], s["WARMUP_BATCH"], s["WARMUP_LR"], s["SEED"])
@@ -281,7 +281,7 @@ def build_tiny_checkpoint(out_dir: str | os.PathLike, settings: dict | None = No
         print("format warm-up skipped (WARMUP_STEPS=0): the model will not answer in the Harmony format")
     info = {"version": _BUILD_VERSION, "settings": build_settings(s),
             "warmup_loss_first": losses[0] if losses else None, "warmup_loss_last": losses[-1] if losses else None,
-            "parameters": n_params, "tokenizer_source": tokenizer_source(),
+            "parameters": n_params, "tokenizer_source": harmony.tokenizer_source(),
             "build_seconds": round(time.time() - started, 1)}
     tmp = temporary_folder(out_dir)
     try:

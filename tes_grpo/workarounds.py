@@ -19,8 +19,9 @@ def keep_grouped_mm_experts_for_decode(model, say=_say) -> bool:
     """transformers 5.17-5.23: stops generate() from switching grouped_mm experts to batched_mm for decoding.
 
     transformers (on GPUs) swaps in `batched_mm` for the decode phase, which gathers every token's expert weights:
-    fast for a few sequences, but GRPO decodes 64 at once, where it ran out of memory on an H100 and was 3x slower
-    (BENCHMARKS.md). Permanent for this model object; returns whether there was a switch to turn off.
+    fast for a few sequences, but GRPO decodes 64 at once, where it ran out of memory on an H100 and was slower
+    (BENCHMARKS.md, "Generation alone: which experts implementation decodes"). Permanent for this model object;
+    returns whether there was a switch to turn off.
     """
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not hasattr(inner, "_optimize_model_for_decode"):
@@ -207,11 +208,11 @@ def flex_masks_with_padding_bounds(say=_say) -> bool:
     """transformers 5.17-5.23 + torch 2.11: builds flex attention's padded block masks from each row's bounds.
 
     For a padded batch transformers' flex_attention_mask adds `attention_mask[batch, kv]` (the 2-D 0/1 mask, int64
-    from TRL) to the mask function; with it, flex attention's forward kernel took 21.9 ms (sliding-window layer)
-    and 28.8 ms (full) for one 16 x 2,335-token training micro-batch on an H100, against 2.95 / 5.42 ms for the same
-    mask written as `start[batch] <= kv < end[batch]` (benchmarks/bench_train_pass.py, BENCHMARKS.md); its backward
-    was the same either way. A row of TRL's batches is one run of ones (prompt left-padded, completion
-    right-padded), so its bounds give the same mask; a mask with holes inside a row keeps transformers' lookup.
+    from TRL) to the mask function; with it, flex attention's forward kernel was several times slower than for the
+    same mask written as `start[batch] <= kv < end[batch]`, its backward the same either way (BENCHMARKS.md, "Speed
+    at the recipe, third session"; benchmarks/bench_train_pass.py). A row of TRL's batches is one run of ones
+    (prompt left-padded, completion right-padded), so its bounds give the same mask; a mask with holes inside a row
+    keeps transformers' lookup.
     Installed into transformers' mask registry for the process (idempotent); returns False, and says so, if this
     transformers has no flex mask entry to wrap.
     """

@@ -1,7 +1,7 @@
 """Training-data fixtures for the GRPO tests: real TES prompts in Harmony, prompt-specific rewards.
 
 The prompts are the task's own (tes_env.build_prompt on a fixed synthetic series), rendered to Harmony by the
-gpt-oss chat template exactly as the datasets are (convert_to_harmony.render_harmony_prompt). Each prompt has its
+gpt-oss chat template exactly as the datasets are (harmony.render_harmony_prompt). Each prompt has its
 own reward row and its own optimal action, so a completion scored with another prompt's rewards shows up as a
 wrong reward in the completion log. Action 1 is also good on average (mean reward 0.51 against 0.16 for the
 others), so a policy that only learns the better action overall already raises the mean reward; learning each
@@ -40,8 +40,8 @@ def fixture_series():
 
 
 def harmony_prompt(tokenizer, timestep: int, energy: float, reasoning_effort: str = "medium") -> str:
-    from convert_to_harmony import render_harmony_prompt
     from tes_grpo import tes_env
+    from tes_grpo.harmony import render_harmony_prompt
 
     system, user = tes_env.build_prompt(fixture_series(), timestep, energy)
     return render_harmony_prompt(system, user, tokenizer, reasoning_effort)
@@ -76,7 +76,7 @@ def write_fixture_data(root: Path, tokenizer) -> Path:
 
 def rewards_by_prompt(tokenizer, reasoning_effort: str) -> dict[str, tuple[list[float], int]]:
     """prompt text as training sees it (reasoning effort applied) -> (its rewards, its optimal action)."""
-    from data_reward import set_reasoning_effort
+    from tes_grpo.harmony import set_reasoning_effort
 
     return {set_reasoning_effort(harmony_prompt(tokenizer, t, e), reasoning_effort):
             (r, max(range(4), key=r.__getitem__))

@@ -16,6 +16,7 @@ import test_lora_adapter_quantized
 from tes_grpo import llm_policy
 from tes_grpo.fileio import InputError
 from tes_grpo.llm_policy import Completion
+from tes_grpo.model_loading import checked_training_settings, from_training_run
 
 REPO = Path(__file__).resolve().parents[1]
 EVAL_DIR = REPO / "data" / "eval"
@@ -202,10 +203,42 @@ def test_reasoning_effort_auto_reads_the_training_config(tmp_path):
     run = tmp_path / "run"
     (run / "checkpoint-000010").mkdir(parents=True)
     (run / "train_config.json").write_text(json.dumps({"REASONING_EFFORT": "low"}))
-    assert llm_policy.resolve_reasoning_effort("auto", str(run / "checkpoint-000010"), "medium")[0] == "low"
-    assert llm_policy.resolve_reasoning_effort("auto", str(run), "medium")[0] == "low"
-    assert llm_policy.resolve_reasoning_effort("high", str(run), "medium")[0] == "high"
-    assert llm_policy.resolve_reasoning_effort("auto", str(tmp_path / "elsewhere"), "medium")[0] == "medium"
+    assert from_training_run("REASONING_EFFORT", "auto", str(run / "checkpoint-000010"), "medium")[0] == "low"
+    assert from_training_run("REASONING_EFFORT", "auto", str(run), "medium")[0] == "low"
+    assert from_training_run("REASONING_EFFORT", "high", str(run), "medium")[0] == "high"
+    assert from_training_run("REASONING_EFFORT", "auto", str(tmp_path / "elsewhere"), "medium")[0] == "medium"
+
+
+# evaluation settings that follow training: (settings given, train_config.json or None, expected values or error words)
+FOLLOW_CASES = [
+    ({"MAX_COMPLETION_LEN": "auto", "TEMPERATURE": "auto"}, {"MAX_COMPLETION_LEN": 48, "TEMPERATURE": 0.7},
+     {"MAX_COMPLETION_LEN": 48, "TEMPERATURE": 0.7}),  # both from the training run
+    ({"MAX_COMPLETION_LEN": "512", "TEMPERATURE": "auto"}, {"MAX_COMPLETION_LEN": 48, "TEMPERATURE": 0.7},
+     {"MAX_COMPLETION_LEN": 512, "TEMPERATURE": 0.7}),  # a value given wins over the run's
+    ({"MAX_COMPLETION_LEN": "auto", "TEMPERATURE": "0"}, None, "MAX_COMPLETION_LEN=auto follows the training run"),
+    ({"MAX_COMPLETION_LEN": "12", "TEMPERATURE": "0"}, None,
+     {"MAX_COMPLETION_LEN": 12, "TEMPERATURE": 0.0}),  # no run needed when both are given
+    ({"MAX_COMPLETION_LEN": "0", "TEMPERATURE": "1"}, None, "MAX_COMPLETION_LEN='0'.*at least 1"),
+    ({"MAX_COMPLETION_LEN": "many", "TEMPERATURE": "1"}, None, "MAX_COMPLETION_LEN='many'"),
+    ({"MAX_COMPLETION_LEN": "8", "TEMPERATURE": "-1"}, None, "TEMPERATURE='-1'.*>= 0"),
+    ({"MAX_COMPLETION_LEN": "8", "TEMPERATURE": "nan"}, None, "TEMPERATURE='nan'"),
+]
+
+
+@pytest.mark.parametrize("given, recorded, expected", FOLLOW_CASES)
+def test_evaluation_sampling_follows_the_training_run(tmp_path, given, recorded, expected):
+    run = tmp_path / "run"
+    (run / "checkpoint-000010").mkdir(parents=True)
+    if recorded is not None:
+        (run / "train_config.json").write_text(json.dumps(recorded))
+    adapter = str(run / "checkpoint-000010")
+    if isinstance(expected, str):
+        with pytest.raises(ValueError, match=expected):
+            checked_training_settings(given, tuple(given), adapter, say=lambda line: None)
+    else:
+        said = []
+        assert checked_training_settings(given, tuple(given), adapter, say=said.append) == expected
+        assert len(said) == len(given)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -269,7 +302,8 @@ def test_quantized_script_says_it_fell_back_on_cpu(adapters, tmp_path, capsys):
     out = tmp_path / "q" / "completions.csv"
     code = test_lora_adapter_quantized.test_lora_adapter.main(
         [f"--ADAPTER_PATH={adapters['random']}", f"--PROMPT_PATH={EVAL_DIR}", "--MAX_PROMPTS=1",
-         "--SAMPLES_PER_PROMPT=1", "--MAX_COMPLETION_LEN=4", f"--OUT_DIR={out.parent}", "--PROGRESS=0"],
+         "--SAMPLES_PER_PROMPT=1", "--MAX_COMPLETION_LEN=4", "--TEMPERATURE=1", f"--OUT_DIR={out.parent}",
+         "--PROGRESS=0"],
         quantized=True)
     assert code == 0
     captured = capsys.readouterr()

@@ -1,4 +1,4 @@
-"""Bad input to the data scripts (issue 14): one `error:` line naming file / row / column / setting and value, a
+"""Bad input to the data scripts: one `error:` line naming file / row / column / setting and value, a
 non-zero exit, and every input and earlier output byte-identical (no temporary file or new folder left either).
 
 The scripts run in-process through main(argv) (fast; an uncaught exception fails the test, so a traceback cannot
@@ -24,8 +24,8 @@ import check_data
 import convert_to_harmony
 import make_q_dataset
 import make_series
-from data_reward import parse_action
 from tes_grpo import fileio
+from tes_grpo.harmony import parse_action
 
 REPO = Path(__file__).resolve().parents[1]
 SERIES_TEXT = next(iter(make_series.generate_windows(n_windows=1, seed=5, start_date="2024-06-03").values()))

@@ -18,9 +18,9 @@ from data_reward import (
     check_prompt_lengths,
     load_training_frames,
     reward_fn,
-    set_reasoning_effort,
 )
 from tes_grpo.fileio import InputError
+from tes_grpo.harmony import set_reasoning_effort
 
 A_F = "<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>final<|message|>"
 
@@ -138,7 +138,7 @@ def call_reward(prompts, actions, rewards_rows, state=None, optimal=None, log=No
     completions = [f"{A_F}[{a}]<|return|>" if a is not None else "garbage" for a in actions]
     cols = {f"reward_action_{k}": [row[k] for row in rewards_rows] for k in range(4)}
     return reward_fn(completions, **cols, prompts=prompts, optimal_action=optimal, trainer_state=state,
-                     completion_log=log)
+                     completion_log=log, invalid_reward=math.nan)
 
 
 def read_log(path):
@@ -220,3 +220,30 @@ def test_rescore_log(tmp_path, rows, expected, capsys):
 def test_rescore_missing_log_is_an_error(tmp_path, capsys):
     assert data_reward.main([str(tmp_path / "none.csv")]) == 1
     assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_a_duplicate_column_stops_training_before_the_model_loads(tmp_path, tokenizer, capsys):
+    """pandas would rename the twin reward_action_1 to reward_action_1.1 and train on the first one silently."""
+    import train_grpo
+
+    data = write_fixture_data(tmp_path, tokenizer)
+    path = data / "train" / "w1_q_dataset_harmony.csv"
+    frame = pd.read_csv(path, keep_default_na=False)
+    frame["twin"] = 0.9
+    header, body = frame.to_csv(index=False).split("\n", 1)  # column names hold no newline; the prompts do
+    path.write_text(header.replace(",twin", ",reward_action_1") + "\n" + body)
+    with pytest.raises(InputError, match="reward_action_1"):
+        load_training_frames(data, data / "eval")
+    code = train_grpo.main(["--MODEL_ID=tiny", "--TOTAL_STEPS=1", f"--DATA_DIR={data}", f"--EVAL_DIR={data / 'eval'}",
+                            f"--OUT_DIR={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 1 and "w1_q_dataset_harmony.csv" in err and "reward_action_1" in err
+    assert not (tmp_path / "run" / "adapter_model.safetensors").exists()
+
+
+def test_completion_log_escapes_a_lone_surrogate(tmp_path):
+    """A sampled completion can decode to a lone surrogate, which UTF-8 cannot encode: escaped, never an error."""
+    path = tmp_path / "completions.csv"
+    reward_fn([f"{A_F}[1]<|return|>\ud800"], *([[0.1]] * 4), prompts=["p"], invalid_reward=math.nan,
+              trainer_state=SimpleNamespace(global_step=0), completion_log=CompletionLog(path))
+    assert read_log(path)[1][3] == f"{A_F}[1]<|return|>\\ud800"

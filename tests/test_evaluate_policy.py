@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 
 import evaluate_policy as ev
-from data_reward import parse_action
 from tes_grpo import tes_env
+from tes_grpo.harmony import parse_action
 from tes_grpo.llm_policy import Completion
 
 REPO = Path(__file__).resolve().parents[1]
@@ -173,7 +173,7 @@ def test_votes_pick_the_majority_and_count_invalid_samples(eval_series, tmp_path
 
 
 def test_llm_prompts_are_the_datasets_prompts(eval_series):
-    from tes_grpo.gpt_oss_tokenizer import load_tokenizer
+    from tes_grpo.harmony import load_tokenizer
 
     series = eval_series[0]
     frame = pd.read_csv(EVAL_DIR / f"{series.name}_q_dataset_harmony.csv")

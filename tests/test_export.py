@@ -153,7 +153,7 @@ def test_run_exported_model_generates_and_parses(attention_export, tmp_path, cap
     import pandas as pd
 
     import run_exported_model as run
-    from tes_grpo.gpt_oss_tokenizer import load_tokenizer
+    from tes_grpo.harmony import load_tokenizer
 
     tokenizer = load_tokenizer()
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"Hour {h}: answer [k] with k in 0..3."}],
@@ -161,7 +161,7 @@ def test_run_exported_model_generates_and_parses(attention_export, tmp_path, cap
     csv = tmp_path / "w1_q_dataset_harmony.csv"
     pd.DataFrame({"prompt": prompts, "optimal_action": [0, 1, 2]}).to_csv(csv, index=False)
     frame = run.load_prompts(tmp_path, max_rows=2)
-    assert list(frame["row"]) == [2, 3]
+    assert list(frame["row"]) == [1, 2]  # data rows, 1 = the first after the header, as every input error counts
     model, tok, path = run.load_model(str(attention_export["out"]), dequantize=False, device="cpu")
     assert path.startswith("FELL BACK")  # CPU: stated, not silent
     texts = run.generate_completions(model, tok, list(frame["prompt"]), max_new_tokens=4, do_sample=True,
@@ -172,13 +172,13 @@ def test_run_exported_model_generates_and_parses(attention_export, tmp_path, cap
     assert result["action"].isna().all()
     run.print_decisions(result)
     printed = capsys.readouterr().out
-    assert "w1_q_dataset_harmony.csv row 2: action invalid, optimal [0]" in printed and "0/2 valid answers" in printed
+    assert "w1_q_dataset_harmony.csv row 1: action invalid, optimal [0]" in printed and "0/2 valid answers" in printed
 
 
 @pytest.mark.parametrize("text, expected", [
     # analysis then final, closed by <|return|>
     ("<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>final<|message|>[2]<|return|>", "[2]"),
-    # two final messages: the last one counts, as in data_reward.parse_action
+    # two final messages: the last one counts, as in harmony.parse_action
     ("<|channel|>final<|message|>[1]<|end|><|start|>assistant<|channel|>final<|message|>[0] ok<|return|>", "[0] ok"),
     # no final channel at all
     ("<|channel|>analysis<|message|>still thinking", None),
@@ -199,7 +199,7 @@ def test_load_prompts_rejects_legacy_prompts(tmp_path):
 
     csv = tmp_path / "x_harmony.csv"
     pd.DataFrame({"prompt": ["system: be an operator\nuser: hour 1"]}).to_csv(csv, index=False)
-    with pytest.raises(InputError, match=r"x_harmony.csv, row 2, column 'prompt'"):
+    with pytest.raises(InputError, match=r"x_harmony.csv, row 1, column 'prompt'"):
         run.load_prompts(csv, max_rows=0)
 
 
@@ -283,7 +283,8 @@ def run_script(tmp_path, env: dict) -> subprocess.CompletedProcess:
 def test_command_line_error_exits_1_without_traceback(tmp_path):
     result = run_script(tmp_path, {"HF_TOKEN": TOKEN})
     assert result.returncode == 1
-    assert result.stderr.startswith("error: adapter folder") and "Traceback" not in result.stderr
+    assert result.stderr.startswith("error: ") and "adapter folder does not exist" in result.stderr
+    assert "Traceback" not in result.stderr
     assert TOKEN not in result.stdout + result.stderr
 
 

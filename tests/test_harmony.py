@@ -18,9 +18,9 @@ from openai_harmony import Conversation, DeveloperContent, Message, ReasoningEff
 
 import convert_to_harmony as ch
 import make_series
-from tes_grpo import tes_env
+from tes_grpo import harmony, tes_env
 from tes_grpo.fileio import InputError
-from tes_grpo.gpt_oss_tokenizer import harmony_encoding
+from tes_grpo.harmony import harmony_encoding
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE_ONLY_SUFFIX = "\n\n"  # the named difference (module docstring)
@@ -64,7 +64,7 @@ AGREEMENT_CASES = [
 @pytest.mark.parametrize("t, energy, effort, date", AGREEMENT_CASES)
 def test_template_rendering_agrees_with_openai_harmony(tokenizer, series, t, energy, effort, date):
     system, user = tes_env.build_prompt(series, t, energy)
-    ours = ch.render_harmony_prompt(system, user, tokenizer, reasoning_effort=effort, date=date)
+    ours = harmony.render_harmony_prompt(system, user, tokenizer, reasoning_effort=effort, date=date)
     theirs, their_tokens = openai_harmony_text(system, user, effort, date)
     assert ours != theirs  # the named difference exists ...
     assert ours == with_named_difference(theirs, system)  # ... and is the only one
@@ -77,25 +77,25 @@ def test_template_rendering_agrees_with_openai_harmony(tokenizer, series, t, ene
 
 
 def test_simple_conversation_agrees_with_openai_harmony(tokenizer):
-    ours = ch.render_harmony_prompt("Be brief.", "Say [1].", tokenizer)
+    ours = harmony.render_harmony_prompt("Be brief.", "Say [1].", tokenizer)
     theirs, _ = openai_harmony_text("Be brief.", "Say [1].", "medium", ch.DATE)
     assert ours == with_named_difference(theirs, "Be brief.")
 
 
 def test_date_is_pinned_and_validated(tokenizer):
-    text = ch.render_harmony_prompt("s", "u", tokenizer, date="2030-01-02")
+    text = harmony.render_harmony_prompt("s", "u", tokenizer, date="2030-01-02")
     assert text.count("Current date: 2030-01-02\n") == 1
     with pytest.raises(ValueError, match="YYYY-MM-DD"):
-        ch.render_harmony_prompt("s", "u", tokenizer, date="2030-01-02\" + x + \"")
+        harmony.render_harmony_prompt("s", "u", tokenizer, date="2030-01-02\" + x + \"")
     with pytest.raises(ValueError, match="reasoning effort"):
-        ch.render_harmony_prompt("s", "u", tokenizer, reasoning_effort="extreme")
+        harmony.render_harmony_prompt("s", "u", tokenizer, reasoning_effort="extreme")
 
 
 def test_pinning_fails_loudly_when_the_template_has_no_single_date_call(tokenizer):
     template = tokenizer.chat_template
-    assert ch.pinned_date_template(template, "2025-08-05").count('"2025-08-05"') == 1
+    assert harmony.pinned_date_template(template, "2025-08-05").count('"2025-08-05"') == 1
     with pytest.raises(ValueError, match="0 times"):
-        ch.pinned_date_template(template.replace('strftime_now("%Y-%m-%d")', '"x"'), "2025-08-05")
+        harmony.pinned_date_template(template.replace('strftime_now("%Y-%m-%d")', '"x"'), "2025-08-05")
 
 
 def legacy_csv(path: Path, prompts: list[str]) -> Path:
@@ -114,7 +114,7 @@ def test_convert_keeps_other_columns_and_refuses_existing_output(tokenizer, tmp_
     original = pd.read_csv(source, dtype=str, keep_default_na=False)
     assert list(out.columns) == list(original.columns)
     assert out.drop(columns="prompt").equals(original.drop(columns="prompt"))
-    assert out.prompt[1] == ch.render_harmony_prompt("sys two", "user two", tokenizer)
+    assert out.prompt[1] == harmony.render_harmony_prompt("sys two", "user two", tokenizer)
     before = written.read_bytes()
     with pytest.raises(InputError, match="output exists"):
         ch.convert_files([source], tokenizer=tokenizer, progress=False)
@@ -159,17 +159,15 @@ def test_folder_input_skips_harmony_outputs(tmp_path):
 
 def test_main_follows_the_settings(tokenizer, tmp_path, monkeypatch, capsys):
     """--TOKENIZER, --DATE and --REASONING_EFFORT reach the rendering (nothing is bound at definition)."""
-    import tes_grpo.gpt_oss_tokenizer as gpt_oss_tokenizer
-
     loaded = []
-    monkeypatch.setattr(gpt_oss_tokenizer, "load_tokenizer", lambda source=None: loaded.append(source) or tokenizer)
+    monkeypatch.setattr(ch, "load_tokenizer", lambda source=None: loaded.append(source) or tokenizer)
     source = legacy_csv(tmp_path / "m.csv", [tes_env.legacy_prompt("s", "u")])
     folder = tmp_path / "my-tokenizer"
     folder.mkdir()
     assert ch.main([str(source), f"--TOKENIZER={folder}", "--DATE=2030-01-02", "--REASONING_EFFORT=low"]) == 0
     assert loaded == [str(folder)]
     prompt = pd.read_csv(tmp_path / "m_harmony.csv").prompt[0]
-    assert prompt == ch.render_harmony_prompt("s", "u", tokenizer, reasoning_effort="low", date="2030-01-02")
+    assert prompt == harmony.render_harmony_prompt("s", "u", tokenizer, reasoning_effort="low", date="2030-01-02")
     assert "Current date: 2030-01-02\n" in prompt and "Reasoning: low\n" in prompt
     assert f"tokenizer: {folder}; reasoning effort low; date 2030-01-02" in capsys.readouterr().out
     assert (ch.DATE, ch.REASONING_EFFORT, ch.TOKENIZER) == ("2025-08-05", "medium", "")  # defaults untouched

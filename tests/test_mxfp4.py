@@ -218,7 +218,7 @@ def test_written_config_reads_back_into_the_same_config(tmp_path, make_config):
 def test_tokenizer_files_carry_the_chat_template_in_tokenizer_config(tmp_path):
     from transformers import AutoTokenizer
 
-    from tes_grpo.gpt_oss_tokenizer import load_tokenizer
+    from tes_grpo.harmony import load_tokenizer
 
     tokenizer = load_tokenizer()
     save_tokenizer_files(tokenizer, tmp_path)

@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from data_reward import parse_action, reward_fn
+from data_reward import reward_fn
+from tes_grpo.harmony import parse_action
 
 A = "<|channel|>analysis<|message|>"
 F = "<|start|>assistant<|channel|>final<|message|>"
@@ -47,7 +48,7 @@ def test_parse_action(text, expected):
 
 def rewards_for(completions, completion_ids=None):
     cols = {f"reward_action_{k}": [ROW[k]] * len(completions) for k in range(4)}
-    return reward_fn(completions, **cols, completion_ids=completion_ids)
+    return reward_fn(completions, **cols, completion_ids=completion_ids, invalid_reward=math.nan)
 
 
 @pytest.mark.parametrize("text, expected", CASES)
@@ -86,7 +87,47 @@ def test_reward_fn_nan_when_generation_was_cut(text, valid, tokenizer):
 def test_each_completion_scored_with_its_own_row():
     completions = [f"{A}x{END}{F}[{k}]{RET}" for k in (0, 3, 3, 1)]
     cols = {f"reward_action_{k}": [10 * i + k for i in range(4)] for k in range(4)}
-    assert reward_fn(completions, **cols) == [0, 13, 23, 31]
+    assert reward_fn(completions, **cols, invalid_reward=math.nan) == [0, 13, 23, 31]
+
+
+def test_the_invalid_reward_is_required():
+    with pytest.raises(TypeError, match="invalid_reward"):
+        reward_fn(["x"], *([[0.1]] * 4))
+
+
+# TRL's conversational completions: (completion as TRL passes it, expected action)
+CONVERSATIONAL_CASES = [
+    ([{"role": "assistant", "content": f"{A}x{END}{F}[2]{RET}"}], 2),  # one message, content a string
+    ([{"role": "assistant", "content": [{"type": "text", "text": f"{A}x{END}{F}"},
+                                        {"type": "text", "text": f"[3]{RET}"}]}], 3),  # content as text parts
+    ([{"role": "assistant", "content": f"{A}x{END}"}, {"role": "assistant", "content": f"{F}[1]{RET}"}], 1),  # 2
+    ([{"role": "assistant", "content": ""}], None),  # empty message: invalid, not an error
+    ([], None),  # no messages
+]
+
+
+@pytest.mark.parametrize("completion, expected", CONVERSATIONAL_CASES)
+def test_reward_fn_reads_conversational_completions(completion, expected):
+    [reward] = rewards_for([completion])
+    assert (math.isnan(reward) if expected is None else reward == ROW[expected])
+
+
+# anything else is a TypeError naming the shape: (completion, words in the message)
+BAD_SHAPES = [
+    (None, "NoneType"),  # no completion at all
+    (b"[1]", "bytes"),  # bytes, not text
+    (7, "int"),  # a number
+    (["[1]"], "str"),  # a bare string inside the list, not a message
+    ([{"role": "assistant"}], "no 'content'"),  # a message without content
+    ([{"role": "assistant", "content": None}], "content a NoneType"),  # content None
+    ([{"role": "assistant", "content": [{"type": "image"}]}], "content a list"),  # a part that is not text
+]
+
+
+@pytest.mark.parametrize("completion, words", BAD_SHAPES)
+def test_reward_fn_names_an_unknown_completion_shape(completion, words):
+    with pytest.raises(TypeError, match=words):
+        rewards_for([completion])
 
 
 

@@ -63,7 +63,7 @@ def test_good_overrides(argv, expected):
 # (argv, positional constant, words the error must contain)
 BAD = [
     (["--STEP=3"], "PATHS", ["unknown setting --STEP", "Valid names:", "STEPS", "LR", "FLAG"]),  # typo lists names
-    (["--STEPS=three"], "PATHS", ["--STEPS='three'", "not a valid int"]),  # wrong type
+    (["--STEPS=three"], "PATHS", ["--STEPS='three'", "not a valid int", "Valid names:", "LR"]),  # wrong type
     (["--LR=fast"], "PATHS", ["not a valid float"]),
     (["--FLAG=maybe"], "PATHS", ["not a valid bool", "true/false"]),
     (["--LIMIT=1.5"], "PATHS", ["not a valid int"]),  # annotation int | None
@@ -89,10 +89,11 @@ def test_bad_overrides(argv, positional, words):
 
 def namespace():
     return {"__file__": __file__, "__doc__": "Test script.", "__annotations__": dict(ANNOTATIONS), **DEFAULTS,
-            "lower_case": 1, "_PRIVATE": 2, "TABLE": {"a": 1}}
+            "MODE": "auto", "lower_case": 1, "_PRIVATE": 2, "TABLE": {"a": 1}}
 
 
 PRESETS = {"NAME": {"tiny": {"STEPS": 2, "LR": 0.1}}}
+CHOICES = {"MODE": ("auto", "on", "off")}  # a setting with a fixed set of values
 
 # ---- resolve: (argv, expected values, expected given names, expected preset record) -------------------------------
 RESOLVE_CASES = [
@@ -122,17 +123,23 @@ def test_resolve(argv, values, given, preset):
 # (argv, exit status, words on stdout (0) or stderr (2))
 RESOLVE_EXIT_CASES = [
     (["--NOPE=1"], 2, ["error: unknown setting --NOPE", "Valid names:"]),
-    (["--STEPS=x"], 2, ["error: --STEPS='x': not a valid int"]),
+    (["--STEPS=x"], 2, ["error: --STEPS='x': not a valid int", "Valid names:"]),
     (["--LR=nan"], 2, ["error: --LR='nan'", "finite"]),
-    (["--help"], 0, ["Test script.", "--STEPS=10", "--LIMIT=None", "preset NAME=tiny", "--STEPS=2", "--LR=0.1"]),
+    (["--MODE=fast"], 2, ["error: --MODE='fast': must be one of auto, on, off"]),  # a choice setting lists its values
+    (["--MODE=on"], None, []),  # a valid choice
+    (["--help"], 0, ["Test script.", "--STEPS=10", "--LIMIT=None", "preset NAME=tiny", "--STEPS=2", "--LR=0.1",
+                     "--MODE=auto", "[auto | on | off]"]),
     (["-h"], 0, ["usage: python test_script_config.py [--NAME=value ...] [PATHS ...]"]),
 ]
 
 
 @pytest.mark.parametrize("argv, code, words", RESOLVE_EXIT_CASES)
 def test_resolve_exits(argv, code, words, capsys):
+    if code is None:
+        assert resolve(namespace(), argv, positional="PATHS", presets=PRESETS, choices=CHOICES).MODE == "on"
+        return
     with pytest.raises(SystemExit) as exit_info:
-        resolve(namespace(), argv, positional="PATHS", presets=PRESETS)
+        resolve(namespace(), argv, positional="PATHS", presets=PRESETS, choices=CHOICES)
     assert exit_info.value.code == code
     out, err = capsys.readouterr()
     text = out if code == 0 else err
@@ -200,3 +207,19 @@ def test_convert_value_annotation_object():
 def test_save_config_writes_json(tmp_path):
     path = save_config({"OUT": Path("a/b"), "SIZES": (1, 2), "N": 3}, tmp_path / "c" / "config.json")
     assert json.loads(path.read_text()) == {"N": 3, "OUT": "a/b", "SIZES": [1, 2]}
+
+
+SCRIPTS = ["train_grpo", "step_stream", "calculate_reward", "convert_to_harmony", "test_lora_adapter",
+           "export_quantized_model", "run_exported_model", "evaluate_policy", "check_data", "make_series",
+           "make_q_dataset", "make_example_data", "export_gguf_adapter"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_scripts_settings_are_the_constants_it_writes(script):
+    """An UPPER_CASE name imported into a script would become a setting (--help, --NAME=value, train_config.json)."""
+    import importlib
+
+    module = importlib.import_module(script)
+    source = Path(module.__file__).read_text(encoding="utf-8")
+    written = set(re.findall(r"^([A-Z][A-Z0-9_]*)\s*(?::[^=\n]+)?=", source, flags=re.MULTILINE))
+    assert set(constants_of(vars(module))) <= written

@@ -103,7 +103,7 @@ def test_grpo_trainer_sees_each_prompt_num_generations_times_with_its_rewards(tm
 
     import train_grpo
     from data_reward import reward_fn
-    from tes_grpo.gpt_oss_tokenizer import load_tokenizer
+    from tes_grpo.harmony import load_tokenizer
     from tes_grpo.tiny_model import current_settings, tiny_config
 
     tokenizer = load_tokenizer()

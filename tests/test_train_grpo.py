@@ -76,12 +76,13 @@ BAD_SETTINGS = [
     ({"REASONING_EFFORT": "max"}, "REASONING_EFFORT='max'"),
     ({"DECODE_EXPERTS": "fast"}, "DECODE_EXPERTS='fast'"),
     ({"TRAIN_EXPERTS": "grouped_mm"}, "TRAIN_EXPERTS='grouped_mm'"),  # fused or transformers
-    ({"DECODE_GRAPHS": "maybe"}, "DECODE_GRAPHS='maybe'"),
+    ({"DECODE_GRAPHS": "maybe"}, "DECODE_GRAPHS='maybe': must be one of auto, on, off"),
+    ({"DECODE_GRAPHS": "1"}, "DECODE_GRAPHS='1'"),  # a plain choice: on or off, not a yes/no word
     ({"MAX_COMPLETION_LEN": 0}, "MAX_COMPLETION_LEN=0: must be at least 1"),
     ({"TRAIN_TOKENS_PER_PASS": 0}, "TRAIN_TOKENS_PER_PASS=0"),
     ({"TRAIN_BATCH_SIZE": "big"}, "TRAIN_BATCH_SIZE='big'"),
     ({"TRAIN_BATCH_SIZE": "0"}, "TRAIN_BATCH_SIZE='0'"),
-    ({"LR": NAN}, "LR=nan"),  # issue 14: nan, inf and negative learning rates were accepted
+    ({"LR": NAN}, "LR=nan"),  # nan, inf and negative learning rates must not reach the optimizer
     ({"LR": INF}, "LR=inf"),
     ({"LR": -1e-5}, "LR=-1e-05"),
     ({"TEMPERATURE": 0.0}, "TEMPERATURE=0.0"),  # 0 would divide the logits by zero
@@ -94,8 +95,8 @@ BAD_SETTINGS = [
     ({"OUT_DIR": "  "}, "OUT_DIR='  '"),
     ({"INVALID_REWARD": INF}, "INVALID_REWARD=inf"),  # nan is allowed (TRL's masking), inf is not
     ({"VLLM_GPU_MEMORY_UTILIZATION": 1.5}, "VLLM_GPU_MEMORY_UTILIZATION=1.5"),
-    ({"USE_VLLM": True, "DECODE_GRAPHS": "1"}, "both choose how completions are generated"),
-    ({"DECODE_EXPERTS": "mxfp4", "DECODE_GRAPHS": "0"}, "DECODE_EXPERTS=mxfp4 is graph_decode's"),
+    ({"USE_VLLM": True, "DECODE_GRAPHS": "on"}, "both choose how completions are generated"),
+    ({"DECODE_EXPERTS": "mxfp4", "DECODE_GRAPHS": "off"}, "DECODE_EXPERTS=mxfp4 is graph_decode's"),
     ({"DECODE_EXPERTS": "mxfp4", "USE_VLLM": True}, "DECODE_EXPERTS=mxfp4 is graph_decode's"),
 ]
 
@@ -171,84 +172,6 @@ def test_read_environment(environ, expected, words):
     else:
         with pytest.raises(train_grpo.SettingsError, match=words):
             train_grpo.read_environment(environ)
-
-
-# (DECODE_GRAPHS, USE_VLLM, cuda, FSDP, used?)
-DECODE_GRAPH_CASES = [
-    ("auto", False, True, False, True),  # on by default on a GPU
-    ("auto", False, False, False, False),  # off on the CPU (transformers' generate)
-    ("auto", True, True, False, False),  # vLLM generates
-    ("auto", False, True, True, False),  # FSDP gathers weights every step
-    ("1", False, False, False, True),  # asked for: eager steps on the CPU
-    ("0", False, True, False, False),
-]
-
-
-@pytest.mark.parametrize("value, vllm, cuda, fsdp, used", DECODE_GRAPH_CASES)
-def test_decode_graphs_wanted(value, vllm, cuda, fsdp, used):
-    settings = train_grpo.default_settings(DECODE_GRAPHS=value, USE_VLLM=vllm)
-    assert train_grpo.decode_graphs_wanted(settings, cuda, fsdp)[0] is used
-
-
-# (DECODE_EXPERTS, cuda, triton installed?, graph_decode's experts)
-DECODE_EXPERTS_CASES = [
-    ("auto", True, True, "mxfp4"),  # the default on a GPU: the MXFP4 copy of the frozen experts
-    ("auto", False, True, "model"),  # CPU: no GPU kernel, the bf16 experts (the reason is in the log line)
-    ("auto", True, False, "model"),  # no triton: the bf16 experts
-    ("mxfp4", False, True, "mxfp4"),  # asked for (runs only where Triton can: a GPU or its interpreter)
-    ("grouped_mm", True, True, "model"),
-    ("transformers", True, True, "model"),
-]
-
-
-def pretend_triton_installed(monkeypatch, installed: bool) -> None:
-    real_find_spec = train_grpo.importlib.util.find_spec
-    monkeypatch.setattr(train_grpo.importlib.util, "find_spec",
-                        lambda name, *a: (real_find_spec(name, *a) if installed else None) if name == "triton"
-                        else real_find_spec(name, *a))
-
-
-@pytest.mark.parametrize("value, cuda, triton, experts", DECODE_EXPERTS_CASES)
-def test_decode_experts_wanted(value, cuda, triton, experts, monkeypatch):
-    pretend_triton_installed(monkeypatch, triton)
-    chosen, why = train_grpo.decode_experts_wanted(train_grpo.default_settings(DECODE_EXPERTS=value), cuda)
-    assert chosen == experts and f"DECODE_EXPERTS={value}" in why
-
-
-# (TRAIN_EXPERTS, cuda, triton installed?, fused training experts?)
-TRAIN_EXPERTS_CASES = [
-    ("auto", True, True, True),  # the default on a GPU: fused_experts.py, compiled
-    ("auto", False, True, False),  # CPU: transformers' grouped_mm
-    ("auto", True, False, False),  # no triton for torch.compile: transformers' grouped_mm
-    ("fused", False, False, True),  # asked for: on CPU its functions run eagerly
-    ("transformers", True, True, False),
-]
-
-
-@pytest.mark.parametrize("value, cuda, triton, fused", TRAIN_EXPERTS_CASES)
-def test_train_experts_wanted(value, cuda, triton, fused, monkeypatch):
-    pretend_triton_installed(monkeypatch, triton)
-    chosen, why = train_grpo.train_experts_wanted(train_grpo.default_settings(TRAIN_EXPERTS=value), cuda)
-    assert chosen is fused and f"TRAIN_EXPERTS={value}" in why
-
-
-def test_use_graph_decode_passes_the_experts_choice():
-    from tes_grpo.graph_decode import GraphDecodeGenerate
-
-    class Model:
-        def generate(self, **kwargs):
-            return "transformers"
-
-    model = Model()
-    train_grpo.use_graph_decode(model, "mxfp4")
-    assert isinstance(model.generate, GraphDecodeGenerate) and model.generate.experts == "mxfp4"
-    train_grpo.use_graph_decode(model, "model")  # idempotent: the same wrapper, the latest choice
-    assert model.generate.experts == "model"
-
-
-def test_decode_graphs_refused_under_fsdp():
-    with pytest.raises(train_grpo.SettingsError, match="FSDP"):
-        train_grpo.decode_graphs_wanted(train_grpo.default_settings(DECODE_GRAPHS="1"), True, True)
 
 
 def test_grpo_config_uses_cache_stream_options_and_loss(tmp_path):
@@ -513,7 +436,7 @@ def answer_contexts(log: pd.DataFrame, table: dict, per_prompt: int = 8) -> list
 
     The analysis text before the answer is kept as it was sampled, so the policies compared below see the same contexts.
     """
-    from data_reward import FINAL_HEADER
+    from tes_grpo.harmony import FINAL_HEADER
 
     contexts = []
     for prompt, rows in log[log["action"] != ""].groupby("prompt", sort=True):

@@ -1,4 +1,4 @@
-"""tes_grpo/workarounds.py: TensorBoard after a resume keeps one point per step (issue 14), without a model."""
+"""tes_grpo/workarounds.py: TensorBoard after a resume keeps one point per step, without a model."""
 
 from __future__ import annotations
 

@@ -1,0 +1,113 @@
+"""fast_paths.py: which sampler, decode experts and training experts a run takes, and why (table-driven; a small
+random gpt-oss built on the spot, no checkpoint)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GptOssConfig, GptOssForCausalLM
+
+import train_grpo
+from tes_grpo import fast_paths
+from tes_grpo.graph_decode import GraphDecodeGenerate
+from tes_grpo.script_config import SettingsError
+
+
+def small_model(experts: str = "grouped_mm", dropout: float = 0.0):
+    config = GptOssConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], attention_dropout=dropout, attn_implementation="eager")
+    config._experts_implementation = experts
+    torch.manual_seed(0)
+    return GptOssForCausalLM(config)
+
+
+def settings(**overrides):
+    return train_grpo.default_settings(**overrides)
+
+
+# (DECODE_GRAPHS, USE_VLLM, cuda, FSDP, model's experts, used?, words of the reason)
+DECODE_GRAPH_CASES = [
+    ("auto", False, True, False, "grouped_mm", True, "DECODE_GRAPHS=auto: on"),  # the default on a GPU
+    ("auto", False, False, False, "grouped_mm", False, "no CUDA device"),  # CPU: transformers' generate
+    ("auto", True, True, False, "grouped_mm", False, "vLLM generates"),  # vLLM samples instead
+    ("auto", False, True, True, "grouped_mm", False, "FSDP"),  # a captured step cannot gather sharded weights
+    ("auto", False, True, False, "eager", False, "experts_implementation='eager'"),  # reads the host mid-step
+    ("on", False, False, False, "grouped_mm", True, "steps run eagerly"),  # asked for on a CPU: eager steps
+    ("on", False, True, False, "grouped_mm", True, "DECODE_GRAPHS=on"),
+    ("off", False, True, False, "grouped_mm", False, "DECODE_GRAPHS=off"),
+]
+
+
+@pytest.mark.parametrize("value, vllm, cuda, fsdp, experts, used, words", DECODE_GRAPH_CASES)
+def test_decode_graphs_choice(value, vllm, cuda, fsdp, experts, used, words):
+    decided, why = fast_paths.decode_graphs_choice(settings(DECODE_GRAPHS=value, USE_VLLM=vllm), small_model(experts),
+                                                   cuda, fsdp)
+    assert decided is used and words in why, why
+
+
+# DECODE_GRAPHS=on with something that blocks it is an error naming the blocker: (cuda, FSDP, model, words)
+ON_BLOCKED_CASES = [
+    (True, True, small_model(), "FSDP shards the weights"),
+    (True, False, small_model("eager"), "experts_implementation='eager'"),
+    (False, False, small_model(dropout=0.1), "attention_dropout=0.1"),  # GRPO samples in train mode
+]
+
+
+@pytest.mark.parametrize("cuda, fsdp, model, words", ON_BLOCKED_CASES)
+def test_decode_graphs_on_refuses_what_blocks_it(cuda, fsdp, model, words):
+    with pytest.raises(SettingsError, match=words):
+        fast_paths.decode_graphs_choice(settings(DECODE_GRAPHS="on"), model, cuda, fsdp)
+
+
+def pretend_triton_installed(monkeypatch, installed: bool) -> None:
+    monkeypatch.setattr(fast_paths, "_triton", lambda: installed)
+
+
+# (DECODE_EXPERTS, cuda, triton installed?, graph_decode's experts)
+DECODE_EXPERTS_CASES = [
+    ("auto", True, True, "mxfp4"),  # the default on a GPU: the MXFP4 kernel
+    ("auto", False, True, "model"),  # CPU: no GPU kernel, the model's own experts (the reason is in the log line)
+    ("auto", True, False, "model"),  # no triton
+    ("mxfp4", False, True, "mxfp4"),  # asked for (runs only where Triton can: a GPU or its interpreter)
+    ("grouped_mm", True, True, "model"),
+    ("transformers", True, True, "model"),
+]
+
+
+@pytest.mark.parametrize("value, cuda, triton, experts", DECODE_EXPERTS_CASES)
+def test_decode_experts_choice(value, cuda, triton, experts, monkeypatch):
+    pretend_triton_installed(monkeypatch, triton)
+    chosen, why = fast_paths.decode_experts_choice(settings(DECODE_EXPERTS=value), cuda)
+    assert chosen == experts and f"DECODE_EXPERTS={value}" in why
+
+
+# (TRAIN_EXPERTS, cuda, triton installed?, fused training experts?)
+TRAIN_EXPERTS_CASES = [
+    ("auto", True, True, True),  # the default on a GPU: fused_experts.py, compiled
+    ("auto", False, True, False),  # CPU: transformers' grouped_mm
+    ("auto", True, False, False),  # no triton for torch.compile
+    ("fused", False, False, True),  # asked for: on a CPU its functions run eagerly
+    ("transformers", True, True, False),
+]
+
+
+@pytest.mark.parametrize("value, cuda, triton, fused", TRAIN_EXPERTS_CASES)
+def test_train_experts_choice(value, cuda, triton, fused, monkeypatch):
+    pretend_triton_installed(monkeypatch, triton)
+    chosen, why = fast_paths.train_experts_choice(settings(TRAIN_EXPERTS=value), cuda)
+    assert chosen is fused and f"TRAIN_EXPERTS={value}" in why
+
+
+def test_use_graph_decode_passes_the_experts_choice():
+    class Model:
+        def generate(self, **kwargs):
+            return "transformers"
+
+    model = Model()
+    fast_paths.use_graph_decode(model, "mxfp4", print)
+    assert isinstance(model.generate, GraphDecodeGenerate) and model.generate.experts == "mxfp4"
+    wrapper = model.generate
+    fast_paths.use_graph_decode(model, "model", print)  # idempotent: the same wrapper, the latest choice
+    assert model.generate is wrapper and model.generate.experts == "model"
