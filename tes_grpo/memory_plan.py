@@ -210,17 +210,21 @@ def expert_layer_bytes(m: ModelShape, b: int = 2) -> int:
     return m.experts * (m.hidden * 2 * m.intermediate + m.intermediate * m.hidden) * b
 
 
+def expert_bytes(m: ModelShape, mxfp4: bool, b: int = 2) -> int:
+    """All layers' expert weights: as MXFP4 (4-bit values + one 8-bit scale per 32: 17 bytes a 32-block; also the
+    size of mxfp4_decode's decoding copy) or in the compute dtype."""
+    params = m.experts * 3 * m.hidden * m.intermediate * m.layers
+    return params * 17 // 32 if mxfp4 else params * b
+
+
 def weights_bytes(m: ModelShape, experts_mxfp4: bool, b: int = 2) -> int:
-    """The model's weights on the GPU: the experts as MXFP4 (4-bit values + one 8-bit scale per 32: 17 bytes a
-    32-block) or in the compute dtype, the rest (embeddings, attention, router, norms, LM head, biases) in it."""
-    expert_params = m.experts * 3 * m.hidden * m.intermediate * m.layers
-    experts = expert_params * 17 // 32 if experts_mxfp4 else expert_params * b
+    """The model's weights on the GPU: the experts (expert_bytes), the rest (embeddings, attention, router, norms,
+    LM head, biases) in the compute dtype."""
     q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
     per_layer = (m.hidden * (q + 2 * kv) + q * m.hidden + (q + 2 * kv) + m.hidden + m.heads  # attention + sinks
                  + m.hidden * m.experts + m.experts + 2 * m.hidden  # router, norms
                  + m.experts * 3 * m.intermediate)  # expert biases (gate_up 2I, down H = I here)
-    rest = (2 * m.vocab * m.hidden + m.layers * per_layer + m.hidden) * b
-    return experts + rest
+    return expert_bytes(m, experts_mxfp4, b) + (2 * m.vocab * m.hidden + m.layers * per_layer + m.hidden) * b
 
 
 def lora_params(m: ModelShape, r: int) -> int:
@@ -257,6 +261,21 @@ class MemoryFacts:
         free, total = torch.cuda.mem_get_info(device)
         allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
         return cls(free_bytes=free + reserved - allocated, held_bytes=allocated, total_bytes=total, **others)
+
+
+def recipe_facts(s, m: ModelShape, loaded: bool, experts_resident_mxfp4: bool, mxfp4_decode_copy: bool,
+                 graph_decode: bool, device=None) -> MemoryFacts:
+    """MemoryFacts for train_grpo's recipe, measured now: before loading (loaded=False) the weights still to come
+    count against the free memory; experts_resident_mxfp4: training dequantizes one layer's experts at a time;
+    mxfp4_decode_copy: DECODE_EXPERTS=mxfp4 packs a copy of bf16 experts at the first generation and keeps it;
+    graph_decode: each generate call merges LoRA into a copy of the attention weights; LoRA r = s.LORA_R."""
+    return MemoryFacts.measured(
+        device,
+        to_load_bytes=0 if loaded else weights_bytes(m, experts_mxfp4=experts_resident_mxfp4),
+        train_transient_bytes=expert_layer_bytes(m) if experts_resident_mxfp4 else 0,
+        later_resident_bytes=expert_bytes(m, mxfp4=True) if mxfp4_decode_copy else 0,
+        generation_fixed_bytes=attention_weight_bytes(m) if graph_decode else 0,
+        trainable_params=lora_params(m, s.LORA_R))
 
 
 @dataclass(frozen=True)

@@ -232,3 +232,24 @@ def test_measured_facts(monkeypatch, driver_free, total, allocated, reserved, fr
     measured = MemoryFacts.measured(trainable_params=7)
     assert (measured.free_bytes, measured.held_bytes, measured.total_bytes, measured.trainable_params) == (
         int(free * GIB), int(held * GIB), int(total * GIB), 7)
+
+
+# (loaded, experts resident as MXFP4, MXFP4 decode copy, graph_decode; the extras set, in GiB)
+RECIPES = [
+    (False, True, False, True, {"to_load": 12.8, "transient": 1.5, "later": 0.0, "generation": 1.2}),  # MXFP4 20B
+    (True, True, False, True, {"to_load": 0.0, "transient": 1.5, "later": 0.0, "generation": 1.2}),  # loaded
+    (True, False, True, True, {"to_load": 0.0, "transient": 0.0, "later": 9.5, "generation": 1.2}),  # today's recipe
+    (True, False, False, False, {"to_load": 0.0, "transient": 0.0, "later": 0.0, "generation": 0.0}),  # vLLM/plain
+]
+
+
+@pytest.mark.parametrize("loaded, resident, decode_copy, graph_decode, extras", RECIPES)
+def test_recipe_facts(monkeypatch, loaded, resident, decode_copy, graph_decode, extras):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * GIB, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    got = memory_plan.recipe_facts(train_grpo.default_settings(), M20B, loaded, resident, decode_copy, graph_decode)
+    values = {"to_load": got.to_load_bytes, "transient": got.train_transient_bytes, "later": got.later_resident_bytes,
+              "generation": got.generation_fixed_bytes}
+    assert {k: round(v / GIB, 1) for k, v in values.items()} == extras
+    assert got.trainable_params == memory_plan.lora_params(M20B, 4)
