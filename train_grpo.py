@@ -49,6 +49,7 @@ PROMPTS_PER_STEP = 1  # distinct prompts per micro-step (per gradient-accumulati
 GRADIENT_ACCUMULATION_STEPS = 4  # micro-steps per optimizer step (one generation batch feeds them all)
 TRAIN_BATCH_SIZE = "auto"  # completions per forward/backward: a number, or auto = most that fit TRAIN_TOKENS_PER_PASS
 TRAIN_TOKENS_PER_PASS = 40000  # auto micro-batch budget: completions x (longest prompt + MAX_COMPLETION_LEN) tokens
+MEMORY_BUDGET_GB = 0.0  # GiB the run may hold on the GPU, weights included (24 = a 24 GB card); 0 = all it has free
 TOTAL_STEPS = 200  # optimizer steps (the stream is endless, so this sets the run length)
 SAVE_STEPS = 20  # optimizer steps between checkpoints
 KEEP_CHECKPOINTS = 0  # newest checkpoints kept in OUT_DIR (older ones deleted); 0 = keep all (r=4 adapters are small)
@@ -163,19 +164,21 @@ def largest_divisor_at_most(total: int, cap: int) -> int:
     return max(d for d in range(1, total + 1) if total % d == 0 and d <= max(1, cap))
 
 
-def batch_layout(s, longest_prompt: int, steps_per_generation: int | None = None) -> dict:
+def batch_layout(s, longest_prompt: int, steps_per_generation: int | None = None,
+                 planned_micro: int | None = None) -> dict:
     """How one optimizer step's completions are generated and split into forward/backward passes.
 
     completions_per_step = PROMPTS_PER_STEP x NUM_GENERATIONS x GRADIENT_ACCUMULATION_STEPS. TRAIN_BATCH_SIZE=auto
     takes the largest divisor of it whose worst case (every completion at MAX_COMPLETION_LEN after the longest
     prompt) fits TRAIN_TOKENS_PER_PASS, so a longer MAX_COMPLETION_LEN trains in smaller passes, never out of
     memory, and the step still trains the same completions. steps_per_generation (GRPO_STEPS_PER_GENERATION)
-    defaults to all of a step's passes: one generation batch per optimizer step.
+    defaults to all of a step's passes: one generation batch per optimizer step. planned_micro: the memory plan's
+    completions a pass (memory_plan.plan_memory), taken for TRAIN_BATCH_SIZE=auto instead of TRAIN_TOKENS_PER_PASS's.
     """
     per_step = s.PROMPTS_PER_STEP * s.NUM_GENERATIONS * s.GRADIENT_ACCUMULATION_STEPS
     sequence = longest_prompt + s.MAX_COMPLETION_LEN
     if str(s.TRAIN_BATCH_SIZE) == "auto":
-        micro = largest_divisor_at_most(per_step, s.TRAIN_TOKENS_PER_PASS // sequence)
+        micro = planned_micro or largest_divisor_at_most(per_step, s.TRAIN_TOKENS_PER_PASS // sequence)
     else:
         micro = int(s.TRAIN_BATCH_SIZE)
     if per_step % micro:

@@ -50,3 +50,31 @@ def test_attention_share_at_the_recipe():
     c = config(["sliding_attention", "full_attention"] * 12, window=128, heads=64, head_dim=64)
     assert attention_gflop_per_row(4871, c) / (22.0 * 4871) == pytest.approx(0.091, abs=0.002)
     assert attention_gflop_per_row(841 + 256, c) / (22.0 * (841 + 256)) < 0.025
+
+
+# (true scale of the derived activations, true fixed GiB, fused cases measured; expected fit or None)
+CALIBRATIONS = [
+    (1.00, 0.0, 4, (1.00, 0.0, 1.00)),  # the estimate is exact
+    (1.20, 0.0, 4, (1.20, 0.0, 1.20)),  # 20 % more per token than derived: ACTIVATION_SCALE 1.2
+    (1.00, 0.5, 4, None),  # a fixed 0.5 GiB: through the origin the scale absorbs it, the free fit finds it
+    (1.00, 0.0, 1, None),  # one point cannot calibrate
+]
+
+
+@pytest.mark.parametrize("scale, fixed, points, expected", CALIBRATIONS)
+def test_memory_calibration_recovers_the_scale(scale, fixed, points, expected):
+    from benchmarks.bench_memory import calibration
+
+    gib = 2**30
+    rows = [{"head": "fused", "derived_activation_bytes": a * gib, "head_bytes": gib // 4,
+             "peak_bytes": int((scale * a + fixed) * gib) + gib // 4} for a in (2.0, 4.0, 8.0, 16.0)[:points]]
+    rows.append({"head": "full", "derived_activation_bytes": gib, "head_bytes": 9 * gib, "peak_bytes": 99 * gib})
+    rows.append({"head": "fused", "derived_activation_bytes": gib, "head_bytes": 0, "peak_bytes": None})  # OOM
+    fit = calibration(rows)
+    if points < 2:
+        assert fit is None
+    elif expected is not None:
+        assert fit == pytest.approx(expected, abs=1e-6)
+    else:
+        through_origin, fitted_fixed, slope = fit
+        assert through_origin > scale and fitted_fixed == pytest.approx(fixed) and slope == pytest.approx(scale)
