@@ -278,23 +278,15 @@ def count_prefill_compiles(model, settings) -> list[tuple]:
 def grpo_state(model, rank: int, b_std: float = 0.0, rho: float = 0.0):
     """The model as GRPO generates with it: train_grpo's LoRA adapter (PEFT casts it to fp32), train mode, PEFT's
     input-require-grads hook (TRL adds it with gradient checkpointing, which it switches off around generate).
-    b_std > 0: B drawn from N(0, b_std) (PEFT starts it at zero, where the adapter changes nothing); rho > 0: B drawn
-    and scaled so each projection's delta (B A x scaling) is rho times its weight in rms."""
-    import torch
+    b_std or rho > 0: B drawn (decode_compare.draw_lora_b)."""
     from peft import get_peft_model
 
     import train_grpo
+    from benchmarks.decode_compare import draw_lora_b
 
     peft_model = get_peft_model(model, train_grpo.build_lora_config(rank, 2 * rank))
-    with torch.no_grad():
-        for module in peft_model.modules():
-            if "default" not in getattr(module, "lora_B", {}) or not (b_std or rho):
-                continue
-            A, B = module.lora_A["default"].weight, module.lora_B["default"].weight
-            B.normal_(0, b_std or 1.0)
-            if rho:
-                delta = (B @ A) * module.scaling["default"]
-                B.mul_(rho * module.base_layer.weight.float().pow(2).mean().sqrt() / delta.pow(2).mean().sqrt())
+    if b_std or rho:
+        draw_lora_b(peft_model, rho, b_std)
     peft_model.train()
     peft_model.enable_input_require_grads()
     return peft_model

@@ -107,3 +107,18 @@ def prefill_shapes(model):
         yield seen
     finally:
         handle.remove()
+
+
+@torch.no_grad()
+def draw_lora_b(model, rho: float = 0.0, b_std: float = 0.0) -> None:
+    """Draws every LoRA layer's B (PEFT starts it at zero, where the adapter changes nothing): from N(0, b_std), or,
+    with rho > 0, scaled so that the layer's delta (B A x scaling) is rho times its base weight in rms. A GRPO run at
+    LR 5e-5 passes through rho from 1e-4 to 1e-2; the sampler's LoRA arithmetic matters in proportion to it."""
+    for module in model.modules():
+        if "default" not in getattr(module, "lora_B", {}):
+            continue
+        A, B = module.lora_A["default"].weight, module.lora_B["default"].weight
+        B.normal_(0, b_std or 1.0)
+        if rho:
+            delta = (B.float() @ A.float()) * module.scaling["default"]
+            B.mul_(rho * module.base_layer.weight.float().pow(2).mean().sqrt() / delta.pow(2).mean().sqrt())

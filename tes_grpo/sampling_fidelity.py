@@ -126,18 +126,18 @@ class GapWindow:
         if delta.numel() == 0:
             return
         valid = mask.bool() & ~torch.isnan(delta)
-        d = delta.float().masked_fill(~valid, 0.0)
+        d = delta.double().masked_fill(~valid, 0.0)  # float64: e^d - d - 1 of a 1e-7 gap is 5e-15
         if weights is None:  # the ratio itself, per token
             values, keep = d.exp(), valid
         elif sequence_level:  # the weights applied, one per sequence
-            values, keep = weights.float().flatten(), torch.ones(weights.numel(), dtype=torch.bool,
-                                                                  device=weights.device)
+            values, keep = weights.double().flatten(), torch.ones(weights.numel(), dtype=torch.bool,
+                                                                   device=weights.device)
         else:  # the weights applied, per token of the completion (NaN tokens have weight 1)
-            values, keep = weights.float(), mask.bool()
+            values, keep = weights.double(), mask.bool()
         inf = torch.tensor(math.inf, device=d.device)
         self.parts.append(torch.stack([
-            valid.sum().float(), d.abs().sum(), (d.exp() - d - 1).sum(), d.abs().amax(),
-            keep.sum().float(), torch.where(keep, values, 0.0).sum(), torch.where(keep, values, inf).amin(),
+            valid.sum().double(), d.abs().sum(), (d.exp() - d - 1).sum(), d.abs().amax(),
+            keep.sum().double(), torch.where(keep, values, 0.0).sum(), torch.where(keep, values, inf).amin(),
             torch.where(keep, values, -inf).amax()]))
 
     def totals(self, accelerator) -> dict | None:

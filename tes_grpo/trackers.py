@@ -1,7 +1,7 @@
 """Where train_grpo's metrics go besides metrics.jsonl: REPORT_TO, TRL's report_to (transformers' integrations).
 
-TensorBoard by default (TENSORBOARD's events in OUT_DIR/tensorboard); any tracker transformers integrates once its
-package is installed (wandb, trackio, mlflow, ...). A tracker that is not installed is one error line at the
+TensorBoard by default (events in OUT_DIR/tensorboard); any tracker transformers integrates, once its package is
+installed (wandb, trackio, mlflow, ...). A tracker that is not installed is one error line at the
 settings check, before the data or the model load; its own settings stay its own (e.g. WANDB_MODE=offline or
 WANDB_PROJECT in the environment, read by the tracker, never printed here).
 """
@@ -43,9 +43,9 @@ def report_to_problem(value, find_spec=importlib.util.find_spec) -> str | None:
     """Why REPORT_TO cannot work (None: it can): an unknown tracker or one whose package is not installed."""
     names = report_to(value)
     unknown = [name for name in names if name not in TRACKER_PACKAGES]
-    if unknown or ("none" in names):
-        return (f"REPORT_TO={list(value) if not isinstance(value, str) else value!r}: unknown tracker(s) "
-                f"{', '.join(unknown or ['none with others'])}; one or more of {', '.join(TRACKER_PACKAGES)}, or none")
+    if unknown:
+        return (f"REPORT_TO={value!r}: unknown tracker(s) {', '.join(unknown)}; one or more of "
+                f"{', '.join(TRACKER_PACKAGES)}, or none alone for no tracker")
     missing = [(name, requirement) for name in names for requirement in TRACKER_PACKAGES[name]
                if not _installed(requirement, find_spec)]
     if missing:

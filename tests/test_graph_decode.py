@@ -15,6 +15,7 @@ from transformers import GenerationConfig, GptOssConfig, GptOssForCausalLM
 import train_grpo
 from benchmarks.decode_compare import (
     decode_logprobs,
+    draw_lora_b,
     full_forward_logprobs,
     prefill_shapes,
     trainer_logprobs,
@@ -372,13 +373,7 @@ def rho_lora_model(rho: float):
             if param.dim() >= 2:
                 param.normal_(0, param.shape[-1] ** -0.5)
     peft_model = get_peft_model(base.to(BF16), train_grpo.build_lora_config(4, 8))
-    with torch.no_grad():
-        for module in peft_model.modules():
-            if "default" in getattr(module, "lora_A", {}):
-                A, B = module.lora_A["default"].weight, module.lora_B["default"].weight
-                B.normal_(0, 1.0)
-                delta = (B @ A) * module.scaling["default"]
-                B.mul_(rho * module.base_layer.weight.float().pow(2).mean().sqrt() / delta.pow(2).mean().sqrt())
+    draw_lora_b(peft_model, rho)
     return peft_model.train()
 
 
