@@ -17,10 +17,10 @@ tokens and 2,138 at 1,024, prefill included):
   are copied into static buffers: one of prompt + max_new_tokens slots per full-attention layer, a ring of
   `sliding_window` slots per sliding-window layer. Padding is masked, as generate() treats TRL's left padding; the
   positions are the trainer's: TRL's training forward passes no position ids, so a token's position is its column
-  in the left-padded batch (generate() counts real tokens instead; the same policy in exact arithmetic, as rotary
-  attention depends on position differences, but in bf16 the rounded cos/sin differ, and on the CPU probe in
-  tests/test_sampling_fidelity.py that made left-padded rows the larger part of the gap). Two changes to what goes
-  in, neither of which changes a real token's inputs:
+  in the left-padded batch (generate() counts real tokens instead: the same policy in exact arithmetic, as rotary
+  attention depends on position differences, but in bf16 the rounded cos/sin differ; on a CPU probe in bf16, LoRA
+  at rho 1e-3, counting real tokens left a mean |log p| gap to the trainer of 0.106 on left-padded rows against
+  0.015 on unpadded ones). Two changes to what goes in, neither of which changes a real token's inputs:
   - shared prompts (SHARE_PROMPTS): GRPO samples a group of completions per prompt, and TRL passes them as identical
     rows (4 prompts x 16 at the reference recipe). Prefilling 64 rows took ~2.4 s; each distinct row is prefilled
     once (their count rounded up to a power of two, see below) and its keys, values and logits are copied to every
@@ -41,8 +41,14 @@ tokens and 2,138 at 1,024, prefill included):
 - the policy being trained: GRPO's gradient assumes the completions were drawn from the policy the trainer computes,
   so prefill and decode steps do the trainer's arithmetic: under the trainer's autocast (bf16 on GPUs; LoRA's
   products then come out in bf16, as in the training forward), LoRA added to the rounded base products (a merged
-  copy's rounding errors would be independent of the trainer's; `lora="merged"` keeps that variant to compare),
-  and float32 logits as TRL's fused LM head computes them (head_logits). `generate(..., logprobs=True)` returns the
+  copy's rounding errors would be independent of the trainer's; `lora="merged"` keeps that variant to compare;
+  no 1.3 GB merged copy of the 20B model's attention weights either), the trainer's positions, and the logits as
+  TRL's fused LM head computes them (head_logits). On the CPU in bf16 (tests/test_graph_decode.py, LoRA at rho =
+  rms(delta)/rms(W) of 1e-4 to 1e-2) graph_decode's log-probabilities are the trainer's to 5e-7 nats (mean
+  |diff|), against 8e-2 to 1.2e-1 for transformers' generate and 7e-2 to 8.5e-2 with the merged adapter (a random
+  model: every rounding is amplified). On GPUs the kernels differ as well (flex attention's decoding kernel against
+  its training kernel, the MXFP4 experts against the training experts, cuBLAS at other shapes):
+  benchmarks/bench_generate.py's COMPARE_SEQS measures the gap there. `generate(..., logprobs=True)` returns the
   sampled tokens' log-probabilities, which sampling_fidelity.py compares with the trainer's every step;
 - experts="mxfp4" (train_grpo's DECODE_EXPERTS=auto on a GPU): each layer's MLP is computed by mxfp4_decode.py
   from an MXFP4 copy of its frozen experts (3.7x fewer bytes a step than bf16; 28.1 -> 19.3 ms a step at 64
@@ -55,16 +61,17 @@ tokens and 2,138 at 1,024, prefill included):
 
 Inside GRPO (TRL 1.16) generate() runs with the model in train mode, gradient checkpointing switched off by TRL and
 under torch.no_grad. This module leaves the mode as it finds it, as generate() does: at dropout 0 nothing in
-gpt-oss's forward depends on it (`state_blockers` sends a model with dropout left on back to transformers'
-generate). The prefill switches the layers' gradient checkpointing off for its forward if a caller left it on
-(checkpointed layers drop the KV cache) and back on after. It runs under no_grad, not inference_mode: a replayed
-graph does no autograd bookkeeping either way, and inference tensors returned to a caller that trains on them fail
-(an embedding saves its ids for backward; TRL 1.16 happens to rebuild them from lists first).
+gpt-oss's forward depends on it (`state_blockers`: auto_decode_graphs keeps a model with dropout left on on
+transformers' generate). The prefill switches the layers' gradient checkpointing off for its forward if a caller
+left it on (checkpointed layers drop the KV cache) and back on after. It runs under no_grad, not inference_mode: a
+replayed graph does no autograd bookkeeping either way, and inference tensors returned to a caller that trains on
+them fail (an embedding saves its ids for backward; TRL 1.16 happens to rebuild them from lists first).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 
@@ -271,12 +278,10 @@ def one_query_attention(query, keys, values, mask, sinks, scaling: float) -> tor
     return out.reshape(batch, 1, heads * dim)
 
 
-def flex_one_query_attention(query, keys, values, mask, sinks, scaling: float) -> torch.Tensor:
-    """one_query_attention through flex attention: on CUDA, compiled, its split-KV decoding kernel, which reads each
-    key and value once and keeps the scores on chip. The mask is added as a score_mod; the sink enters through the
-    returned log-sum-exp, as transformers' flex path applies it (out * sigmoid(lse - sink)). Same arguments and
-    result as one_query_attention; the scores stay in float32 throughout, as in the flex attention the GPU trains
-    with."""
+def flex_decode_kernel(query, keys, values, mask, scaling: float):
+    """flex attention for one query, without the sinks: (output [B, H, 1, D] in the query's dtype, float32 log-sum-exp
+    [B, H, 1]). On CUDA, compiled, it is flex attention's split-KV decoding kernel, which reads each key and value once
+    and keeps the scores (float32) on chip. The mask [B, L] is added as a score_mod."""
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     def add_mask(score, batch, head, q_index, kv_index):
@@ -284,9 +289,30 @@ def flex_one_query_attention(query, keys, values, mask, sinks, scaling: float) -
 
     out, aux = flex_attention(query, keys, values, score_mod=add_mask, scale=scaling, enable_gqa=True,
                               return_aux=AuxRequest(lse=True))
-    kept = torch.sigmoid(aux.lse - sinks.float().view(1, -1, 1)).unsqueeze(-1)  # share not taken by the sink
+    return out, aux.lse
+
+
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Flex attention's output renormalised for gpt-oss's sinks op for op as transformers 5.17-5.24's flex attention
+    does it in the training forward (integrations/flex_attention.py: the log-sum-exp rounded to the values' dtype,
+    logsumexp with the sink, out * exp(lse - combined), eagerly, under the caller's autocast), so the decode step
+    rounds where the trainer rounds: bf16's log-sum-exp is off by up to 1/16 at 8 to 16, which moves the sink's share
+    of each head by up to ~1.5 % (a float32 sigmoid(lse - sink) here would not). out [B, H, Q, D], lse [B, H, Q]."""
+    lse = lse.to(out.dtype).unsqueeze(-1)
+    batch, heads, queries, _ = out.shape
+    sink = sinks.view(1, -1, 1, 1).expand(batch, heads, queries, 1)
+    combined = torch.logsumexp(torch.cat([lse, sink], dim=-1), dim=-1, keepdim=True)
+    return (out * torch.exp(lse - combined)).to(out.dtype)
+
+
+def flex_one_query_attention(query, keys, values, mask, sinks, scaling: float, kernel=flex_decode_kernel):
+    """one_query_attention through flex attention, as the GPU trains with it: `kernel` (flex_decode_kernel, compiled
+    on CUDA: see attention_function) then the sinks as the training forward applies them (with_sinks, eagerly: a
+    compiled chain would keep its intermediates in float32 where the trainer rounds them). Same arguments and result
+    as one_query_attention."""
+    out, lse = kernel(query, keys, values, mask, scaling)
     batch, heads, _, dim = query.shape
-    return (out.float() * kept).to(query.dtype).transpose(1, 2).reshape(batch, 1, heads * dim)
+    return with_sinks(out, lse, sinks).to(query.dtype).transpose(1, 2).reshape(batch, 1, heads * dim)
 
 
 @dataclass(frozen=True)
@@ -484,14 +510,16 @@ _COMPILED_ATTENTION: list = []
 
 
 def attention_function(like: torch.Tensor):
-    """The one-query attention to use on like's device: on CUDA flex_one_query_attention, compiled (once: the cache
-    length is marked dynamic, so every bucket shares one kernel set); elsewhere one_query_attention, eagerly.
+    """The one-query attention to use on like's device: on CUDA flex_one_query_attention, its flex kernel compiled
+    (once: the cache length is marked dynamic, so every bucket shares one kernel set) and its sink step eager, as the
+    training forward's; elsewhere one_query_attention, eagerly.
 
     Why: one_query_attention's scores for 64 sequences x 64 heads x the cache length go through memory several times
     (float32, + mask, the sink column, max, softmax, bf16), ~3.5 ms of a decode step at a 3,300-token cache eagerly
     and still 1.4-2.2x flex attention's time when compiled; flex attention's decoding kernel reads the cache once
     and keeps the scores on chip. Measured on an H100 at 64 sequences, 1,316-token prompts, 2,560 new
-    tokens: 20.9 ms a decode step compiled, 18.5 ms through flex attention (BENCHMARKS.md). CPUs run it eagerly:
+    tokens: 20.9 ms a decode step compiled, 18.5 ms through flex attention with the sink step compiled in
+    (BENCHMARKS.md; the eager sink step adds ~6 small kernels a layer). CPUs run it eagerly:
     torch 2.13's inductor compiles flex attention on CPUs for inference only, without the log-sum-exp the sink needs
     (and the CPU trains with eager attention, which one_query_attention mirrors). Both follow the training forward's
     attention of their device: flex attention's float32 scores on GPUs, eager attention on CPUs.
@@ -499,7 +527,8 @@ def attention_function(like: torch.Tensor):
     if like.device.type != "cuda":
         return one_query_attention
     if not _COMPILED_ATTENTION:
-        _COMPILED_ATTENTION.append(torch.compile(flex_one_query_attention, fullgraph=True))
+        _COMPILED_ATTENTION.append(functools.partial(flex_one_query_attention,
+                                                     kernel=torch.compile(flex_decode_kernel, fullgraph=True)))
     return _COMPILED_ATTENTION[0]
 
 

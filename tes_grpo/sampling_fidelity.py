@@ -390,3 +390,22 @@ def install(trainer, correction: Correction = Correction(), say=print) -> Fideli
         + (f" (cap {correction.cap})" if correction.on else "")
         + (f"; graph_decode decodes under the trainer's autocast ({autocast})" if graph_decode and autocast else ""))
     return hook
+
+
+def gap_summary(records: list[dict]) -> str | None:
+    """One line on the sampler-trainer gap over a run's logged steps (metrics.jsonl's records, e.g. from
+    run_folder.read_metrics), for the completion log's summary; None when no step logged it."""
+    steps = [r for r in records if r.get(LOGP_MEAN) is not None]
+    if not steps:
+        return None
+    kl = [r[GEN_KL] for r in steps if r.get(GEN_KL) is not None]
+    gap = _mean(r[LOGP_MEAN] for r in steps)
+    return (f"sampler vs trainer over {len(steps)} logged steps: mean |log p| gap {gap:.3g}"
+            f" (last step {steps[-1][LOGP_MEAN]:.3g}), largest {max(r.get(LOGP_MAX) or 0.0 for r in steps):.3g}"
+            + (f"; gen KL {_mean(kl):.3g} on average, {max(kl):.3g} at most (NeMo-RL's gpt-oss-20b check: < 0.002)"
+               if kl else ""))
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)

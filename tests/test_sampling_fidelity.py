@@ -20,7 +20,7 @@ from transformers import GenerationConfig, GptOssConfig, GptOssForCausalLM
 
 import train_grpo
 from tes_grpo import graph_decode, sampling_fidelity, trackers, workarounds
-from tes_grpo.sampling_fidelity import Correction, FidelityHook, RecordingGenerate
+from tes_grpo.sampling_fidelity import GEN_KL, LOGP_MAX, LOGP_MEAN, Correction, FidelityHook, RecordingGenerate
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PAD = 5
@@ -399,3 +399,13 @@ def test_correction_weights_match_hand_values():
     w = sampling_fidelity.importance_weights(torch.tensor([[0.0, math.log(4.0), float("nan")]]),
                                              torch.tensor([[1, 1, 1]]), Correction("token_truncate", 3.0))
     torch.testing.assert_close(w, torch.tensor([[1.0, 3.0, 1.0]]))
+
+
+def test_gap_summary_for_the_completion_log():
+    records = [{"step": 1, "reward": 0.1, LOGP_MEAN: 0.02, LOGP_MAX: 1.5, GEN_KL: 0.001},
+               {"step": 1, "train_runtime": 3.0},  # the trainer's closing record has no metrics
+               {"step": 2, "reward": 0.2, LOGP_MEAN: 0.04, LOGP_MAX: 0.5, GEN_KL: 0.003}]
+    line = sampling_fidelity.gap_summary(records)
+    assert line.startswith("sampler vs trainer over 2 logged steps: mean |log p| gap 0.03 (last step 0.04)")
+    assert "largest 1.5" in line and "gen KL 0.002 on average, 0.003 at most" in line
+    assert sampling_fidelity.gap_summary([{"step": 1, "reward": 0.1}]) is None  # a run without the metrics
