@@ -485,11 +485,21 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def one_step(model, config, device="cpu", dtype=torch.float32):
+def one_step(model, config, device="cpu", dtype=torch.float32, weights=None):
     cache = graph_decode.StaticCache(config, torch.ones(2, 10, dtype=torch.long, device=device), 5, dtype)
     tokens = torch.ones(2, 1, dtype=torch.long, device=device)
     with torch.no_grad():
-        return graph_decode.decode_step(model, cache, tokens, torch.tensor(10, device=device), 16)
+        return graph_decode.decode_step(graph_decode.causal_lm(model), cache, tokens, torch.tensor(10, device=device),
+                                        16, weights)
+
+
+def test_decode_step_with_lora_under_autocast_reads_nothing_on_the_host():
+    # what a GPU run decodes with: LoRA added in PEFT's order, the trainer's bf16 autocast, the float32 head
+    peft_model = rho_lora_model(1e-3)
+    weights = graph_decode.decode_weights(graph_decode.causal_lm(peft_model), autocast=BF16)
+    with HostReads() as watch:
+        logits = one_step(peft_model, small_config(), dtype=BF16, weights=weights)
+    assert watch.found == [] and logits.dtype == torch.float32
 
 
 @pytest.mark.parametrize("experts, host_reads", [
@@ -514,6 +524,14 @@ def test_decode_step_runs_on_the_meta_device():
     with torch.device("meta"):
         model = GptOssForCausalLM(config).to(torch.bfloat16).eval()  # grouped_mm's meta kernel wants bf16
     logits = one_step(model, config, device="meta", dtype=torch.bfloat16)
+    assert logits.shape == (2, VOCAB) and logits.device.type == "meta"
+    from peft import get_peft_model
+
+    with torch.device("meta"):  # and through the LoRA projections (one low-rank product for q, k, v)
+        peft_model = get_peft_model(model, train_grpo.build_lora_config(4, 8))
+    weights = graph_decode.decode_weights(graph_decode.causal_lm(peft_model), lora="peft")
+    assert weights.attention[0].qkv is not None
+    logits = one_step(peft_model, config, device="meta", dtype=torch.bfloat16, weights=weights)
     assert logits.shape == (2, VOCAB) and logits.device.type == "meta"
 
 
