@@ -29,7 +29,7 @@ import os
 import sys
 from pathlib import Path
 
-from tes_grpo import fast_paths
+from tes_grpo import fast_paths, sampling_fidelity
 from tes_grpo.fast_paths import CHOICES as FAST_PATH_CHOICES
 from tes_grpo.fileio import InputError
 from tes_grpo.harmony import REASONING_EFFORTS as _EFFORTS
@@ -65,6 +65,8 @@ SCALE_REWARDS = "none"  # TRL scale_rewards: none (Dr. GRPO), group or batch
 BETA = 0.0  # KL penalty to the base model (0 = none, no reference model kept)
 INVALID_REWARD = 0.0  # reward of an invalid or truncated completion; nan = leave it out (no gradient), as TRL 1.x does
 TEMPERATURE = 1.0  # sampling temperature for the completions
+IMPORTANCE_SAMPLING = "off"  # sampler-trainer gap correction: off, token_truncate, token_mask, sequence_* (TRL's)
+IMPORTANCE_SAMPLING_CAP = 3.0  # upper bound of pi_train/pi_sampler there (TRL's vllm_importance_sampling_clip_max)
 ROUTER_AUX_LOSS_COEF = 0.0  # MoE load-balancing loss weight; 0 = off (the router stays frozen under LoRA)
 GRADIENT_CHECKPOINTING = True  # recompute activations in backward (saves memory; generation still uses its KV cache)
 DECODE_GRAPHS = "auto"  # sample with graph_decode.py (static KV cache, CUDA graphs); auto = where it can run
@@ -74,6 +76,7 @@ ATTN_IMPLEMENTATION = "auto"  # auto = flex_attention on CUDA (supports gpt-oss'
 USE_VLLM = False  # generate with vLLM (colocated; needs requirements-gpu.txt's vllm) instead of transformers
 VLLM_GPU_MEMORY_UTILIZATION = 0.35  # GPU memory fraction vLLM may take when USE_VLLM=1
 LOGGING_STEPS = 1  # optimizer steps between metric lines / TensorBoard points
+REPORT_TO = ["tensorboard"]  # trackers besides metrics.jsonl: TRL's report_to names (wandb, trackio, mlflow...); none
 RESUME = ""  # "" = new run; "1" = continue from the newest complete checkpoint in OUT_DIR; or a checkpoint folder
 
 # MODEL_ID=tiny replaces these defaults unless given (printed at start, listed by --help). Fewer, shorter
@@ -95,6 +98,7 @@ CHOICES = {
     "SCALE_REWARDS": ("none", "group", "batch"),
     "PROMPT_TOO_LONG": ("error", "skip"),
     "REASONING_EFFORT": ("", *_EFFORTS),
+    "IMPORTANCE_SAMPLING": sampling_fidelity.IS_MODES,
     **FAST_PATH_CHOICES,
 }
 
@@ -148,6 +152,12 @@ def check_settings(s) -> None:
           "TRAIN_BATCH_SIZE", s.TRAIN_BATCH_SIZE, "must be auto or a whole number >= 1")
     fast_paths.check_settings(s)
     expert_layers(s)
+    from tes_grpo.trackers import report_to_problem
+
+    for problem in (sampling_fidelity.correction_problem(s.IMPORTANCE_SAMPLING, s.IMPORTANCE_SAMPLING_CAP,
+                                                         s.LOSS_TYPE), report_to_problem(s.REPORT_TO)):
+        if problem:
+            raise SettingsError(problem)
 
 
 def expert_layers(s) -> list[int]:
@@ -253,10 +263,13 @@ def build_grpo_config(s, layout: dict, cuda: bool):
     """TRL 1.16 GRPOConfig for the settings and batch layout."""
     from trl import GRPOConfig
 
+    from tes_grpo.trackers import report_to
+
     vllm = {}
     if s.USE_VLLM:
         vllm = {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": s.VLLM_GPU_MEMORY_UTILIZATION,
-                "vllm_max_model_length": s.MAX_PROMPT_LEN + s.MAX_COMPLETION_LEN}
+                "vllm_max_model_length": s.MAX_PROMPT_LEN + s.MAX_COMPLETION_LEN,
+                "vllm_importance_sampling_correction": False}  # sampling_fidelity measures and corrects every path
     return GRPOConfig(
         output_dir=str(s.OUT_DIR), max_steps=s.TOTAL_STEPS,  # max_steps is required: the stream has no length
         per_device_train_batch_size=layout["train_batch_size"],
@@ -274,7 +287,7 @@ def build_grpo_config(s, layout: dict, cuda: bool):
         use_cpu=not cuda,  # on a machine without a GPU, several processes (accelerate launch) then use gloo
         gradient_checkpointing=s.GRADIENT_CHECKPOINTING,
         gradient_checkpointing_kwargs={"use_reentrant": False} if s.GRADIENT_CHECKPOINTING else None,
-        logging_steps=s.LOGGING_STEPS, report_to=["tensorboard"],
+        logging_steps=s.LOGGING_STEPS, report_to=report_to(s.REPORT_TO) or "none",
         save_strategy="steps", save_steps=s.SAVE_STEPS, save_total_limit=s.KEEP_CHECKPOINTS or None,
         disable_tqdm=True,  # ProgressLineCallback prints one line per step instead
         log_completions=False,  # the bound reward function writes the full completion log
@@ -309,6 +322,9 @@ def build_trainer(s, model, tokenizer, train_dataset, layout: dict, completion_l
     point_tensorboard(trainer, out / "tensorboard", resume_step)
     for line in fast_paths.install(trainer, s, cuda, process_count()):
         say(line)
+    # last: it wraps the generate() that fast_paths chose, to read the sampler's log-probs
+    sampling_fidelity.install(trainer, sampling_fidelity.Correction(s.IMPORTANCE_SAMPLING, s.IMPORTANCE_SAMPLING_CAP),
+                              say=say)
     return trainer
 
 

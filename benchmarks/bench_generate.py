@@ -6,6 +6,8 @@ Run on the GPU machine (the numbers go to BENCHMARKS.md):
     python benchmarks/bench_generate.py --NEW_TOKENS=128 --VARIANTS=grouped_mm,static,graphs --COMPARE_SEQS=8
     python benchmarks/bench_generate.py --NUM_PROMPTS=4 --PROMPT_LEN_SPREAD=40 --VARIANTS=graphs_unshared,graphs
     python benchmarks/bench_generate.py --NUM_PROMPTS=4 --NEW_TOKENS=8 --VARIANTS=graphs --RECOMPILE_LENGTHS=20
+    python benchmarks/bench_generate.py --NUM_PROMPTS=4 --PROMPT_LEN_SPREAD=40 --NEW_TOKENS=1024 --LORA_R=4 \
+        --LORA_RHO=1e-3 --VARIANTS=graphs_mxfp4,graphs_mxfp4_merged --COMPARE_SEQS=4 --COMPARE_TOKENS=32
 
 It builds the 20B architecture in bf16 straight on the GPU (no download), then times generation (prefill
 included) for each variant in VARIANTS. `default` is transformers' generate as shipped, which switches `grouped_mm`
@@ -13,18 +15,25 @@ experts to `batched_mm` while decoding; `grouped_mm` keeps grouped GEMM througho
 `workarounds.grouped_mm_experts_for_decode`); `static` is graph_decode.py's decode loop without CUDA
 graphs and `graphs` the same with each decode step replayed as a CUDA graph (train_grpo's DECODE_GRAPHS); both
 prefill each distinct prompt once, `static_unshared` / `graphs_unshared` prefill every row; `graphs_mxfp4` /
-`static_mxfp4` compute the experts from their MXFP4 copy (mxfp4_decode.py, train_grpo's DECODE_EXPERTS=mxfp4).
+`static_mxfp4` compute the experts from their MXFP4 copy (mxfp4_decode.py, train_grpo's DECODE_EXPERTS=mxfp4); a
+`_merged` suffix decodes with the LoRA adapter merged into bf16 copies of the attention weights (the earlier
+decode path) instead of adding its output in PEFT's order. graph_decode variants run under AUTOCAST, as train_grpo's
+generate runs them (the trainer's autocast).
 
 NUM_PROMPTS > 0 makes the batch GRPO-shaped, as TRL passes it to generate(): NUM_PROMPTS distinct prompts, each
 repeated NUM_SEQS / NUM_PROMPTS times in a row, real lengths up to PROMPT_LEN_SPREAD tokens shorter than PROMPT_LEN
 and left-padded. The table printed last has, per variant, the prefill (a generate call of one new token) and the
-whole call. LORA_R > 0 decodes through train_grpo's LoRA adapter in train mode, the state GRPO generates in.
+whole call. LORA_R > 0 decodes through train_grpo's LoRA adapter in train mode, the state GRPO generates in;
+LORA_RHO > 0 draws its B so that each projection's delta is that fraction of its weight in rms (a run at LR 5e-5
+passes through 1e-4 to 1e-2).
 RECOMPILE_LENGTHS > 0 then prefills that many different prompt lengths (PROMPT_LEN down to PROMPT_LEN - 300) through
 graph_decode and prints how many graphs torch.compile built for them (flex attention; TORCH_LOGS=recompiles is on
-for that part, so each recompile prints its reason). COMPARE_SEQS > 0 checks that graph_decode gives transformers'
-distribution: it samples completions with transformers' generate (left-padded prompts, as TRL pads them) and prints
-how far the log-probabilities that transformers' decoding and graph_decode's give those tokens are from one full
-forward pass over them.
+for that part, so each recompile prints its reason). COMPARE_SEQS > 0 measures how closely each sampler samples the
+policy being trained: it samples completions with transformers' generate (left-padded prompts, as TRL pads them) and
+prints, for transformers' own log-probabilities and graph_decode's (PEFT order and merged; bf16 and MXFP4 experts)
+of those tokens, the mean and max |log p difference| and the gen-KL estimate (sampling_fidelity.py's metrics)
+against the trainer's: TRL's training forward under the trainer's autocast, with its fused LM head
+(decode_compare.trainer_logprobs); and, as before, against one plain forward over them.
 """
 
 from __future__ import annotations
@@ -54,6 +63,8 @@ VARIANTS = ("default", "grouped_mm")  # default|grouped_mm|grouped_mm_graphs|sta
 PREFILL_BUCKET = 256  # graph_decode variants: prompts left-padded to a multiple of this before prefill; 0 = none
 LORA_R = 0  # >0: generate through train_grpo's LoRA adapter of this rank (fp32 weights), in train mode as GRPO does
 LORA_B_STD = 0.0  # >0: LoRA's B weights drawn from N(0, this) instead of PEFT's zeros, so the adapter changes outputs
+LORA_RHO = 0.0  # >0: instead, B drawn and scaled so rms(LoRA delta) / rms(W) = this for every projection
+AUTOCAST = "bf16"  # the trainer's autocast, which graph_decode decodes under (train_grpo on a GPU: bf16); none = off
 REPEATS = 1  # timed generate calls per variant (after one warm-up call)
 SEED = 0  # torch seed for weights and prompts
 PROFILE_TOKENS = 0  # >0: after timing, profile a generate call of this many new tokens per variant (torch.profiler)
@@ -75,12 +86,28 @@ def variant_generate_kwargs(variant: str) -> dict:
     return {"cache_implementation": "static", "compile_config": CompileConfig(mode="reduce-overhead", dynamic=False)}
 
 
-_KNOWN_VARIANTS = ("default", "grouped_mm", "grouped_mm_graphs", "static", "graphs", "static_unshared",
-                   "graphs_unshared", "graphs_mxfp4", "static_mxfp4")
+_TRANSFORMERS_VARIANTS = ("default", "grouped_mm", "grouped_mm_graphs")
+_GRAPH_DECODE_FLAGS = ("unshared", "mxfp4", "merged")  # graph_decode variants: static|graphs + any of these, by _
+
+
+def variant_flags(variant: str) -> set[str] | None:
+    """The flags of a graph_decode variant (static|graphs followed by _unshared, _mxfp4, _merged in any order), or
+    None for a variant that is not graph_decode's."""
+    base, *flags = variant.split("_")
+    if base not in ("static", "graphs") or not set(flags) <= set(_GRAPH_DECODE_FLAGS) or len(set(flags)) < len(flags):
+        return None
+    return set(flags)
 
 
 def is_graph_decode(variant: str) -> bool:
-    return variant.removesuffix("_mxfp4").removesuffix("_unshared") in ("static", "graphs")
+    return variant_flags(variant) is not None
+
+
+def autocast_dtype(name: str):
+    """AUTOCAST's dtype: bf16 -> torch.bfloat16, none -> None."""
+    import torch
+
+    return {"bf16": torch.bfloat16, "none": None}[name]
 
 
 def token_ids(model) -> tuple[int, int]:
@@ -110,38 +137,42 @@ def grpo_prompts(num_seqs: int, num_prompts: int, prompt_len: int, spread: int, 
     return ids[rows].to(model.device), mask[rows].to(model.device)
 
 
-def run_generate(model, input_ids, attention_mask, new_tokens: int, variant: str, prefill_bucket: int, **extra):
-    """One generation of exactly new_tokens per sequence (random weights: no end token is waited for)."""
+def run_generate(model, input_ids, attention_mask, new_tokens: int, variant: str, prefill_bucket: int,
+                 autocast=None, **extra):
+    """One generation of exactly new_tokens per sequence (random weights: no end token is waited for); graph_decode
+    variants decode under `autocast` (the trainer's)."""
     from transformers import GenerationConfig
 
-    if is_graph_decode(variant):
+    flags = variant_flags(variant)
+    if flags is not None:
         from tes_grpo import graph_decode
         config = GenerationConfig(max_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_p=1.0,
                                   pad_token_id=token_ids(model)[1], eos_token_id=None)
         return graph_decode.generate(model, input_ids, attention_mask, config, graphs=variant.startswith("graphs"),
-                                     share_prompts="_unshared" not in variant, prefill_bucket=prefill_bucket,
-                                     experts="mxfp4" if variant.endswith("_mxfp4") else "model")
+                                     share_prompts="unshared" not in flags, prefill_bucket=prefill_bucket,
+                                     experts="mxfp4" if "mxfp4" in flags else "model",
+                                     lora="merged" if "merged" in flags else "peft", autocast=autocast)
     return model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
                           min_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_p=1.0, use_cache=True,
                           pad_token_id=token_ids(model)[1], **extra)
 
 
 def time_generate(model, input_ids, attention_mask, new_tokens: int, variant: str, prefill_bucket: int,
-                  **extra) -> tuple[float, float]:
+                  autocast=None, **extra) -> tuple[float, float]:
     """Seconds for one generation and the peak GiB it reached."""
     import torch
 
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    out = run_generate(model, input_ids, attention_mask, new_tokens, variant, prefill_bucket, **extra)
+    out = run_generate(model, input_ids, attention_mask, new_tokens, variant, prefill_bucket, autocast, **extra)
     torch.cuda.synchronize()
     assert out.shape[1] == input_ids.shape[1] + new_tokens
     return time.perf_counter() - start, torch.cuda.max_memory_allocated() / 2**30
 
 
 def profile_generate(model, input_ids, attention_mask, new_tokens: int, label: str, prefill_bucket: int,
-                     **extra) -> None:
+                     autocast=None, **extra) -> None:
     """Prints where a short generate call spends its time: GPU busy time against wall time, and the top kernels.
 
     GPU-busy well below wall time means the decode loop is bound by the CPU (Python, kernel launches, syncs).
@@ -152,7 +183,7 @@ def profile_generate(model, input_ids, attention_mask, new_tokens: int, label: s
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         torch.cuda.synchronize()
         start = time.perf_counter()
-        run_generate(model, input_ids, attention_mask, new_tokens, label, prefill_bucket, **extra)
+        run_generate(model, input_ids, attention_mask, new_tokens, label, prefill_bucket, autocast, **extra)
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
     events = prof.key_averages()
@@ -167,36 +198,49 @@ def profile_generate(model, input_ids, attention_mask, new_tokens: int, label: s
     print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
 
 
-def compare_logprobs(model, seqs: int, tokens: int, prompt_len: int) -> None:
-    """Prints |log p| differences of transformers' decoding and graph_decode's (graphs on) against a full forward, on
-    the same sampled completions of left-padded prompts."""
+def gap_row(name: str, values, reference) -> str:
+    """One comparison line: mean and max |log p difference| and the gen-KL estimate (mean of e^d - d - 1, d =
+    reference - values: sampling_fidelity's gen_kl_error when the reference is the trainer's)."""
+    d = (reference - values).double()
+    kl = (d.exp() - d - 1).mean()
+    return f"  {name:<30} mean |diff| {d.abs().mean():.2e}  max |diff| {d.abs().max():.2e}  gen KL {kl:.2e}"
+
+
+def compare_logprobs(model, seqs: int, tokens: int, prompt_len: int, autocast=None) -> list[str]:
+    """Lines saying how far each sampler's log-probabilities of the same sampled tokens are from the trainer's (and from
+    one plain forward): transformers' generate (which sampled them), graph_decode with the adapter in PEFT's order
+    and merged, with the model's experts and (on CUDA) the MXFP4 copy; graph_decode under `autocast`."""
     import torch
 
-    from tes_grpo import graph_decode
+    from benchmarks.decode_compare import (
+        decode_logprobs,
+        full_forward_logprobs,
+        trainer_logprobs,
+        transformers_logprobs,
+    )
 
     vocab, pad_id = token_ids(model)
+    graphs = model.device.type == "cuda"
     with torch.no_grad():
         ids = torch.randint(0, vocab, (seqs, prompt_len), device=model.device)
         mask = torch.ones_like(ids)
         for row in range(1, seqs, 2):
             mask[row, :row * 37 % 300 + 1] = 0  # TRL left-pads shorter prompts
         ids = ids.masked_fill(mask == 0, pad_id)
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens,
-                             do_sample=True, use_cache=True, pad_token_id=pad_id, output_logits=True,
-                             return_dict_in_generate=True)
-        completion = out.sequences[:, ids.shape[1]:]
-        transformers_lp = torch.log_softmax(torch.stack(out.logits, dim=1).float(), dim=-1) \
-            .gather(2, completion[..., None]).squeeze(2)
-        ours = graph_decode.completion_logprobs(model, ids, mask, completion, graphs=model.device.type == "cuda")
-        ours_mxfp4 = graph_decode.completion_logprobs(model, ids, mask, completion, experts="mxfp4",
-                                                      graphs=model.device.type == "cuda")
-        reference = graph_decode.full_forward_logprobs(model, ids, mask, completion)
-    print(f"\nlog-probabilities of {seqs} x {tokens} sampled tokens against one full forward over them "
-          f"(mean |log p| {reference.abs().mean():.3f}):")
-    for name, values in (("transformers generate", transformers_lp), ("graph_decode graphs", ours),
-                         ("graph_decode mxfp4", ours_mxfp4)):
-        diff = (values - reference).abs()
-        print(f"  {name:<22} mean |diff| {diff.mean():.5f}  max |diff| {diff.max():.5f}")
+        completion, theirs = transformers_logprobs(model, ids, mask, tokens, pad_id)
+        samplers = {"transformers generate": theirs}
+        for experts in ("model", "mxfp4") if graphs else ("model",):
+            for lora in ("peft", "merged"):
+                samplers[f"graph_decode {experts} {lora}"] = decode_logprobs(
+                    model, ids, mask, completion, graphs=graphs, experts=experts, lora=lora, autocast=autocast)
+        trainer = trainer_logprobs(model, ids, mask, completion, autocast=autocast)
+        plain = full_forward_logprobs(model, ids, mask, completion)
+    lines = [f"log-probabilities of {seqs} x {tokens} sampled tokens (mean |log p| {trainer.abs().mean():.3f}) against "
+             f"the trainer's (TRL's training forward, autocast {autocast}):"]
+    lines += [gap_row(name, values, trainer) for name, values in samplers.items()]
+    lines.append("against one plain forward over them (positions as generate() sets them, no autocast):")
+    lines += [gap_row(name, values, plain) for name, values in samplers.items()]
+    return lines
 
 
 def count_prefill_compiles(model, settings) -> list[tuple]:
@@ -205,6 +249,7 @@ def count_prefill_compiles(model, settings) -> list[tuple]:
     import torch
     from torch._dynamo.utils import counters
 
+    from benchmarks.decode_compare import prefill_shapes
     from tes_grpo import graph_decode
 
     torch._logging.set_logs(recompiles=True)
@@ -212,19 +257,17 @@ def count_prefill_compiles(model, settings) -> list[tuple]:
     lengths = [settings.PROMPT_LEN - span * i // max(1, settings.RECOMPILE_LENGTHS - 1)
                for i in range(settings.RECOMPILE_LENGTHS)]
     before = counters["stats"]["unique_graphs"]
-    shapes = []
-    graph_decode.PrefillShapes.seen = shapes
     start = time.perf_counter()
     try:
-        for i, length in enumerate(lengths):
-            ids, mask = grpo_prompts(settings.NUM_SEQS, settings.NUM_PROMPTS, length, settings.PROMPT_LEN_SPREAD,
-                                     model, settings.SEED + 1 + i)
-            with torch.no_grad():
-                graph_decode.prefill(graph_decode.causal_lm(model), ids, mask, 1, token_ids(model)[1],
-                                     bucket=settings.PREFILL_BUCKET)
-        torch.cuda.synchronize()
+        with prefill_shapes(model) as shapes:
+            for i, length in enumerate(lengths):
+                ids, mask = grpo_prompts(settings.NUM_SEQS, settings.NUM_PROMPTS, length, settings.PROMPT_LEN_SPREAD,
+                                         model, settings.SEED + 1 + i)
+                with torch.no_grad():
+                    graph_decode.prefill(graph_decode.causal_lm(model), ids, mask, 1, token_ids(model)[1],
+                                         bucket=settings.PREFILL_BUCKET, autocast=autocast_dtype(settings.AUTOCAST))
+            torch.cuda.synchronize()
     finally:
-        graph_decode.PrefillShapes.seen = None
         torch._logging.set_logs(recompiles=False)
     return [("prompt lengths", f"{len(lengths)} ({min(lengths)}-{max(lengths)})"),
             ("prefill shapes (rows x length)", ", ".join(f"{r}x{n}" for r, n in sorted(set(shapes)))),
@@ -232,21 +275,18 @@ def count_prefill_compiles(model, settings) -> list[tuple]:
             ("seconds", f"{time.perf_counter() - start:.1f}")]
 
 
-def grpo_state(model, rank: int, b_std: float = 0.0):
+def grpo_state(model, rank: int, b_std: float = 0.0, rho: float = 0.0):
     """The model as GRPO generates with it: train_grpo's LoRA adapter (PEFT casts it to fp32), train mode, PEFT's
     input-require-grads hook (TRL adds it with gradient checkpointing, which it switches off around generate).
-    b_std > 0: B drawn from N(0, b_std) (PEFT starts it at zero, where the adapter changes nothing)."""
-    import torch
+    b_std or rho > 0: B drawn (decode_compare.draw_lora_b)."""
     from peft import get_peft_model
 
     import train_grpo
+    from benchmarks.decode_compare import draw_lora_b
 
     peft_model = get_peft_model(model, train_grpo.build_lora_config(rank, 2 * rank))
-    if b_std:
-        with torch.no_grad():
-            for name, param in peft_model.named_parameters():
-                if "lora_B" in name:
-                    param.normal_(0, b_std)
+    if b_std or rho:
+        draw_lora_b(peft_model, rho, b_std)
     peft_model.train()
     peft_model.enable_input_require_grads()
     return peft_model
@@ -254,9 +294,13 @@ def grpo_state(model, rank: int, b_std: float = 0.0):
 
 def main(argv: list[str] | None = None) -> int:
     settings = resolve(globals(), argv)
-    unknown = [v for v in settings.VARIANTS if v not in _KNOWN_VARIANTS]
+    unknown = [v for v in settings.VARIANTS if v not in _TRANSFORMERS_VARIANTS and not is_graph_decode(v)]
     if unknown:
-        print(f"error: VARIANTS: unknown {', '.join(unknown)} (known: {', '.join(_KNOWN_VARIANTS)})", file=sys.stderr)
+        print(f"error: VARIANTS: unknown {', '.join(unknown)} (known: {', '.join(_TRANSFORMERS_VARIANTS)}, and static "
+              f"or graphs followed by any of _{', _'.join(_GRAPH_DECODE_FLAGS)})", file=sys.stderr)
+        return 2
+    if settings.AUTOCAST not in ("bf16", "none"):
+        print(f"error: AUTOCAST={settings.AUTOCAST!r}: bf16 or none", file=sys.stderr)
         return 2
     if settings.NUM_PROMPTS and settings.NUM_SEQS % settings.NUM_PROMPTS:
         print(f"error: NUM_SEQS={settings.NUM_SEQS} is not a multiple of NUM_PROMPTS={settings.NUM_PROMPTS}",
@@ -268,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     print(stack_versions())
     model = build_random_model(attn_implementation=settings.ATTN).requires_grad_(False)  # nothing trains here
     if settings.LORA_R:
-        model = grpo_state(model, settings.LORA_R, settings.LORA_B_STD)
+        model = grpo_state(model, settings.LORA_R, settings.LORA_B_STD, settings.LORA_RHO)
+    autocast = autocast_dtype(settings.AUTOCAST)
     input_ids, attention_mask = grpo_prompts(settings.NUM_SEQS, settings.NUM_PROMPTS, settings.PROMPT_LEN,
                                              settings.PROMPT_LEN_SPREAD, model, settings.SEED)
     bucket = settings.PREFILL_BUCKET
@@ -281,33 +326,40 @@ def main(argv: list[str] | None = None) -> int:
             # warm-up: kernels and flex attention compilation at the real shapes; a static cache is sized by the
             # whole generation, so the graphs variant warms up at the full length
             warm_seconds, _ = time_generate(model, input_ids, attention_mask, settings.NEW_TOKENS if extra else 2,
-                                            variant, bucket, **extra)
+                                            variant, bucket, autocast, **extra)
             print(f"{variant}: warm-up {warm_seconds:.1f} s", flush=True)
             # the prefill alone: a call of one new token (no decode step); not for a static cache sized by the call
-            prefill = None if extra else time_generate(model, input_ids, attention_mask, 1, variant, bucket)[0]
+            prefill = None if extra else time_generate(model, input_ids, attention_mask, 1, variant, bucket,
+                                                       autocast)[0]
             for _ in range(settings.REPEATS):
                 seconds, peak = time_generate(model, input_ids, attention_mask, settings.NEW_TOKENS, variant, bucket,
-                                              **extra)
+                                              autocast, **extra)
                 rows.append((variant, prefill, seconds, settings.NUM_SEQS * settings.NEW_TOKENS / seconds, peak))
                 print(f"{variant}: {seconds:.1f} s, {rows[-1][3]:.0f} tok/s, peak {peak:.1f} GiB", flush=True)
             if settings.PROFILE_TOKENS:
-                profile_generate(model, input_ids, attention_mask, settings.PROFILE_TOKENS, variant, bucket, **extra)
+                profile_generate(model, input_ids, attention_mask, settings.PROFILE_TOKENS, variant, bucket, autocast,
+                                 **extra)
     compiles = count_prefill_compiles(model, settings) if settings.RECOMPILE_LENGTHS else []
+    gaps = []
     if settings.COMPARE_SEQS:
         with grouped_mm_experts_for_decode(model, say=print):
-            compare_logprobs(model, settings.COMPARE_SEQS, settings.COMPARE_TOKENS, settings.PROMPT_LEN)
+            gaps = compare_logprobs(model, settings.COMPARE_SEQS, settings.COMPARE_TOKENS, settings.PROMPT_LEN,
+                                    autocast)
     distinct = settings.NUM_PROMPTS or settings.NUM_SEQS
+    scale = f"rho {settings.LORA_RHO}" if settings.LORA_RHO else f"B std {settings.LORA_B_STD}"
+    lora = f", LoRA r={settings.LORA_R} in train mode, {scale}" if settings.LORA_R else ""
     print(f"\n{settings.NUM_SEQS} sequences = {distinct} distinct prompts x {settings.NUM_SEQS // distinct}, "
           f"{settings.PROMPT_LEN} prompt tokens (real: {settings.PROMPT_LEN_SPREAD} fewer at most), "
-          f"{settings.NEW_TOKENS} new, prefill bucket {bucket}" + (f", LoRA r={settings.LORA_R} in train mode, B std "
-                                                                  f"{settings.LORA_B_STD}" if settings.LORA_R else ""))
-    print(f"{'variant':<18}{'prefill s':>10}{'seconds':>10}{'tok/s':>10}{'ms/step':>10}{'peak GiB':>10}")
+          f"{settings.NEW_TOKENS} new, prefill bucket {bucket}, autocast {settings.AUTOCAST}{lora}")
+    print(f"{'variant':<22}{'prefill s':>10}{'seconds':>10}{'tok/s':>10}{'ms/step':>10}{'peak GiB':>10}")
     for variant, prefill, seconds, tps, peak in rows:
         step_ms = 1000 * (seconds - (prefill or 0.0)) / max(1, settings.NEW_TOKENS - 1)
-        print(f"{variant:<18}{'-' if prefill is None else f'{prefill:.2f}':>10}{seconds:>10.1f}{tps:>10.0f}"
+        print(f"{variant:<22}{'-' if prefill is None else f'{prefill:.2f}':>10}{seconds:>10.1f}{tps:>10.0f}"
               f"{step_ms if prefill is not None else float('nan'):>10.1f}{peak:>10.1f}")
     for what, value in compiles:
         print(f"{what}: {value}")
+    for line in gaps:
+        print(line)
     return 0
 
 

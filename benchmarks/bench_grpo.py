@@ -3,7 +3,8 @@
 Run on the GPU machine (the tokenizer folder must be reachable: GPT_OSS_TOKENIZER=<folder>):
 
     python benchmarks/bench_grpo.py --STEPS=2 --MAX_COMPLETION_LEN=512 --DECODE_EXPERTS=auto
-    python benchmarks/bench_grpo.py --STEPS=2 --MAX_COMPLETION_LEN=512 --DECODE_GRAPHS=0    # transformers' generate
+    python benchmarks/bench_grpo.py --STEPS=2 --MAX_COMPLETION_LEN=512 --DECODE_GRAPHS=off  # transformers' generate
+    python benchmarks/bench_grpo.py --STEPS=3 --MAX_COMPLETION_LEN=1024 --LORA_RHO=1e-3     # gap at a trained adapter
     accelerate launch --config_file configs/accelerate/ddp.yaml benchmarks/bench_grpo.py --STEPS=2     # several GPUs
     accelerate launch --config_file configs/accelerate/fsdp2.yaml benchmarks/bench_grpo.py --STEPS=2   # sharded weights
 
@@ -11,7 +12,8 @@ It builds the 20B architecture in bf16 on the GPU (gpt_oss_shapes.py), takes the
 and runs train_grpo.build_trainer(...).train() for STEPS optimizer steps at train_grpo's default batch settings
 (64 completions a step). Random weights never emit an end token, so every completion runs to
 MAX_COMPLETION_LEN: the worst case. Per step it prints generation and training time, completion tokens/s,
-peak memory, and the ratios to the limits (decode: every weight read once per token step at the measured
+peak memory, the sampler-trainer gap (sampling_fidelity.py's metrics: mean |log p difference| and gen-KL estimate),
+and the ratios to the limits (decode: every weight read once per token step at the measured
 ~3.0 TB/s; training: ~22 GFLOP a token against ~800 TFLOP/s of bf16 matrix rate, and "+attn" with attention's
 own matmuls counted too, grpo_timers.attention_gflop_per_row). Under accelerate launch every
 process builds the model on its own GPU (FSDP then shards it) and runs train_grpo's per-process batch; rank 0
@@ -27,6 +29,7 @@ from pathlib import Path as _Path
 # that holds train_grpo.py and the tes_grpo package.
 _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))
 
+import math
 from pathlib import Path
 
 from tes_grpo.processes import (
@@ -41,7 +44,7 @@ from tes_grpo.script_config import resolve
 STEPS = 2  # optimizer steps to time (the first includes compilation and warm-up)
 MAX_COMPLETION_LEN = 512  # tokens per completion (random weights always reach it)
 DECODE_EXPERTS = "auto"  # train_grpo's DECODE_EXPERTS: auto | grouped_mm | transformers (its batched_mm switch)
-DECODE_GRAPHS = "auto"  # train_grpo's DECODE_GRAPHS: auto (on, on a GPU), 1, 0 (transformers' generate)
+DECODE_GRAPHS = "auto"  # train_grpo's DECODE_GRAPHS: auto (on, on a GPU), on, off (transformers' generate)
 TRAIN_EXPERTS = "auto"  # train_grpo's TRAIN_EXPERTS: auto (fused on a GPU), fused, transformers
 TRAIN_BATCH_SIZE = "auto"  # train_grpo's TRAIN_BATCH_SIZE: auto (from TRAIN_TOKENS_PER_PASS) or a number
 TRAIN_TOKENS_PER_PASS = 40000  # train_grpo's auto micro-batch budget (tokens per forward/backward, worst case)
@@ -52,6 +55,8 @@ HBM_TB_PER_S = 3.0  # measured device-to-device copy rate of the H100 here (KIND
 BF16_TFLOPS = 800.0  # measured bf16 matrix rate of the H100 here (KINDS.md)
 TRAIN_GFLOP_PER_TOKEN = 22.0  # forward + backward to activations + recomputation, 3.6 B active parameters
 PROFILE_TRAIN = False  # after the steps, profile one forward/backward of the last micro-batch (torch.profiler)
+LORA_RHO = 0.0  # >0: the adapter starts with B drawn so rms(delta) / rms(W) = this (a trained adapter; 0: PEFT's zeros)
+IMPORTANCE_SAMPLING = "off"  # train_grpo's IMPORTANCE_SAMPLING: off, token_truncate, ... (cap: train_grpo's default)
 
 
 _FILLER = " Serve the cooling load first; among the ways to serve it, prefer the one with the least CO2."
@@ -131,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     import train_grpo
     from benchmarks.grpo_timers import GenerationTimer, StepTimer
     from tes_grpo.gpt_oss_shapes import build_random_model, stack_versions
+    from tes_grpo.sampling_fidelity import GEN_KL, LOGP_MAX, LOGP_MEAN
 
     start_process_group()
     torch.cuda.set_device(local_rank())
@@ -141,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         OUT_DIR=bench.OUT_DIR, TOTAL_STEPS=bench.STEPS, MAX_COMPLETION_LEN=bench.MAX_COMPLETION_LEN, SAVE_STEPS=10_000,
         DECODE_EXPERTS=bench.DECODE_EXPERTS, DECODE_GRAPHS=bench.DECODE_GRAPHS, TRAIN_EXPERTS=bench.TRAIN_EXPERTS,
         TRAIN_BATCH_SIZE=bench.TRAIN_BATCH_SIZE,
-        TRAIN_TOKENS_PER_PASS=bench.TRAIN_TOKENS_PER_PASS)
+        TRAIN_TOKENS_PER_PASS=bench.TRAIN_TOKENS_PER_PASS, IMPORTANCE_SAMPLING=bench.IMPORTANCE_SAMPLING)
     train_grpo.check_settings(settings)
     tokenizer = load_tokenizer()
     frame = train_grpo.load_training_data(settings, tokenizer)
@@ -160,6 +166,11 @@ def main(argv: list[str] | None = None) -> None:
     dataset = train_grpo.build_stream(frame, settings).to_iterable_dataset()
     trainer = train_grpo.build_trainer(settings, model, tokenizer, dataset, layout, callbacks=[step_timer])
     step_timer.timer = GenerationTimer(model)  # outermost, around whichever generate() build_trainer installed
+    step_timer.fidelity = trainer.sampling_fidelity
+    if bench.LORA_RHO:
+        from benchmarks.decode_compare import draw_lora_b
+
+        draw_lora_b(trainer.model, bench.LORA_RHO)
     last_batch = keep_last_loss_inputs(trainer) if bench.PROFILE_TRAIN else None
     trainer.train()
     if last_batch and is_main_process():
@@ -168,17 +179,20 @@ def main(argv: list[str] | None = None) -> None:
         return
     print(f"\n{stack_versions()}, {process_count()} process(es), sharding {step_timer.rows[0]['sharding']}")
     print(f"DECODE_EXPERTS={bench.DECODE_EXPERTS}, DECODE_GRAPHS={bench.DECODE_GRAPHS}, TRAIN_EXPERTS="
-          f"{bench.TRAIN_EXPERTS}, MAX_COMPLETION_LEN="
+          f"{bench.TRAIN_EXPERTS}, LORA_RHO={bench.LORA_RHO}, IMPORTANCE_SAMPLING={bench.IMPORTANCE_SAMPLING}, "
+          "MAX_COMPLETION_LEN="
           f"{bench.MAX_COMPLETION_LEN}, prompt {prompt_tokens} tokens, {settings.NUM_GENERATIONS} generations x "
           f"{settings.GRADIENT_ACCUMULATION_STEPS} accumulation, {layout['train_batch_size']} completions a pass")
     print(f"{'step':>4}{'step s':>8}{'gen s':>8}{'train s':>8}{'gen %':>7}{'tok/s':>8}{'of limit':>9}"
-          f"{'train MFU':>10}{'+attn':>7}{'compl/s':>8}  peak GiB per GPU (reserved)")
+          f"{'train MFU':>10}{'+attn':>7}{'compl/s':>8}{'logp gap':>10}{'max gap':>9}{'gen KL':>10}"
+          "  peak GiB per GPU (reserved)")
     for r in step_timer.rows:
         print(f"{r['step']:>4}{r['step_s']:>8.1f}{r['generation_s']:>8.1f}{r['training_s']:>8.1f}"
               f"{100 * r['gen_share']:>6.0f}%{r['gen_tokens_per_s']:>8.0f}"
               f"{100 * r['gen_tokens_per_s'] / r['decode_limit_tokens_per_s']:>8.1f}%"
               f"{100 * r['train_mfu']:>9.1f}%{100 * r['train_mfu_with_attention']:>6.1f}%"
-              f"{r['completions_per_s']:>8.2f}  "
+              f"{r['completions_per_s']:>8.2f}{r.get(LOGP_MEAN, math.nan):>10.2e}{r.get(LOGP_MAX, math.nan):>9.2e}"
+              f"{r.get(GEN_KL, math.nan):>10.2e}  "
               + " / ".join(f"{m:.1f}" for m in r["peak_gib_per_gpu"]) + f" ({r['reserved_gib']:.1f})")
 
 

@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     import train_grpo
     from tes_grpo import memory_plan
     from tes_grpo.gpt_oss_shapes import build_random_model, stack_versions
-    from tes_grpo.gpt_oss_tokenizer import load_tokenizer
+    from tes_grpo.harmony import load_tokenizer
     from tes_grpo.lm_head import describe_lm_head, fused_head_tile, use_full_logits
 
     print(stack_versions(), flush=True)

@@ -54,12 +54,15 @@ class GenerationTimer:
 
 
 class StepTimer(TrainerCallback):
-    """Per optimizer step: wall time, the generation share of it, tokens/s, peak memory, ratios to the limits."""
+    """Per optimizer step: wall time, the generation share of it, tokens/s, peak memory, ratios to the limits, and
+    the step's sampling metrics (sampler against trainer, from `fidelity`: the trainer's sampling_fidelity hook,
+    which logs them in the step's last micro-batch, before this callback's on_step_end)."""
 
     def __init__(self, timer: GenerationTimer | None, weight_bytes: int, prompt_tokens: int, results: Path, bench,
                  layout: dict, model_config):
         self.timer, self.weight_bytes, self.prompt_tokens, self.results = timer, weight_bytes, prompt_tokens, results
         self.bench, self.layout, self.model_config = bench, layout, model_config
+        self.fidelity = None
         self.rows: list[dict] = []
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -103,6 +106,7 @@ class StepTimer(TrainerCallback):
                    peak_gib=max(m for _, m, _ in per_gpu), reserved_gib=max(r for _, _, r in per_gpu),
                    completions_per_step=seqs * processes,
                    completions_per_s=seqs * processes / total)
+        row.update(self.fidelity.latest if self.fidelity is not None else {})
         self.rows.append(row)
         with self.results.open("a") as f:
             f.write(json.dumps(row) + "\n")

@@ -38,11 +38,13 @@ def format_metric(value) -> str:
 
 PROGRESS_FIELDS = (("reward", "reward"), ("action/valid_fraction", "valid"),
                    ("action/truncated_fraction", "truncated"), ("action/optimal_fraction", "optimal"),
-                   ("loss", "loss"), ("completions/mean_length", "len"))
+                   ("loss", "loss"), ("completions/mean_length", "len"),
+                   ("sampling/sampling_logp_difference/mean", "logp gap"))  # sampler vs trainer, sampling_fidelity.py
 
 
 class ProgressLineCallback(TrainerCallback):
-    """One line per logged step: step, reward, valid/truncated/optimal fractions, loss, length, seconds per step."""
+    """One line per logged step: step, reward, valid/truncated/optimal fractions, loss, length, the mean |log p| gap
+    between sampler and trainer, seconds per step."""
 
     def __init__(self):
         self.started = None

@@ -226,3 +226,68 @@ def flex_masks_with_padding_bounds(say=_say) -> bool:
     if not hasattr(current, "wraps_original"):
         ALL_MASK_ATTENTION_FUNCTIONS["flex_attention"] = _flex_mask_with_padding_bounds(current)
     return True
+
+
+def adapter_base_parameters(model) -> list:
+    """The frozen parameters of every PEFT adapter layer's base layer (what PEFT's merge_adapter writes into):
+    nn.Linear weights and biases under LoRA, the experts' tensors under target_parameters."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    found = {}
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            for param in module.get_base_layer().parameters(recurse=False):
+                if not param.requires_grad:
+                    found[id(param)] = param
+    return list(found.values())
+
+
+class BaseWeightsKept:
+    """Wraps TRL's VLLMGeneration.sync_weights: the adapter layers' base weights are copied before the sync and
+    written back after it (see keep_base_weights_across_vllm_sync). The copies live on the CPU (pinned when the
+    weights are on a GPU, so the copies are fast) and are kept between syncs."""
+
+    def __init__(self, sync, model):
+        self.sync, self.model = sync, model
+        self.saved: list | None = None
+
+    def __call__(self, *args, **kwargs):
+        import torch
+
+        if self.saved is None:
+            params = adapter_base_parameters(self.model)
+            self.saved = [(p, torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=p.is_cuda))
+                          for p in params]
+        with torch.no_grad():
+            for param, copy in self.saved:
+                copy.copy_(param.detach())
+        try:
+            return self.sync(*args, **kwargs)
+        finally:
+            with torch.no_grad():
+                for param, copy in self.saved:
+                    param.data.copy_(copy)
+
+
+def keep_base_weights_across_vllm_sync(trainer, say=_say) -> bool:
+    """TRL 1.16 (trl/generation/vllm_generation.py, VLLMGeneration._iter_named_params): keeps the frozen base weights
+    bit for bit across every weight sync to vLLM.
+
+    To send vLLM the adapted weights, TRL calls PEFT's merge_adapter() (W += delta, in place, in the trainer's own
+    bf16 base weights), reads them, then unmerge_adapter() (W -= delta). In bf16, W + delta - delta is not W: each
+    sync moves some base elements by an ulp, and the frozen base, the policy's starting point, drifts a little more
+    every step (tests/test_sampling_fidelity.py measures it). Here the adapter layers' base weights are copied
+    before each sync and written back after it, so vLLM still gets the merged weights and the trainer's base never
+    changes. Costs a copy of those weights to pinned CPU memory and back per sync (1.3 GB for gpt-oss-20b's attention
+    projections). Returns False (and says so) when the trainer has no vLLM weight sync to wrap.
+    """
+    generation = getattr(trainer, "vllm_generation", None)
+    sync = getattr(generation, "sync_weights", None)
+    if sync is None:
+        say("note: this trainer has no vllm_generation.sync_weights; base weights are not guarded across syncs")
+        return False
+    if not isinstance(sync, BaseWeightsKept):
+        generation.sync_weights = BaseWeightsKept(sync, trainer.model)
+    say("vLLM: the base weights are copied before each weight sync and restored after it (TRL merges the adapter "
+        "into them in place; workarounds.py)")
+    return True

@@ -167,6 +167,7 @@ def test_graph_decode_samples_the_same_tokens_with_mxfp4_experts():
 
 @pytest.mark.slow
 def test_layers_that_cannot_be_packed_decode_with_their_own_experts():
+    from benchmarks.decode_compare import decode_logprobs
     from tes_grpo import graph_decode
 
     model = small_bf16_model()
@@ -179,6 +180,6 @@ def test_layers_that_cannot_be_packed_decode_with_their_own_experts():
     ids = torch.randint(10, 512, (2, 9), generator=torch.Generator().manual_seed(3))
     completion = torch.randint(10, 512, (2, 6), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
-    ours = graph_decode.completion_logprobs(model, ids, mask, completion, graphs=False, experts="mxfp4")
-    theirs = graph_decode.completion_logprobs(model, ids, mask, completion, graphs=False, experts="model")
+    ours = decode_logprobs(model, ids, mask, completion, graphs=False, experts="mxfp4")
+    theirs = decode_logprobs(model, ids, mask, completion, graphs=False, experts="model")
     assert torch.equal(ours, theirs)

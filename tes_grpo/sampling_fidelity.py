@@ -1,0 +1,411 @@
+"""How closely the completions were sampled from the policy being trained, measured every step, and an optional
+correction (IMPORTANCE_SAMPLING). Library module: train_grpo's build_trainer calls `install` once.
+
+Why: GRPO's gradient assumes the completions were drawn from the policy the trainer computes. The sampler computes
+its own forward (graph_decode's decode steps, transformers' generate, or vLLM), with other kernels and other
+roundings, so the two policies differ a little; TRL measures and corrects that only when vLLM generates. Here every
+path does: for every completion token y_t of an optimizer step,
+
+    delta_t = log pi_train(y_t) - log pi_sampler(y_t)
+
+pi_sampler: the probability the sampler drew the token with, after temperature and the other warpers (the
+distribution it actually sampled from); pi_train: the trainer's, from its forward before the update (TRL 1.16's
+old_per_token_logps). Tokens outside the completion and tool masks, and tokens whose sampler log-probability is NaN
+(vLLM could not score them), are left out. Logged per optimizer step through TRL's metrics (so into metrics.jsonl,
+TensorBoard and REPORT_TO's trackers; the progress line shows the first), under TRL's names:
+
+- sampling/sampling_logp_difference/mean, /max: the mean (over the step's tokens, all processes) and max of |delta|;
+- sampling/importance_sampling_ratio/min, /mean, /max: of the per-token ratio exp(delta) = pi_train / pi_sampler;
+  with IMPORTANCE_SAMPLING on, of the weights applied (after truncation or masking; one per sequence in the
+  sequence modes), as TRL logs its vLLM correction;
+- sampling/gen_kl_error: the token mean of exp(delta) - delta - 1. This is NeMo-RL's gen_kl_error (its
+  ClippedPGLossFn: calculate_kl(generation_logprobs, prev_logprobs) with the "k3" estimator of Schulman's
+  "Approximating KL divergence", masked mean over the step's valid tokens): with r = pi_train / pi_sampler at tokens
+  drawn from pi_sampler, E[r - 1 - log r] = KL(pi_sampler || pi_train), per token, never negative. NeMo-RL's
+  gpt-oss-20b release check requires it below 0.002.
+
+Where the log-probabilities come from (hooks on the GRPOTrainer instance, TRL 1.16: `install` checks the private
+methods exist and says when the TRL version differs):
+- the sampler's: vLLM returns them (TRL asks for them, after processing); graph_decode's sampling loop computes them
+  (generate(logprobs=True)); transformers' generate gets SampledLogprobs as its last custom logits processor. The
+  trainer's `_generate_single_turn` returns them to TRL, which then carries them as `sampling_per_token_logps` in
+  each micro-batch, aligned with completion_ids (the path it uses for vLLM);
+- the trainer's: the training forward of `_compute_loss`, read from `_get_per_token_logps_and_entropies` while it
+  runs. With one generation per optimizer step and num_iterations 1 (this repo's settings) TRL uses that forward's
+  detached log-probabilities as old_per_token_logps, so there is no extra forward; when TRL computed
+  old_per_token_logps itself (generation not aligned with optimizer steps), those are used.
+
+Cost: the sampler adds a logsumexp over [batch, vocab] per decode step (graph_decode: outside the captured graph,
+next to the softmax it samples from); the trainer a few elementwise ops on [batch, completion] per micro-batch and
+one reduction across processes per optimizer step.
+
+IMPORTANCE_SAMPLING (TRL's vllm_importance_sampling_mode names, on any generation path): multiplies each token's
+loss by w = exp(delta) truncated at IMPORTANCE_SAMPLING_CAP (token_truncate), or zeroed above it (token_mask), or the
+same with delta summed over the sequence (sequence_truncate, sequence_mask), as TRL 1.16 corrects vLLM's samples.
+Applied by scaling the micro-batch's advantages per token (TRL 1.16's _compute_loss takes [B, T] advantages): every
+loss type but vespo is linear in a positive per-token weight, so that is TRL's per_token_loss * w.
+
+torch and transformers are imported where they are used, so train_grpo's settings check (correction_problem) stays
+fast.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+TRL_SERVED = "1.16"  # the TRL version whose private GRPOTrainer methods these hooks replace
+IS_MODES = ("off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+LOGP_MEAN = "sampling/sampling_logp_difference/mean"
+LOGP_MAX = "sampling/sampling_logp_difference/max"
+RATIO_MIN = "sampling/importance_sampling_ratio/min"
+RATIO_MEAN = "sampling/importance_sampling_ratio/mean"
+RATIO_MAX = "sampling/importance_sampling_ratio/max"
+GEN_KL = "sampling/gen_kl_error"
+METRICS = (LOGP_MEAN, LOGP_MAX, RATIO_MIN, RATIO_MEAN, RATIO_MAX, GEN_KL)
+# what generate() warps that SampledLogprobs does not repeat (graph_decode.logits_warpers covers the rest)
+_UNMIRRORED = {"typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None,
+               "watermarking_config": None, "num_beams": 1}
+
+
+@dataclass(frozen=True)
+class Correction:
+    """IMPORTANCE_SAMPLING and IMPORTANCE_SAMPLING_CAP: mode in IS_MODES, cap = the ratio's upper bound."""
+
+    mode: str = "off"
+    cap: float = 3.0
+
+    @property
+    def on(self) -> bool:
+        return self.mode != "off"
+
+    @property
+    def sequence_level(self) -> bool:
+        return self.mode.startswith("sequence")
+
+
+def correction_problem(mode: str, cap: float, loss_type: str) -> str | None:
+    """Why IMPORTANCE_SAMPLING / IMPORTANCE_SAMPLING_CAP cannot work (None: they can); for the settings check."""
+    if mode not in IS_MODES:
+        return f"IMPORTANCE_SAMPLING={mode!r}: must be one of " + ", ".join(repr(m) for m in IS_MODES)
+    if not (math.isfinite(cap) and cap > 0):
+        return f"IMPORTANCE_SAMPLING_CAP={cap!r}: must be a finite number above 0"
+    if mode != "off" and loss_type == "vespo":
+        return ("IMPORTANCE_SAMPLING with LOSS_TYPE='vespo': vespo folds the correction into its own weights "
+                "(TRL's vLLM path); use IMPORTANCE_SAMPLING=off")
+    return None
+
+
+def importance_weights(delta: torch.Tensor, mask: torch.Tensor, correction: Correction) -> torch.Tensor:
+    """TRL 1.16's vLLM importance-sampling weights from delta = old - sampler log-probs [B, T]: [B, T] (token modes)
+    or [B, 1] (sequence modes). Masked and NaN positions count as delta 0 (ratio 1), as TRL's do."""
+    import torch
+
+    diff = torch.nan_to_num(delta * mask, nan=0.0)
+    if correction.sequence_level:
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if correction.mode.endswith("truncate"):
+        return ratio.clamp(max=correction.cap)
+    return ratio.masked_fill(ratio > correction.cap, 0.0)
+
+
+class GapWindow:
+    """Sums of an optimizer step's token gaps (on the device, no host reads until `totals`)."""
+
+    def __init__(self):
+        self.parts: list[torch.Tensor] = []
+
+    def add(self, delta: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor | None, sequence_level: bool):
+        import torch
+
+        if delta.numel() == 0:
+            return
+        valid = mask.bool() & ~torch.isnan(delta)
+        d = delta.double().masked_fill(~valid, 0.0)  # float64: e^d - d - 1 of a 1e-7 gap is 5e-15
+        if weights is None:  # the ratio itself, per token
+            values, keep = d.exp(), valid
+        elif sequence_level:  # the weights applied, one per sequence
+            values, keep = weights.double().flatten(), torch.ones(weights.numel(), dtype=torch.bool,
+                                                                   device=weights.device)
+        else:  # the weights applied, per token of the completion (NaN tokens have weight 1)
+            values, keep = weights.double(), mask.bool()
+        inf = torch.tensor(math.inf, device=d.device)
+        self.parts.append(torch.stack([
+            valid.sum().double(), d.abs().sum(), (d.exp() - d - 1).sum(), d.abs().amax(),
+            keep.sum().double(), torch.where(keep, values, 0.0).sum(), torch.where(keep, values, inf).amin(),
+            torch.where(keep, values, -inf).amax()]))
+
+    def totals(self, accelerator) -> dict | None:
+        """The step's metrics over every process (a collective: every process calls it at the same step), or None
+        when nothing was added. Empties the window."""
+        import torch
+
+        if not self.parts:
+            return None
+        parts, self.parts = torch.stack(self.parts), []
+        local = torch.stack([parts[:, 0].sum(), parts[:, 1].sum(), parts[:, 2].sum(), parts[:, 4].sum(),
+                             parts[:, 5].sum()])
+        count, abs_sum, kl_sum, ratio_count, ratio_sum = accelerator.reduce(local, reduction="sum").tolist()
+        highs = accelerator.gather(torch.stack([parts[:, 3].amax(), parts[:, 7].amax()])[None]).amax(dim=0).tolist()
+        low = accelerator.gather(parts[:, 6].amin()[None]).amin().item()
+        tokens, ratios = max(count, 1.0), max(ratio_count, 1.0)
+        return {LOGP_MEAN: abs_sum / tokens, LOGP_MAX: highs[0] if count else 0.0,
+                RATIO_MIN: low if ratio_count else 0.0, RATIO_MEAN: ratio_sum / ratios if ratio_count else 0.0,
+                RATIO_MAX: highs[1] if ratio_count else 0.0, GEN_KL: kl_sum / tokens}
+
+
+class SampledLogprobs:
+    """Records the log-probability of each token a generate() call samples, under the distribution it samples from.
+
+    transformers' generate: passed as the last custom logits processor, it sees each step's scores after the other
+    processors but before the sampling warpers (generate appends those after custom processors), so it applies the
+    warpers itself (`warpers`: graph_decode.logits_warpers of the call's config, the same classes in the same order;
+    each returns a new tensor, so generate's own pass is untouched); the token chosen from a step is read at the next
+    step (the last column of input_ids) and the last one from the returned sequences (`result`). graph_decode's
+    GraphDecodeGenerate hands it the log-probabilities its sampling loop computed (`record`).
+    """
+
+    def __init__(self, warpers=None):
+        self.warpers = warpers
+        self.steps: list[torch.Tensor] = []
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.given: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self._close(input_ids[:, -1])
+        warped = self.warpers(input_ids, scores) if self.warpers else scores
+        self.pending = (warped, warped.float().logsumexp(dim=-1))
+        return scores
+
+    def _close(self, chosen: torch.Tensor) -> None:
+        if self.pending is not None:
+            warped, total = self.pending
+            self.steps.append(warped.gather(1, chosen[:, None]).squeeze(1).float() - total)
+            self.pending = None
+
+    def record(self, logprobs: torch.Tensor) -> None:
+        """graph_decode: the sampled tokens' log-probabilities [B, n], as its sampling loop computed them."""
+        self.given = logprobs
+
+    def result(self, sequences: torch.Tensor, prompt_len: int) -> torch.Tensor:
+        """[B, n] float32 log-probabilities of sequences[:, prompt_len:] (n new tokens)."""
+        import torch
+
+        if self.given is not None:
+            return self.given
+        self._close(sequences[:, -1])
+        new = sequences.shape[1] - prompt_len
+        if len(self.steps) != new:
+            raise RuntimeError(f"SampledLogprobs: generate called it {len(self.steps)} times for {new} new tokens")
+        return torch.stack(self.steps, dim=1) if self.steps else sequences.new_zeros((sequences.shape[0], 0),
+                                                                                       dtype=torch.float32)
+
+
+def recording_blockers(config) -> list[str]:
+    """Options of a generate() call under which SampledLogprobs would not see the distribution sampled from."""
+    return [f"{name}={getattr(config, name, None)!r}" for name, neutral in _UNMIRRORED.items()
+            if getattr(config, name, neutral) not in (neutral, None)]
+
+
+class RecordingGenerate:
+    """Wraps a model's generate() (transformers', GraphDecodeGenerate, or another wrapper) to keep the sampled
+    tokens' log-probabilities of its latest call (`take`), through a SampledLogprobs logits processor. Returns what
+    the wrapped generate returns."""
+
+    def __init__(self, model, generate, say=print):
+        self.model, self.generate, self.say = model, generate, say
+        self.latest: torch.Tensor | None = None
+        self.reported: set[str] = set()
+
+    def __call__(self, *args, **kwargs):
+        import torch
+        from transformers import LogitsProcessorList
+
+        from tes_grpo.graph_decode import logits_warpers
+
+        self.latest = None
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        config = kwargs.get("generation_config") or self.model.generation_config
+        blockers = recording_blockers(config) + ([] if input_ids is not None else ["no input_ids"])
+        if blockers:
+            text = ", ".join(blockers)
+            if text not in self.reported:
+                self.reported.add(text)
+                self.say(f"sampling metrics: not recorded for this generate call ({text})")
+            return self.generate(*args, **kwargs)
+        recorder = SampledLogprobs(logits_warpers(config))
+        processors = LogitsProcessorList(kwargs.pop("logits_processor", None) or [])
+        processors.append(recorder)
+        out = self.generate(*args, logits_processor=processors, **kwargs)
+        sequences = out if isinstance(out, torch.Tensor) else out.sequences
+        self.latest = recorder.result(sequences, input_ids.shape[1])
+        return out
+
+    def take(self) -> torch.Tensor | None:
+        """The latest call's log-probabilities [B, n] (None if it recorded none), handed out once."""
+        latest, self.latest = self.latest, None
+        return latest
+
+
+def _generate_chain(generate):
+    """generate() and the callables it wraps, outermost first (this repo's wrappers keep the next as .generate,
+    .original or .inner)."""
+    while generate is not None:
+        yield generate
+        generate = next((getattr(generate, name) for name in ("generate", "original", "inner")
+                         if callable(getattr(generate, name, None))), None)
+
+
+class FidelityHook:
+    """The hooks `install` puts on one GRPOTrainer (TRL 1.16): see the module docstring. `latest`: the metrics of
+    the latest optimizer step (benchmarks read it); `recording`: the RecordingGenerate (None under vLLM)."""
+
+    def __init__(self, trainer, correction: Correction, say=print):
+        self.trainer, self.correction, self.say = trainer, correction, say
+        self.recording: RecordingGenerate | None = None
+        self.windows = {"train": GapWindow(), "eval": GapWindow()}
+        self.latest: dict = {}
+        self.batch: dict | None = None
+        self.said_missing = False
+        self._generate_single_turn = trainer._generate_single_turn
+        self._compute_loss = trainer._compute_loss
+        self._per_token_logps = trainer._get_per_token_logps_and_entropies
+
+    def attach(self) -> None:
+        """Replaces the trainer's three methods with this hook's (on the instance; the class is untouched)."""
+        self.trainer._generate_single_turn = self.generate_single_turn
+        self.trainer._compute_loss = self.compute_loss
+        self.trainer._get_per_token_logps_and_entropies = self.per_token_logps
+
+    def generate_single_turn(self, *args, **kwargs):
+        """TRL's _generate_single_turn, returning the sampled tokens' log-probabilities where TRL returns None
+        (transformers' generate, graph_decode), cut to each completion as TRL cut its ids."""
+        if self.recording is not None:
+            self.recording.latest = None
+        completion_ids, logprobs = self._generate_single_turn(*args, **kwargs)
+        if logprobs is not None:
+            return completion_ids, logprobs
+        sampled = self.recording.take() if self.recording is not None else None
+        if sampled is None:
+            if not self.said_missing:
+                self.said_missing = True
+                self.say("sampling metrics: this generation path gave no sampled log-probabilities; sampling/* are "
+                         "not logged" + (" and IMPORTANCE_SAMPLING is not applied" if self.correction.on else ""))
+            return completion_ids, None
+        rows = sampled.float().cpu()
+        if rows.shape[0] != len(completion_ids) or any(len(ids) > rows.shape[1] for ids in completion_ids):
+            raise RuntimeError(f"sampling metrics: {tuple(rows.shape)} log-probabilities for {len(completion_ids)} "
+                               f"completions of up to {max(map(len, completion_ids), default=0)} tokens")
+        return completion_ids, [rows[i, :len(ids)].tolist() for i, ids in enumerate(completion_ids)]
+
+    def compute_loss(self, model, inputs):
+        """TRL's _compute_loss on a copy of the micro-batch (per_token_logps may scale its advantages)."""
+        self.batch = dict(inputs)
+        try:
+            return self._compute_loss(model, self.batch)
+        finally:
+            self.batch = None
+
+    def per_token_logps(self, *args, **kwargs):
+        """TRL's _get_per_token_logps_and_entropies; inside _compute_loss, measures (and corrects) the gap."""
+        logps, entropies, aux_loss = self._per_token_logps(*args, **kwargs)
+        batch, self.batch = self.batch, None  # only _compute_loss's own call, once
+        if batch is not None and batch.get("sampling_per_token_logps") is not None:
+            self.measure(batch, logps)
+        return logps, entropies, aux_loss
+
+    def measure(self, batch: dict, logps: torch.Tensor) -> None:
+        """Adds a micro-batch's gaps to the step's window (and, with the correction on, scales its advantages);
+        at the optimizer step's last micro-batch, logs the step's metrics."""
+        mask = batch["completion_mask"] if "tool_mask" not in batch else batch["completion_mask"] * batch["tool_mask"]
+        old = batch.get("old_per_token_logps")
+        old = logps.detach() if old is None else old
+        delta = old - batch["sampling_per_token_logps"]
+        weights = importance_weights(delta, mask, self.correction) if self.correction.on else None
+        if weights is not None:
+            advantages = batch["advantages"]
+            batch["advantages"] = (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages) * weights
+        mode = "train" if self.trainer.model.training else "eval"
+        self.windows[mode].add(delta, mask, weights, self.correction.sequence_level)
+        if mode == "eval" or self.trainer.accelerator.sync_gradients:
+            totals = self.windows[mode].totals(self.trainer.accelerator)
+            if totals is not None:
+                self.latest = totals
+                for name, value in totals.items():
+                    self.trainer._metrics[mode][name].append(value)
+
+
+def training_autocast(trainer) -> torch.dtype | None:
+    """The dtype the trainer's forward runs under autocast in (accelerate's mixed precision), or None."""
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(trainer.accelerator.mixed_precision))
+
+
+def install(trainer, correction: Correction = Correction(), say=print) -> FidelityHook:
+    """Measures the sampler-trainer gap on `trainer` every step (and applies `correction`): wraps the policy model's
+    generate() with RecordingGenerate (not under vLLM, which returns the log-probabilities itself), makes
+    graph_decode decode under the trainer's autocast, keeps the base weights across vLLM's weight syncs
+    (workarounds.keep_base_weights_across_vllm_sync), and hooks TRL 1.16's _generate_single_turn, _compute_loss and
+    _get_per_token_logps_and_entropies on this instance. Call it last in building the trainer (after the generate
+    wrappers: it wraps them all). The hook is also kept as trainer.sampling_fidelity."""
+    import trl
+
+    from tes_grpo import workarounds
+    from tes_grpo.graph_decode import GraphDecodeGenerate, causal_lm
+
+    missing = [name for name in ("_generate_single_turn", "_compute_loss", "_get_per_token_logps_and_entropies",
+                                 "_metrics") if not hasattr(trainer, name)]
+    if missing:
+        raise RuntimeError(f"sampling_fidelity: TRL {trl.__version__}'s GRPOTrainer has no {', '.join(missing)} (the "
+                           f"hooks serve TRL {TRL_SERVED})")
+    if not trl.__version__.startswith(TRL_SERVED + "."):
+        say(f"note: sampling_fidelity hooks TRL {TRL_SERVED}'s private GRPOTrainer methods; this is TRL "
+            f"{trl.__version__} (they exist, so the hooks are on: check that sampling/* are logged)")
+    use_vllm = bool(getattr(trainer, "use_vllm", False))
+    if use_vllm and getattr(trainer, "vllm_importance_sampling_correction", False):
+        raise ValueError("sampling_fidelity: TRL's own vLLM importance sampling is on; set "
+                         "vllm_importance_sampling_correction=False (IMPORTANCE_SAMPLING corrects every path)")
+    hook = FidelityHook(trainer, correction, say)
+    autocast = training_autocast(trainer)
+    if use_vllm:
+        workarounds.keep_base_weights_across_vllm_sync(trainer, say=say)
+    graph_decode = []
+    if not use_vllm:
+        inner = causal_lm(trainer.model)
+        graph_decode = [g for g in _generate_chain(inner.generate) if isinstance(g, GraphDecodeGenerate)]
+        for generate in graph_decode:
+            generate.autocast = autocast
+        hook.recording = RecordingGenerate(inner, inner.generate, say=say)
+        inner.generate = hook.recording
+    hook.attach()
+    trainer.sampling_fidelity = hook
+    say("sampling metrics: the sampler's log-probabilities against the trainer's every step (sampling/*, "
+        + ("vLLM's" if use_vllm else "recorded while generating") + f"); IMPORTANCE_SAMPLING={correction.mode}"
+        + (f" (cap {correction.cap})" if correction.on else "")
+        + (f"; graph_decode decodes under the trainer's autocast ({autocast})" if graph_decode and autocast else ""))
+    return hook
+
+
+def gap_summary(records: list[dict]) -> str | None:
+    """One line on the sampler-trainer gap over a run's logged steps (metrics.jsonl's records, e.g. from
+    run_folder.read_metrics), for the completion log's summary; None when no step logged it."""
+    steps = [r for r in records if r.get(LOGP_MEAN) is not None]
+    if not steps:
+        return None
+    kl = [r[GEN_KL] for r in steps if r.get(GEN_KL) is not None]
+    gap = _mean(r[LOGP_MEAN] for r in steps)
+    return (f"sampler vs trainer over {len(steps)} logged steps: mean |log p| gap {gap:.3g}"
+            f" (last step {steps[-1][LOGP_MEAN]:.3g}), largest {max(r.get(LOGP_MAX) or 0.0 for r in steps):.3g}"
+            + (f"; gen KL {_mean(kl):.3g} on average, {max(kl):.3g} at most (NeMo-RL's gpt-oss-20b check: < 0.002)"
+               if kl else ""))
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
