@@ -2,6 +2,8 @@
 
     .venv/bin/python data_reward.py runs/grpo-tiny/completions.csv   # re-score a completion log, print the summary
 
+The summary also gives the sampler-trainer gap the run logged (metrics.jsonl beside the log; sampling_fidelity.py).
+
 Imported by train_grpo.py (and run on its own to re-score a completion log with today's parser). The pieces:
 
 - `load_training_frames(data_dir, eval_dir)`: every `*_harmony.csv` under `data_dir` except those under
@@ -364,7 +366,18 @@ def main(argv: list[str] | None = None) -> int:
           f"{summary['optimal'] / n:.1%}"
           + (f", truncated {summary['truncated'] / n:.1%}" if summary["truncated"] is not None else "")
           + f"; {summary['actions_differing_from_log']} parsed actions differ from the logged ones")
+    gap = sampler_gap_line(path.parent / "metrics.jsonl")
+    if gap:
+        print(gap)
     return 0
+
+
+def sampler_gap_line(metrics_path: Path) -> str | None:
+    """The run's sampler-trainer gap (sampling_fidelity.gap_summary) from the metrics.jsonl beside the log, if any."""
+    from tes_grpo.run_folder import read_metrics
+    from tes_grpo.sampling_fidelity import gap_summary
+
+    return gap_summary(read_metrics(metrics_path, say=lambda line: None)) if metrics_path.is_file() else None
 
 
 __all__ = [

@@ -217,6 +217,22 @@ def test_rescore_log(tmp_path, rows, expected, capsys):
     assert data_reward.main([str(path)]) == 0 and "completions" in capsys.readouterr().out
 
 
+def test_rescore_summary_gives_the_runs_sampler_gap(tmp_path, capsys):
+    import json
+
+    path = tmp_path / "completions.csv"
+    path.write_text(",".join(LOG_COLUMNS) + "\n")
+    steps = [{"step": 1, "sampling/sampling_logp_difference/mean": 0.002, "sampling/sampling_logp_difference/max": 0.5,
+              "sampling/gen_kl_error": 0.0004},
+             {"step": 2, "sampling/sampling_logp_difference/mean": 0.004, "sampling/sampling_logp_difference/max": 0.3,
+              "sampling/gen_kl_error": 0.0008}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    assert data_reward.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "over 2 logged steps: mean |log p| gap 0.003 (last step 0.004), largest 0.5" in out
+    assert "gen KL 0.0006 on average, 0.0008 at most" in out
+
+
 def test_rescore_missing_log_is_an_error(tmp_path, capsys):
     assert data_reward.main([str(tmp_path / "none.csv")]) == 1
     assert capsys.readouterr().err.startswith("error: ")
