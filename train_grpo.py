@@ -67,6 +67,7 @@ GRADIENT_CHECKPOINTING = True  # recompute activations in backward (saves memory
 DECODE_GRAPHS = "auto"  # sample with graph_decode.py (static KV cache, CUDA graphs): auto = on a GPU when it can, 1, 0
 DECODE_EXPERTS = "auto"  # auto = mxfp4 under graph_decode on a GPU, else grouped_mm; transformers: its batched_mm
 TRAIN_EXPERTS = "auto"  # auto = fused (fused_experts.py) on a GPU with Triton, else transformers' grouped_mm; fused
+EXPERTS = "auto"  # auto = frozen experts resident as MXFP4 (mxfp4_experts.py) unless LORA_EXPERT_LAYERS; mxfp4; bf16
 ATTN_IMPLEMENTATION = "auto"  # auto = flex_attention on CUDA (supports gpt-oss's sinks), eager on CPU
 USE_VLLM = False  # generate with vLLM (colocated; needs requirements-gpu.txt's vllm) instead of transformers
 VLLM_GPU_MEMORY_UTILIZATION = 0.35  # GPU memory fraction vLLM may take when USE_VLLM=1
@@ -438,7 +439,8 @@ def train(s, environ=None, callbacks=()) -> Path:
     dataset = build_stream(frame, s).to_iterable_dataset()
 
     # Model and trainer
-    model = load_training_model(model_path, s.ATTN_IMPLEMENTATION, say=say)
+    model = load_training_model(model_path, s.ATTN_IMPLEMENTATION, say=say, experts=s.EXPERTS,
+                                expert_lora_layers=expert_layers(s))
     slot = s.PROMPTS_PER_STEP * s.NUM_GENERATIONS  # completions of one gradient-accumulation slot
     completion_log = CompletionLog(log_path, slot) if env["log_completions"] else None
     trainer = build_trainer(s, model, tokenizer, dataset, layout, completion_log, callbacks,
