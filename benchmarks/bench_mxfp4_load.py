@@ -13,7 +13,8 @@ machine (the numbers go to BENCHMARKS.md; a few minutes on an H100 at the 20B sh
    its peak host memory (VmHWM, and its rise over the process before loading) and the GPU memory allocated after
    the load and at its peak.
 2. Dequantization of one layer's experts (gate_up + down -> [E, in, out] bf16): the Triton kernel
-   (mxfp4_experts.dequantize_with_triton, what a resident layer runs), torch's codec, and transformers' own
+   (mxfp4_experts.dequantize_with_triton, what a resident layer runs; at its TILE and each of DEQUANT_TILES),
+   torch's codec, and transformers' own
    convert_moe_packed_tensors (what the dequantized load runs once); time, GB written per second, and whether the
    kernel's output equals transformers' bit for bit (this layer, and every byte x every scale value).
 3. One MoE layer (router + experts) forward + backward at a training micro-batch of TOKENS tokens (16 x 2,335 at
@@ -47,6 +48,8 @@ RESULTS = "runs/bench-mxfp4-load/results.jsonl"  # one JSON line per run is appe
 TOKENS = 37360  # tokens of the one-layer training pass (16 x 2,335: the recipe's micro-batch at 1,024 completions)
 TRAIN_EXPERTS = ("fused", "transformers")  # train_grpo's TRAIN_EXPERTS variants timed for the one-layer pass
 REPS = 5  # timed repetitions (after one untimed) for the dequantization and the layer pass
+# Triton kernel tiles also timed: rows/columns/warps per program (mxfp4_experts.TILE is the one used)
+DEQUANT_TILES = ("32/128/4", "128/32/4", "64/128/8", "128/64/8")
 SEED = 0  # random weights and inputs
 OVERRIDES = ""  # JSON of GptOssConfig overrides (tests/test_bench_mxfp4_load.py shrinks the model with it)
 PHASE = ""  # internal: "load-mxfp4" / "load-bf16" run one load in this (child) process and print its result
@@ -253,8 +256,10 @@ def dequantization(s, blocks) -> list[dict]:
              lambda b, sc: convert_moe_packed_tensors(b, sc, dtype=torch.bfloat16)),
             ("torch codec (mxfp4_experts, per expert)", lambda b, sc: mx.dequantize_with_torch(b, sc, torch.bfloat16))]
     if device() == "cuda" and mx._has_triton():
-        ways.insert(0, ("Triton kernel (mxfp4_experts)", lambda b, sc: mx.dequantize_with_triton(b, sc,
-                                                                                                  torch.bfloat16)))
+        tiles = [mx.TILE] + [tuple(int(v) for v in t.split("/")) for t in s.DEQUANT_TILES]
+        for i, tile in enumerate(tiles):
+            ways.insert(i, (f"Triton kernel, tile {'/'.join(map(str, tile))}" + (" (used)" if i == 0 else ""),
+                            lambda b, sc, tile=tile: mx.dequantize_with_triton(b, sc, torch.bfloat16, tile)))
     every = (torch.arange(256, dtype=torch.uint8, device=device()).repeat(256).view(1, 256, 16, 16),
              torch.arange(256, dtype=torch.uint8, device=device()).view(1, 256, 1).expand(1, 256, 16).contiguous())
     rows = []
@@ -319,6 +324,10 @@ def training_pass(s, mlp, resident) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     s = resolve(globals(), argv, presets=PRESETS)
+    bad = [t for t in s.DEQUANT_TILES if len(t.split("/")) != 3 or not all(v.isdigit() for v in t.split("/"))]
+    if bad:
+        print(f"error: DEQUANT_TILES: {bad[0]!r} is not rows/columns/warps (three whole numbers)", file=sys.stderr)
+        return 2
     if s.PHASE:
         if s.PHASE not in ("load-mxfp4", "load-bf16"):
             print(f"error: PHASE={s.PHASE!r} is internal (load-mxfp4 or load-bf16)", file=sys.stderr)
@@ -356,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['gpu_gib']:>9.2f}{r['gpu_peak_gib']:>10.2f}{r['resident_layers']:>17}")
     print(f"{'dequantize one layer -> bf16':<44}{'ms':>8}{'GB/s':>7}  equal to transformers (layer / all bytes)")
     for r in dequant:
-        print(f"{r['way']:<44}{r['ms']:>8.2f}{r['gb_per_s']:>7.0f}  {r['equal_layer']} / "
+        print(f"{r['way'][:43]:<44}{r['ms']:>8.2f}{r['gb_per_s']:>7.0f}  {r['equal_layer']} / "
               f"{r['equal_every_byte_and_scale']}")
     print(f"{f'one MoE layer fwd+bwd, {s.TOKENS} tokens':<44}{'ms':>8}{'peak+GiB':>10}  equal to bf16 experts")
     for r in layer:

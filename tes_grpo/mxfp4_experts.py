@@ -56,7 +56,9 @@ import torch
 from tes_grpo.mxfp4 import BLOCK_SIZE, dequantize_mxfp4, quantize_mxfp4
 
 PROJECTIONS = ("gate_up_proj", "down_proj")
-PARTS = ("blocks", "scales")
+# the Triton kernel's tile: rows (outputs) x columns (inputs) per program, warps; benchmarks/bench_mxfp4_load.py times
+# others (DEQUANT_TILES)
+TILE = (64, 64, 4)
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts$")
 # torch's saved-tensor hooks active now (torch >= 2.8); make_resident refuses without it, as checkpointed layers would
 # otherwise keep their activations
@@ -136,10 +138,12 @@ def _check_layout(blocks: torch.Tensor, scales: torch.Tensor) -> None:
 
 
 def dequantize_with_triton(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
-                           block_r: int = 64, block_c: int = 64, num_warps: int = 4) -> torch.Tensor:
-    """dequantize_experts through the Triton kernel (a CUDA device, or CPU tensors under TRITON_INTERPRET=1)."""
+                           tile: tuple[int, int, int] = TILE) -> torch.Tensor:
+    """dequantize_experts through the Triton kernel (a CUDA device, or CPU tensors under TRITON_INTERPRET=1); tile:
+    (rows, columns, warps) of a program."""
     import os
 
+    block_r, block_c, num_warps = tile
     _check_layout(blocks, scales)
     experts, rows, groups, _ = blocks.shape
     cols = groups * BLOCK_SIZE
@@ -309,8 +313,12 @@ class ResidentMxfp4Experts:
 
 @functools.cache
 def resident_class(cls: type) -> type:
-    """The resident variant of an experts class (one per class, so isinstance(module, cls) still holds)."""
-    return type(f"ResidentMxfp4{cls.__name__}", (ResidentMxfp4Experts, cls), {"__module__": __name__})
+    """The resident variant of an experts class (one per class, so isinstance(module, cls) still holds); a name in
+    this module, so a pickled model finds it again."""
+    name = f"ResidentMxfp4{cls.__name__}"
+    resident = type(name, (ResidentMxfp4Experts, cls), {"__module__": __name__, "__qualname__": name})
+    globals()[name] = resident
+    return resident
 
 
 def is_resident(module) -> bool:
