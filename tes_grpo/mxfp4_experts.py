@@ -28,8 +28,7 @@ How:
   dequantized weights as a small handle, and dequantize again when the backward unpacks it. Every other saved tensor
   goes to the hooks that were active when the call began (gradient checkpointing's, which would otherwise be
   shadowed: torch applies only the innermost hooks), so activation checkpointing works as before; torch exposes
-  those outer hooks only privately (torch._C._autograd._top_saved_tensors_default_hooks(bool), present since torch
-  2.8; make_resident refuses without it).
+  those outer hooks only privately (workarounds.saved_tensors_hooks_now; make_resident refuses without it).
 
 Why this is bit-exact: the property returns the same values (the dequantization equals transformers' own, checked
 for every byte and scale value in the tests), with the same shape, strides, dtype and device as the parameter of the
@@ -54,15 +53,13 @@ from dataclasses import dataclass, field
 import torch
 
 from tes_grpo.mxfp4 import BLOCK_SIZE, dequantize_mxfp4, quantize_mxfp4
+from tes_grpo.workarounds import saved_tensors_hooks_now, saved_tensors_hooks_readable
 
 PROJECTIONS = ("gate_up_proj", "down_proj")
 # the Triton kernel's tile: rows (outputs) x columns (inputs) per program, warps; benchmarks/bench_mxfp4_load.py times
 # others (DEQUANT_TILES)
 TILE = (64, 64, 4)
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts$")
-# torch's saved-tensor hooks active now (torch >= 2.8); make_resident refuses without it, as checkpointed layers would
-# otherwise keep their activations
-_OUTER_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 __all__ = ["PROJECTIONS", "ResidentSummary", "dequantize_experts", "expert_layer_index", "is_resident",
            "make_experts_resident", "make_resident", "resident_bytes", "resident_layers", "residency_line"]
@@ -230,7 +227,7 @@ class _JustInTime:
         self.experts = experts
         self.weights: dict[str, torch.Tensor] = {}
         self.rebuilds: dict[str, _Rebuild] = {}
-        self.outer = _OUTER_HOOKS(False) if torch.is_grad_enabled() else None
+        self.outer = saved_tensors_hooks_now() if torch.is_grad_enabled() else None
         self.hooks = (torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
                       if torch.is_grad_enabled() else None)
 
@@ -342,10 +339,8 @@ def make_resident(experts, tensors: Mapping[str, torch.Tensor], dtype: torch.dty
     module's gate_up_proj / down_proj parameters."""
     if is_resident(experts):
         raise ValueError("experts are already resident")
-    if _OUTER_HOOKS is None:
-        raise RuntimeError(f"resident MXFP4 experts need torch._C._autograd._top_saved_tensors_default_hooks (torch "
-                           f">= 2.8) to leave gradient checkpointing's hooks in charge; torch {torch.__version__} "
-                           "has none (EXPERTS=bf16 loads the experts dequantized)")
+    if not saved_tensors_hooks_readable():
+        saved_tensors_hooks_now()  # raises, saying why
     shapes = expected_shapes(experts)
     if set(tensors) != set(shapes):
         raise ValueError(f"make_resident needs exactly {sorted(shapes)}, got {sorted(tensors)}")
