@@ -149,6 +149,7 @@ def write_checkpoint(s, folder: Path) -> None:
 def load_once(s, experts: str) -> dict:
     """PHASE=load-*: one load in this fresh process; what it took."""
     import torch
+    import transformers  # noqa: F401  (imported before the baseline, like the CUDA context: the load's own memory)
 
     from tes_grpo.model_loading import load_training_model
 

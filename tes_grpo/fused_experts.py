@@ -202,9 +202,9 @@ def use_fused_experts(model, say=print) -> int:
     """Gives every gpt-oss experts module of `model` the fused training forward (an instance attribute over the
     class's forward, which stays in use under no_grad); returns how many. Modules that cannot take it keep
     transformers' forward, and `say` names them and why."""
-    done, refused = 0, {}
     from tes_grpo.mxfp4_experts import is_resident
 
+    done, refused = 0, {}
     for name, module in model.named_modules():
         if type(module).__name__ != "GptOssExperts" and not is_resident(module):
             continue
