@@ -21,6 +21,8 @@ from tes_grpo.model_loading import load_training_model, resolve_experts, resolve
 from tes_grpo.script_config import SettingsError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# load_training_model loads onto the GPU where there is one (in bf16): these tests then check the GPU's kernels
+DEVICE, DTYPE = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +102,7 @@ def lora_pass(path, experts, dtype, checkpointing, fused, expert_layers=()):
     model.train()
     if fused:
         assert use_fused_experts(model, say=pytest.fail) == 2
-    ids = torch.randint(0, 201088, (2, 13), generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(0, 201088, (2, 13), generator=torch.Generator().manual_seed(4)).to(DEVICE)
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
@@ -109,7 +111,7 @@ def lora_pass(path, experts, dtype, checkpointing, fused, expert_layers=()):
 
 # (dtype, gradient checkpointing, fused_experts' training forward, layers with LoRA on their experts, resident layers)
 TRAINING_CASES = [
-    (None, False, False, (), [0, 1]),  # the CPU's float32, transformers' grouped_mm experts
+    (None, False, False, (), [0, 1]),  # the device's dtype (CPU: float32), transformers' grouped_mm experts
     (None, True, False, (), [0, 1]),  # gradient checkpointing (non-reentrant, as TRL asks): recomputed forward
     (None, False, True, (), [0, 1]),  # fused_experts.py's Functions, eagerly
     (None, True, True, (), [0, 1]),
@@ -153,7 +155,7 @@ def test_dequantized_weights_live_only_while_their_layer_runs(tiny, checkpointin
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
     model.train()
-    ids = torch.randint(0, 201088, (2, 9), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 201088, (2, 9), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     loss = model(input_ids=ids, labels=ids).loss
     gc.collect()
     assert len(made) == 2 * 2 and not any(ref() is not None for ref in made)
@@ -239,9 +241,9 @@ def test_loader_builds_no_bf16_expert_and_matches_from_pretrained(tiny, dtype):
     checkpoint = SafetensorsCheckpoint(tiny)
     state, expected = model.state_dict(), reference.state_dict()
     for name, tensor in state.items():
-        assert tensor.device.type == "cpu"
+        assert tensor.device.type == DEVICE
         if name.endswith(("_blocks", "_scales")):  # the checkpoint's bytes, nothing else, for the experts
-            assert tensor.dtype == torch.uint8 and torch.equal(tensor, checkpoint[name]), name
+            assert tensor.dtype == torch.uint8 and torch.equal(tensor.cpu(), checkpoint[name]), name
         else:
             assert tensor.dtype == expected[name].dtype and torch.equal(tensor, expected[name]), name
     assert not any(n.endswith(("experts.gate_up_proj", "experts.down_proj")) for n in state)
@@ -279,7 +281,7 @@ def test_experts_choice_and_what_the_log_says(tiny, experts, expert_layers, resi
     assert any(words in line for line in said), said
     for j in expert_layers:  # LoRA's layers: ordinary parameters, PEFT's target_parameters can adapt them
         params = dict(model.model.layers[j].mlp.experts.named_parameters())
-        assert params["gate_up_proj"].dtype == torch.float32 and "gate_up_proj_blocks" not in params
+        assert params["gate_up_proj"].dtype == DTYPE and "gate_up_proj_blocks" not in params
 
 
 def test_bad_experts_choices(tiny, tmp_path):
@@ -303,7 +305,7 @@ def test_peft_adapter_loads_on_the_resident_model(tiny, tmp_path):
     config = build_lora_config(4, 8)
     config.init_lora_weights = False
     get_peft_model(load(tiny, "bf16"), config).save_pretrained(tmp_path)
-    ids = torch.randint(0, 201088, (2, 11), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, 201088, (2, 11), generator=torch.Generator().manual_seed(2)).to(DEVICE)
     logits = {}
     for experts in ("bf16", "mxfp4"):
         model = PeftModel.from_pretrained(load(tiny, experts), str(tmp_path))
