@@ -72,6 +72,7 @@ GRADIENT_CHECKPOINTING = True  # recompute activations in backward (saves memory
 DECODE_GRAPHS = "auto"  # sample with graph_decode.py (static KV cache, CUDA graphs); auto = where it can run
 DECODE_EXPERTS = "auto"  # graph_decode's experts; auto = MXFP4 kernel on a GPU with Triton (fast_paths.py)
 TRAIN_EXPERTS = "auto"  # training MoE elementwise work; auto = fused on a GPU with Triton (fast_paths.py)
+EXPERTS = "auto"  # frozen MoE experts: auto = resident as MXFP4 (mxfp4_experts.py) unless LORA_EXPERT_LAYERS; mxfp4; bf16
 ATTN_IMPLEMENTATION = "auto"  # auto = flex_attention on CUDA (supports gpt-oss's sinks), eager on CPU
 USE_VLLM = False  # generate with vLLM (colocated; needs requirements-gpu.txt's vllm) instead of transformers
 VLLM_GPU_MEMORY_UTILIZATION = 0.35  # GPU memory fraction vLLM may take when USE_VLLM=1
@@ -375,7 +376,8 @@ def train(s, environ=None, callbacks=()) -> Path:
     dataset = build_stream(frame, s).to_iterable_dataset()
 
     # Model and trainer
-    model = load_training_model(model_path, s.ATTN_IMPLEMENTATION, say=say)
+    model = load_training_model(model_path, s.ATTN_IMPLEMENTATION, say=say, experts=s.EXPERTS,
+                                expert_lora_layers=expert_layers(s))
     slot = s.PROMPTS_PER_STEP * s.NUM_GENERATIONS  # completions of one gradient-accumulation slot
     completion_log = CompletionLog(log_path, slot) if env["log_completions"] else None
     trainer = build_trainer(s, model, tokenizer, dataset, layout, completion_log, callbacks,

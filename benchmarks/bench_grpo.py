@@ -5,10 +5,14 @@ Run on the GPU machine (the tokenizer folder must be reachable: GPT_OSS_TOKENIZE
     python benchmarks/bench_grpo.py --STEPS=2 --MAX_COMPLETION_LEN=512 --DECODE_EXPERTS=auto
     python benchmarks/bench_grpo.py --STEPS=2 --MAX_COMPLETION_LEN=512 --DECODE_GRAPHS=off  # transformers' generate
     python benchmarks/bench_grpo.py --STEPS=3 --MAX_COMPLETION_LEN=1024 --LORA_RHO=1e-3     # gap at a trained adapter
+    python benchmarks/bench_grpo.py --STEPS=2 --MAX_COMPLETION_LEN=512 --EXPERTS=mxfp4      # resident MXFP4 experts
+    python benchmarks/bench_grpo.py --STEPS=2 --MAX_COMPLETION_LEN=512 --MODEL_SIZE=120b    # gpt-oss-120b (H200)
     accelerate launch --config_file configs/accelerate/ddp.yaml benchmarks/bench_grpo.py --STEPS=2     # several GPUs
     accelerate launch --config_file configs/accelerate/fsdp2.yaml benchmarks/bench_grpo.py --STEPS=2   # sharded weights
 
-It builds the 20B architecture in bf16 on the GPU (gpt_oss_shapes.py), takes the real TES prompts from data/,
+It builds the 20B (or MODEL_SIZE's) architecture on the GPU (gpt_oss_shapes.py; EXPERTS: the experts as bf16
+parameters, or resident MXFP4 blocks dequantized per layer as train_grpo's EXPERTS=auto loads them,
+mxfp4_experts.py), takes the real TES prompts from data/,
 and runs train_grpo.build_trainer(...).train() for STEPS optimizer steps at train_grpo's default batch settings
 (64 completions a step). Random weights never emit an end token, so every completion runs to
 MAX_COMPLETION_LEN: the worst case. Per step it prints generation and training time, completion tokens/s,
@@ -46,6 +50,8 @@ MAX_COMPLETION_LEN = 512  # tokens per completion (random weights always reach i
 DECODE_EXPERTS = "auto"  # train_grpo's DECODE_EXPERTS: auto | grouped_mm | transformers (its batched_mm switch)
 DECODE_GRAPHS = "auto"  # train_grpo's DECODE_GRAPHS: auto (on, on a GPU), on, off (transformers' generate)
 TRAIN_EXPERTS = "auto"  # train_grpo's TRAIN_EXPERTS: auto (fused on a GPU), fused, transformers
+MODEL_SIZE = "20b"  # gpt-oss shapes: 20b, or 120b (resident MXFP4 experts: ~61 GiB on the GPU; an H200)
+EXPERTS = "bf16"  # the experts: bf16 parameters (as loaded with EXPERTS=bf16) or mxfp4 (resident, mxfp4_experts.py)
 TRAIN_BATCH_SIZE = "auto"  # train_grpo's TRAIN_BATCH_SIZE: auto (from TRAIN_TOKENS_PER_PASS) or a number
 TRAIN_TOKENS_PER_PASS = 40000  # train_grpo's auto micro-batch budget (tokens per forward/backward, worst case)
 PROMPT_TOKENS = 1316  # lengthen each data/ prompt to about this many tokens (BENCHMARKS.md's length); 0 = as is
@@ -54,6 +60,9 @@ RESULTS = "runs/bench-grpo/results.jsonl"  # one JSON line per timed step is app
 HBM_TB_PER_S = 3.0  # measured device-to-device copy rate of the H100 here (KINDS.md)
 BF16_TFLOPS = 800.0  # measured bf16 matrix rate of the H100 here (KINDS.md)
 TRAIN_GFLOP_PER_TOKEN = 22.0  # forward + backward to activations + recomputation, 3.6 B active parameters
+# MODEL_SIZE=120b: 36 layers x 128 experts, 5.1 B active parameters (OpenAI's model card): 6 x 5.1 GFLOP a token, and
+# its experts exist only as resident MXFP4 (216 GiB in bf16)
+PRESETS = {"MODEL_SIZE": {"120b": {"TRAIN_GFLOP_PER_TOKEN": 31.0, "EXPERTS": "mxfp4"}}}
 PROFILE_TRAIN = False  # after the steps, profile one forward/backward of the last micro-batch (torch.profiler)
 LORA_RHO = 0.0  # >0: the adapter starts with B drawn so rms(delta) / rms(W) = this (a trained adapter; 0: PEFT's zeros)
 IMPORTANCE_SAMPLING = "off"  # train_grpo's IMPORTANCE_SAMPLING: off, token_truncate, ... (cap: train_grpo's default)
@@ -130,7 +139,10 @@ def profile_micro_batch(trainer, inputs) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    bench = resolve(globals(), argv)
+    bench = resolve(globals(), argv, presets=PRESETS)
+    if bench.MODEL_SIZE not in ("20b", "120b") or bench.EXPERTS not in ("bf16", "mxfp4"):
+        raise SystemExit(f"error: MODEL_SIZE={bench.MODEL_SIZE!r} / EXPERTS={bench.EXPERTS!r}: 20b or 120b / bf16 or "
+                         "mxfp4")
     import torch
 
     import train_grpo
@@ -157,7 +169,12 @@ def main(argv: list[str] | None = None) -> None:
     prompt_tokens = int(sum(lengths) / len(lengths))
     layout = train_grpo.batch_layout(settings, max(lengths))
     say(f"prompts: {len(frame)} rows, mean {prompt_tokens} tokens, longest {max(lengths)}; layout {layout}")
-    model = build_random_model(attn_implementation="flex_attention", device=f"cuda:{local_rank()}")
+    model = build_random_model(attn_implementation="flex_attention", device=f"cuda:{local_rank()}",
+                               size=bench.MODEL_SIZE, resident=bench.EXPERTS == "mxfp4")
+    if bench.EXPERTS == "mxfp4":
+        from tes_grpo.mxfp4_experts import ResidentSummary, residency_line
+
+        say(residency_line(ResidentSummary.of(model)))
     model.config.use_cache = True
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     results = Path(bench.RESULTS)
@@ -178,9 +195,9 @@ def main(argv: list[str] | None = None) -> None:
     if not is_main_process():
         return
     print(f"\n{stack_versions()}, {process_count()} process(es), sharding {step_timer.rows[0]['sharding']}")
-    print(f"DECODE_EXPERTS={bench.DECODE_EXPERTS}, DECODE_GRAPHS={bench.DECODE_GRAPHS}, TRAIN_EXPERTS="
-          f"{bench.TRAIN_EXPERTS}, LORA_RHO={bench.LORA_RHO}, IMPORTANCE_SAMPLING={bench.IMPORTANCE_SAMPLING}, "
-          "MAX_COMPLETION_LEN="
+    print(f"gpt-oss-{bench.MODEL_SIZE} shapes, EXPERTS={bench.EXPERTS}, DECODE_EXPERTS={bench.DECODE_EXPERTS}, "
+          f"DECODE_GRAPHS={bench.DECODE_GRAPHS}, TRAIN_EXPERTS={bench.TRAIN_EXPERTS}, LORA_RHO={bench.LORA_RHO}, "
+          f"IMPORTANCE_SAMPLING={bench.IMPORTANCE_SAMPLING}, MAX_COMPLETION_LEN="
           f"{bench.MAX_COMPLETION_LEN}, prompt {prompt_tokens} tokens, {settings.NUM_GENERATIONS} generations x "
           f"{settings.GRADIENT_ACCUMULATION_STEPS} accumulation, {layout['train_batch_size']} completions a pass")
     print(f"{'step':>4}{'step s':>8}{'gen s':>8}{'train s':>8}{'gen %':>7}{'tok/s':>8}{'of limit':>9}"

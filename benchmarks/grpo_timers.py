@@ -96,7 +96,8 @@ class StepTimer(TrainerCallback):
                    train_mfu=train_gflop * 1e9 / matrix_rate,
                    train_mfu_with_attention=(train_gflop + attention_gflop) * 1e9 / matrix_rate,
                    decode_experts=self.bench.DECODE_EXPERTS, decode_graphs=str(self.bench.DECODE_GRAPHS),
-                   train_experts=self.bench.TRAIN_EXPERTS,
+                   train_experts=self.bench.TRAIN_EXPERTS, model_size=self.bench.MODEL_SIZE,
+                   experts=self.bench.EXPERTS,
                    max_completion_len=self.bench.MAX_COMPLETION_LEN, prompt_tokens=self.prompt_tokens,
                    train_batch_size=self.layout["train_batch_size"],
                    passes=self.layout["gradient_accumulation_steps"])

@@ -164,12 +164,18 @@ def fused_experts_forward(experts, hidden_states: torch.Tensor, top_k_index: tor
     return out.to(hidden_states.dtype)
 
 
+def _has(module, name: str) -> bool:
+    """hasattr without reading a property: a resident MXFP4 experts module (mxfp4_experts.py) would dequantize."""
+    return (hasattr(type(module), name) or name in vars(module) or name in module._parameters
+            or name in module._buffers)
+
+
 def fusable(experts) -> list[str]:
     """Why this experts module cannot take the fused path (empty: it can)."""
     reasons = []
     for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias", "alpha", "limit",
                  "is_transposed", "num_experts"):
-        if not hasattr(experts, name):
+        if not _has(experts, name):
             reasons.append(f"no {name} (not transformers' GptOssExperts of 5.17-5.23)")
     if reasons:
         return reasons
@@ -196,9 +202,11 @@ def use_fused_experts(model, say=print) -> int:
     """Gives every gpt-oss experts module of `model` the fused training forward (an instance attribute over the
     class's forward, which stays in use under no_grad); returns how many. Modules that cannot take it keep
     transformers' forward, and `say` names them and why."""
+    from tes_grpo.mxfp4_experts import is_resident
+
     done, refused = 0, {}
     for name, module in model.named_modules():
-        if type(module).__name__ != "GptOssExperts":
+        if type(module).__name__ != "GptOssExperts" and not is_resident(module):
             continue
         reasons = fusable(module)
         if reasons:

@@ -135,23 +135,29 @@ def loads_weights_here(cuda: bool, fsdp: bool, processes: int, rank: int) -> boo
     return not (cuda and fsdp and processes > 1 and rank != 0)
 
 
-def empty_policy_model(path: str, dtype, attn: str):
+def empty_policy_model(path: str, dtype, attn: str, experts: str = "bf16", keep_bf16_layers=None):
     """The dequantized model's structure with its parameters on the meta device (buffers such as the rotary
-    frequencies are real: FSDP does not broadcast non-persistent buffers)."""
+    frequencies are real: FSDP does not broadcast non-persistent buffers). experts="mxfp4": the experts resident
+    (mxfp4_experts.py) as load_resident_model makes them, but those of keep_bf16_layers ({layer: why})."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path)
     if getattr(config, "quantization_config", None) is not None:
         del config.quantization_config  # as after Mxfp4Config(dequantize=True): plain bf16 experts
+    if experts == "mxfp4":
+        return resident_skeleton(config, dtype, attn, keep_bf16_layers or {})
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
     model.config.use_cache = True
     return model
 
 
-def load_training_model(path: str, attn_implementation: str = "auto", dtype=None, say=print):
-    """An MXFP4 gpt-oss checkpoint loaded dequantized (`Mxfp4Config(dequantize=True)`) for LoRA training.
+def load_training_model(path: str, attn_implementation: str = "auto", dtype=None, say=print, experts: str = "auto",
+                        expert_lora_layers=()):
+    """An MXFP4 gpt-oss checkpoint loaded for LoRA training: its experts resident as MXFP4 (load_resident_model) or
+    dequantized (`Mxfp4Config(dequantize=True)`), as resolve_experts decides for `experts` (auto | mxfp4 | bf16) and
+    the layers whose experts get LoRA (expert_lora_layers: those keep bf16 experts).
 
     dtype and attention follow resolve_dtype/resolve_attention ("auto"). On the GPU when there is one; under FSDP
     on the CPU on rank 0 and without weights on the other ranks (loads_weights_here).
@@ -165,18 +171,172 @@ def load_training_model(path: str, attn_implementation: str = "auto", dtype=None
     attn = resolve_attention(attn_implementation, device)
     dtype = dtype or resolve_dtype("auto", device)
     fsdp, processes = uses_fsdp(), process_count()
+    experts, experts_why = resolve_experts(experts, path, expert_lora_layers)
+    keep = {i: "LoRA on their experts: LORA_EXPERT_LAYERS" for i in expert_lora_layers}
     if not loads_weights_here(cuda, fsdp, processes, process_rank()):
-        return empty_policy_model(path, dtype, attn)
+        return empty_policy_model(path, dtype, attn, experts, keep)
     device_map = model_device_map(cuda, fsdp, processes, local_rank())
     where = "cpu" if device_map is None else f"cuda:{local_rank()}"
     if cuda and device_map is None:
         where += ", then sharded onto the GPUs by FSDP"
-    say(f"loading {path} with Mxfp4Config(dequantize=True) as {dtype_name(dtype)}, attention {attn}, on {where}")
+    if experts == "mxfp4":
+        say(f"loading {path} with its experts resident as MXFP4 ({experts_why}), the rest as {dtype_name(dtype)}, "
+            f"attention {attn}, on {where}")
+        return load_resident_model(path, dtype, attn, "cpu" if device_map is None else f"cuda:{local_rank()}",
+                                   keep, say)
+    say(f"loading {path} with Mxfp4Config(dequantize=True) as {dtype_name(dtype)}, attention {attn}, on {where} "
+        f"({experts_why})")
     model = AutoModelForCausalLM.from_pretrained(
         path, quantization_config=Mxfp4Config(dequantize=True), dtype=dtype, attn_implementation=attn,
         device_map=device_map)
     # Generation keeps its KV cache although gradient checkpointing is on for training (TRL's generation_kwargs).
     model.config.use_cache = True
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Resident MXFP4 experts (mxfp4_experts.py): loaded from the checkpoint's blocks and scales, never built in bf16
+# ---------------------------------------------------------------------------------------------------------------
+
+EXPERTS_CHOICES = ("auto", "mxfp4", "bf16")
+
+
+def resolve_experts(experts: str, path: str, expert_lora_layers=()) -> tuple[str, str]:
+    """("mxfp4" or "bf16", why) for EXPERTS: mxfp4 = the experts stay resident as the checkpoint's MXFP4 blocks
+    (mxfp4_experts.py), bf16 = dequantized at load. auto: mxfp4 for an MXFP4 checkpoint without LoRA on the
+    experts, else bf16. mxfp4 with expert LoRA: those layers alone keep bf16 experts."""
+    from tes_grpo.script_config import SettingsError
+
+    if experts not in EXPERTS_CHOICES:
+        raise SettingsError(f"EXPERTS={experts!r}: must be one of {', '.join(EXPERTS_CHOICES)}")
+    if experts == "bf16":
+        return "bf16", "EXPERTS=bf16"
+    mxfp4 = checkpoint_is_mxfp4(path)
+    if experts == "mxfp4":
+        if not mxfp4:
+            raise SettingsError(f"EXPERTS=mxfp4 needs an MXFP4 checkpoint; the config of {path} declares no MXFP4 "
+                                "quantization (EXPERTS=bf16 or auto load it as it is)")
+        return "mxfp4", "EXPERTS=mxfp4"
+    if not mxfp4:
+        return "bf16", "EXPERTS=auto: the checkpoint is not MXFP4"
+    if list(expert_lora_layers):
+        return "bf16", (f"EXPERTS=auto: LoRA on the experts of layers {list(expert_lora_layers)}, so all experts "
+                        "dequantized (EXPERTS=mxfp4 keeps only those layers bf16)")
+    return "mxfp4", "EXPERTS=auto: MXFP4 checkpoint, no LoRA on the experts"
+
+
+def checkpoint_folder(path: str) -> Path:
+    """The local folder of a checkpoint: `path` itself, or the hub cache's snapshot of a hub id (downloaded there
+    if missing, as from_pretrained would)."""
+    folder = Path(path)
+    if folder.is_dir():
+        return folder
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(str(path), allow_patterns=[
+        "config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json"]))
+
+
+def resident_skeleton(config, dtype, attn: str, keep_bf16_layers):
+    """empty_policy_model for experts="mxfp4": the structure built on the meta device (all of it:
+    init_empty_weights alone would allocate each parameter, bf16 experts included, before moving it there), the
+    experts made resident with meta blocks/scales but those of keep_bf16_layers ({layer: why}), and the buffers (the
+    rotary frequencies) computed for real on the CPU by the model's own init."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tes_grpo.mxfp4_experts import expected_shapes, expert_layer_index, make_resident
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+    for name, module in list(model.named_modules()):
+        index = expert_layer_index(name)
+        if index is not None and index not in keep_bf16_layers and hasattr(module, "num_experts"):
+            make_resident(module, {key: torch.empty(shape, dtype=torch.uint8, device="meta")
+                                   for key, shape in expected_shapes(module).items()}, module.gate_up_proj.dtype)
+    for module in model.modules():
+        meta = [key for key, buffer in module._buffers.items() if buffer is not None and buffer.is_meta]
+        for key in meta:
+            module._buffers[key] = torch.empty_like(module._buffers[key], device="cpu")
+        if meta:
+            model._init_weights(module)  # transformers' init computes the rotary frequencies into them
+    model.config.use_cache = True
+    return model
+
+
+def _place(module, attr: str, tensor, device, name: str) -> None:
+    """Puts a checkpoint tensor into the skeleton's parameter or buffer `attr` of `module`, on `device`, in the
+    skeleton's dtype (the dtype from_config gave it)."""
+    import torch
+
+    if attr in module._parameters:
+        old = module._parameters[attr]
+    elif attr in module._buffers:
+        old = module._buffers[attr]
+    else:
+        raise ValueError(f"checkpoint tensor {name} has no parameter or buffer to go to in the model")
+    if tuple(tensor.shape) != tuple(old.shape):
+        raise ValueError(f"checkpoint tensor {name}: shape {tuple(tensor.shape)}, the model has {tuple(old.shape)}")
+    value = tensor.to(device).to(old.dtype)
+    if attr in module._parameters:
+        module._parameters[attr] = torch.nn.Parameter(value, requires_grad=old.requires_grad)
+    else:
+        module._buffers[attr] = value
+
+
+def load_resident_model(path: str, dtype, attn: str, device: str = "cpu", keep_bf16_layers=None, say=print):
+    """An MXFP4 gpt-oss checkpoint with its experts resident (mxfp4_experts.py): the checkpoint's blocks/scales on
+    `device` as the only copy of the experts, everything else in `dtype`, as from_pretrained with
+    Mxfp4Config(dequantize=True) would give it (same values, dtypes, config, generation config, eval mode).
+
+    The model is built on the meta device, then filled one checkpoint tensor at a time (host memory: one tensor),
+    so no bf16 expert tensor is ever allocated. keep_bf16_layers ({layer: why}) get ordinary dequantized expert
+    parameters instead (experts with LoRA). `say` gets mxfp4_experts.residency_line's line.
+    """
+    import torch
+    from transformers import GenerationConfig
+
+    from tes_grpo.mxfp4 import CHECKPOINT_EXPERT_RE, SafetensorsCheckpoint
+    from tes_grpo.mxfp4_experts import ResidentSummary, dequantize_experts, is_resident, residency_line
+
+    keep = dict(keep_bf16_layers or {})
+    folder = checkpoint_folder(path)
+    model = empty_policy_model(str(folder), dtype, attn, experts="mxfp4", keep_bf16_layers=keep)
+    modules = dict(model.named_modules())
+    checkpoint = SafetensorsCheckpoint(folder)
+    halves: dict[tuple[str, str], dict] = {}  # a bf16-kept layer's blocks or scales, until the other is read
+    for name in checkpoint:
+        module_name, _, attr = name.rpartition(".")
+        module = modules.get(module_name)
+        if module is None:
+            raise ValueError(f"checkpoint tensor {name} has no module {module_name!r} to go to in the model")
+        expert = CHECKPOINT_EXPERT_RE.match(name)
+        if expert is not None and not is_resident(module):
+            parts = halves.setdefault((module_name, expert["proj"]), {})
+            parts[expert["part"]] = checkpoint[name].to(device)
+            if len(parts) == 2:
+                del halves[(module_name, expert["proj"])]
+                weight = dequantize_experts(parts["blocks"], parts["scales"], dtype)
+                _place(module, expert["proj"], weight, device, name)
+            continue
+        _place(module, attr, checkpoint[name], device, name)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    missing = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]
+    if missing or halves:
+        raise ValueError(f"{folder}: the checkpoint lacks {missing[:5] + [f'{m}.{p}' for m, p in halves][:5]}"
+                         f"{' ...' if len(missing) + len(halves) > 5 else ''}")
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.device != torch.device(device):
+                module._buffers[name] = buffer.to(device)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    except OSError:  # no generation_config.json: from_pretrained keeps the one derived from the config, too
+        pass
+    model.config._name_or_path = model.name_or_path = str(path)
+    model.eval()
+    say(residency_line(ResidentSummary.of(model, keep)))
     return model
 
 

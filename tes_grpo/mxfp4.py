@@ -106,7 +106,8 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     values = torch.empty(*blocks.shape[:-1], BLOCK_SIZE, dtype=torch.float32, device=blocks.device)
     values[..., 0::2] = lut[(blocks & 0x0F).long()]
     values[..., 1::2] = lut[(blocks >> 4).long()]
-    values = torch.ldexp(values, (scales.to(torch.int32) - E8M0_BIAS).unsqueeze(-1).float())
+    # an integer exponent, as transformers' dequantizer passes it: 0 * 2**128 (scale 255) is then 0, not nan
+    values = torch.ldexp(values, (scales.to(torch.int32) - E8M0_BIAS).unsqueeze(-1))
     return values.reshape(*scales.shape[:-1], scales.shape[-1] * BLOCK_SIZE).to(dtype)
 
 

@@ -7,9 +7,10 @@ times it against the bf16 experts:
 
 Why: at 64 sequences x top-4 of 32 experts nearly every expert is hit at every decode step, so a step reads all the
 expert weights: 38 GB in bf16, ~15 ms of an H100's bandwidth, over half of a ~28 ms decode step. gpt-oss ships them
-as MXFP4 (4.25 bits a value): 10.2 GB, ~3.7x fewer bytes. Training keeps its bf16 copy (the checkpoint is loaded
-dequantized, which autograd and LoRA need); this module packs a second, MXFP4 copy of the frozen experts for
-sampling only (+10.2 GB on the GPU for the 20B model).
+as MXFP4 (4.25 bits a value): 10.2 GB, ~3.7x fewer bytes. When training holds bf16 experts (the checkpoint loaded
+dequantized), this module packs a second, MXFP4 copy of the frozen experts for sampling only (+10.2 GB on the GPU
+for the 20B model); when they are resident as MXFP4 (mxfp4_experts.py), a layer's blocks and scales go to the
+kernel as they are, with no copy.
 
 It is the same policy, not an approximation: a layer is packed only when the round trip gives the bf16 weights back
 bit for bit (`pack_experts` checks every expert; true for weights loaded from an MXFP4 checkpoint, since MXFP4
@@ -40,6 +41,7 @@ import triton
 import triton.language as tl
 
 from tes_grpo.mxfp4 import BLOCK_SIZE, dequantize_mxfp4, quantize_mxfp4
+from tes_grpo.mxfp4_experts import is_resident
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,7 @@ class PackedExperts:
     alpha: float
     limit: float
     versions: tuple[int, int]
+    resident: bool = False  # the blocks/scales are the module's own resident parameters (mxfp4_experts.py), no copy
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.gate_up_blocks, self.gate_up_scales,
@@ -170,6 +173,10 @@ def pack_blockers(experts) -> list[str]:
     """Why this experts module cannot be decoded from an MXFP4 copy ([] = it can be packed; exactness is checked
     while packing)."""
     reasons = []
+    if is_resident(experts):  # already MXFP4: only the activations' dtype matters
+        if experts.expert_dtype != torch.bfloat16:
+            reasons.append(f"the resident experts compute in {experts.expert_dtype} (the kernel takes bf16)")
+        return reasons
     if type(experts).__name__ != "GptOssExperts":
         reasons.append(f"experts are {type(experts).__name__} (LoRA on the experts, or not gpt-oss)")
         return reasons
@@ -206,6 +213,10 @@ def pack_experts(experts) -> PackedExperts:
     reasons = pack_blockers(experts)
     if reasons:
         raise ValueError("; ".join(reasons))
+    if is_resident(experts):  # the checkpoint's bytes, as they are
+        return PackedExperts(experts.gate_up_proj_blocks, experts.gate_up_proj_scales, experts.down_proj_blocks,
+                             experts.down_proj_scales, experts.gate_up_proj_bias, experts.down_proj_bias,
+                             float(experts.alpha), float(experts.limit), _versions(experts), resident=True)
     gate_up_blocks, gate_up_scales = _pack_param(experts.gate_up_proj, "gate_up_proj")
     down_blocks, down_scales = _pack_param(experts.down_proj, "down_proj")
     return PackedExperts(gate_up_blocks, gate_up_scales, down_blocks, down_scales, experts.gate_up_proj_bias,
@@ -217,7 +228,8 @@ _PACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # experts modul
 
 
 def _versions(experts) -> tuple | None:
-    params = [getattr(experts, name, None) for name in ("gate_up_proj", "down_proj")]
+    names = ("gate_up_proj_blocks", "down_proj_blocks") if is_resident(experts) else ("gate_up_proj", "down_proj")
+    params = [getattr(experts, name, None) for name in names]
     return tuple(p._version for p in params) if all(isinstance(p, torch.Tensor) for p in params) else None
 
 
@@ -239,17 +251,20 @@ def pack_model(layers, say=print) -> list[PackedExperts | None]:
     """Every layer's packed experts (None for a layer that cannot be packed). Says what it packed, and why a layer
     keeps its bf16 experts, when that was worked out now (later calls reuse the packs silently)."""
     start = time.perf_counter()
-    packs, new, reasons = [], [], {}
+    packs, new, resident, reasons = [], [], [], {}
     for i, layer in enumerate(layers):
         result, fresh = packed_experts(layer.mlp.experts)
         packs.append(result if isinstance(result, PackedExperts) else None)
         if fresh and isinstance(result, PackedExperts):
-            new.append(result)
+            (resident if result.resident else new).append(result)
         elif fresh:
             reasons.setdefault(result, []).append(i)
     if new:
         say(f"DECODE_EXPERTS=mxfp4: packed {len(new)} layers' experts as MXFP4 for decoding "
             f"({sum(p.nbytes() for p in new) / 2**30:.2f} GiB, {time.perf_counter() - start:.1f} s)")
+    if resident:
+        say(f"DECODE_EXPERTS=mxfp4: {len(resident)} layers decode from their resident MXFP4 experts "
+            f"({sum(p.nbytes() for p in resident) / 2**30:.2f} GiB, no copy)")
     for reason, ids in reasons.items():
         say(f"DECODE_EXPERTS=mxfp4: layers {ids} decode with their bf16 experts ({reason})")
     return packs

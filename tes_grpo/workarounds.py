@@ -143,6 +143,36 @@ def give_trainable_weights_storage(model) -> int:
     return moved
 
 
+def _top_saved_tensors_hooks():
+    import torch
+
+    return getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def saved_tensors_hooks_readable() -> bool:
+    """Whether this torch lets saved_tensors_hooks_now read the active hooks."""
+    return _top_saved_tensors_hooks() is not None
+
+
+def saved_tensors_hooks_now():
+    """torch 2.8-2.13: the saved-tensor hooks active in this thread now, (pack, unpack), or None.
+
+    torch applies only the innermost torch.autograd.graph.saved_tensors_hooks, so the hooks mxfp4_experts.py sets
+    around a resident experts call (to keep the dequantized weights out of autograd's saved tensors) would shadow
+    gradient checkpointing's inside a checkpointed layer, and that layer's activations would be kept; it hands every
+    other tensor to the hooks returned here. torch has no public way to read them, only the private
+    torch._C._autograd._top_saved_tensors_default_hooks(ignore_is_tracing). RuntimeError when it is gone.
+    """
+    top = _top_saved_tensors_hooks()
+    if top is None:
+        import torch
+
+        raise RuntimeError(f"torch {torch.__version__} has no torch._C._autograd._top_saved_tensors_default_hooks: "
+                           "resident MXFP4 experts cannot leave gradient checkpointing's hooks in charge "
+                           "(EXPERTS=bf16 loads the experts dequantized)")
+    return top(False)
+
+
 def point_tensorboard(trainer, log_dir, resume_step: int | None = None) -> bool:
     """transformers 5.x: sends the Trainer's TensorBoard events to log_dir, and after a resume hides the events of
     the steps that will be redone.

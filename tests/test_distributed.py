@@ -237,12 +237,13 @@ def test_loads_weights_here(cuda, fsdp, rank, loads):
 
 
 @pytest.mark.slow
-def test_empty_model_has_the_loaded_models_structure_without_weights():
+@pytest.mark.parametrize("experts", ["bf16", "mxfp4"])  # dequantized, or resident MXFP4 (mxfp4_experts.py)
+def test_empty_model_has_the_loaded_models_structure_without_weights(experts):
     import torch
 
-    loaded = load_training_model(resolve_model_path("tiny"))
+    loaded = load_training_model(resolve_model_path("tiny"), experts=experts)
     empty = empty_policy_model(resolve_model_path("tiny"), loaded.dtype,
-                                          loaded.config._attn_implementation)
+                                          loaded.config._attn_implementation, experts)
     shapes = {n: (tuple(p.shape), p.dtype) for n, p in loaded.named_parameters()}
     assert {n: (tuple(p.shape), p.dtype) for n, p in empty.named_parameters()} == shapes
     assert all(p.device.type == "meta" for p in empty.parameters())

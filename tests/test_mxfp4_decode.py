@@ -183,3 +183,68 @@ def test_layers_that_cannot_be_packed_decode_with_their_own_experts():
     ours = decode_logprobs(model, ids, mask, completion, graphs=False, experts="mxfp4")
     theirs = decode_logprobs(model, ids, mask, completion, graphs=False, experts="model")
     assert torch.equal(ours, theirs)
+
+
+# --- resident experts (mxfp4_experts.py): decoded from the checkpoint's own bytes ------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_bf16():
+    """The tiny MXFP4 checkpoint loaded in bf16 (the GPU's dtype, which the kernel takes) both ways: resident, and
+    dequantized."""
+    from tes_grpo.model_loading import load_training_model, resolve_model_path
+
+    path = resolve_model_path("tiny")
+    return path, {experts: load_training_model(path, dtype=torch.bfloat16, experts=experts, say=lambda line: None)
+                  .requires_grad_(False) for experts in ("mxfp4", "bf16")}  # frozen, as under LoRA
+
+
+def test_resident_layers_are_packed_as_they_are(tiny_bf16):
+    from tes_grpo.mxfp4 import SafetensorsCheckpoint
+
+    path, models = tiny_bf16
+    said = []
+    packs = md.pack_model(models["mxfp4"].model.layers, say=said.append)
+    assert len(said) == 1 and "2 layers decode from their resident MXFP4 experts" in said[0] and "no copy" in said[0]
+    checkpoint = SafetensorsCheckpoint(path)
+    requantized = md.pack_model(models["bf16"].model.layers, say=lambda line: None)  # today's second copy
+    for i, (layer, pack) in enumerate(zip(models["mxfp4"].model.layers, packs, strict=True)):
+        experts = layer.mlp.experts
+        assert pack.resident and not requantized[i].resident
+        for field, name in (("gate_up_blocks", "gate_up_proj_blocks"), ("gate_up_scales", "gate_up_proj_scales"),
+                            ("down_blocks", "down_proj_blocks"), ("down_scales", "down_proj_scales")):
+            assert getattr(pack, field) is getattr(experts, name)  # the module's own tensor: no copy
+            assert torch.equal(getattr(pack, field), checkpoint[f"model.layers.{i}.mlp.experts.{name}"])
+            assert torch.equal(getattr(requantized[i], field), getattr(pack, field))
+    assert md.packed_experts(models["mxfp4"].model.layers[0].mlp.experts) == (packs[0], False)  # kept
+
+
+def test_resident_float32_experts_are_not_packed(tiny_bf16):
+    from tes_grpo.model_loading import load_training_model
+
+    path, _ = tiny_bf16
+    model = load_training_model(path, experts="mxfp4", say=lambda line: None)  # float32 on the CPU
+    assert md.pack_blockers(model.model.layers[0].mlp.experts) == [
+        "the resident experts compute in torch.float32 (the kernel takes bf16)"]
+
+
+@pytest.mark.slow
+def test_graph_decode_samples_the_same_tokens_from_resident_experts(tiny_bf16):
+    """The resident model through the MXFP4 kernel and through its own (dequantizing) MLP, against the dequantized
+    load's: the same tokens from the same random numbers."""
+    from tes_grpo import graph_decode
+
+    _, models = tiny_bf16
+    ids = torch.randint(10, 201088, (4, 11), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[2, :4] = 0
+    config = GenerationConfig(max_new_tokens=10, do_sample=True, temperature=1.0, top_p=1.0, pad_token_id=199999,
+                              eos_token_id=[200002])
+    outputs = {}
+    for name, model, experts in (("bf16", models["bf16"], "model"), ("resident kernel", models["mxfp4"], "mxfp4"),
+                                 ("resident mlp", models["mxfp4"], "model")):
+        torch.manual_seed(7)
+        outputs[name] = graph_decode.generate(model, ids, mask, config, graphs=False, experts=experts,
+                                              say=lambda line: None)
+    assert outputs["bf16"].shape[1] > 11
+    assert torch.equal(outputs["bf16"], outputs["resident kernel"])
+    assert torch.equal(outputs["bf16"], outputs["resident mlp"])

@@ -241,7 +241,8 @@ def test_tiny_checkpoint_is_in_the_real_mxfp4_layout():
         assert f.get_tensor("model.layers.0.mlp.experts.gate_up_proj_blocks").dtype == torch.uint8
     assert {"model.layers.1.mlp.experts.down_proj_blocks", "model.layers.1.mlp.experts.down_proj_scales"} <= keys
     assert not any(k.endswith(("experts.gate_up_proj", "experts.down_proj")) for k in keys)
-    model = load_training_model(resolve_model_path("tiny"))  # through Mxfp4Config(dequantize=True), like the 20B
+    # through Mxfp4Config(dequantize=True), like the 20B with EXPERTS=bf16
+    model = load_training_model(resolve_model_path("tiny"), experts="bf16")
     experts = model.model.layers[0].mlp.experts.gate_up_proj.detach()
     assert model.dtype == torch.float32 and model.config._attn_implementation == "eager"
     assert torch.equal(fake_quantize_expert_param(experts).float(), experts)  # exactly on the MXFP4 grid

@@ -1,0 +1,471 @@
+"""gpt-oss's frozen MoE experts kept as one resident MXFP4 copy that serves training and decoding. Library module,
+not a script.
+
+model_loading.load_training_model(..., experts="auto" | "mxfp4") loads a checkpoint straight into this form
+(load_resident_model: the bf16 experts are never built); make_experts_resident converts a model already loaded;
+gpt_oss_shapes builds random 20B/120B-shaped models with it; the benchmark times it:
+
+    python benchmarks/bench_mxfp4_load.py      # GPU machine: load, dequantization, one MoE layer both ways
+
+Why: under the recipe's LoRA (attention only) the experts, ~91 % of gpt-oss's parameters, are frozen, yet they were
+held twice: dequantized to bf16 at load for training (Mxfp4Config(dequantize=True)), and packed again as MXFP4 by
+mxfp4_decode.py for decoding. The checkpoint's MXFP4 blocks and scales determine the bf16 values exactly, so they
+are kept as the only copy (4.25 bits a value instead of 16), and each layer's bf16 weights exist only while that
+layer runs.
+
+How:
+- A resident experts module is transformers' own experts module (its class, its forward and experts
+  implementation, fused_experts.py's training forward) with `gate_up_proj` / `down_proj` taken out of its parameters
+  and read through properties instead: the checkpoint's `{proj}_blocks` (uint8 [E, out, in/32, 16]) and
+  `{proj}_scales` (uint8 [E, out, in/32]) are frozen uint8 parameters in their place (parameters, not buffers: DDP
+  broadcasts buffers before every forward), and the property dequantizes them to the tensor transformers would hold:
+  [E, in, out], contiguous, in the dtype the dequantized load would give (bf16 on a GPU, float32 on the CPU).
+- Each call of the module (the layer's forward, its recompute under gradient checkpointing, a decoding step)
+  dequantizes each projection once, when first read, and drops it when the call returns; the caching allocator
+  reuses the memory for the next layer.
+- Autograd would keep the dequantized weights alive from forward to backward (a grouped matmul saves its weight to
+  compute the input's gradient). During the call, saved-tensor hooks store a saved tensor that lies in one of the
+  dequantized weights as a small handle, and dequantize again when the backward unpacks it. Every other saved tensor
+  goes to the hooks that were active when the call began (gradient checkpointing's, which would otherwise be
+  shadowed: torch applies only the innermost hooks), so activation checkpointing works as before; torch exposes
+  those outer hooks only privately (workarounds.saved_tensors_hooks_now; make_resident refuses without it).
+
+Why this is bit-exact: the property returns the same values (the dequantization equals transformers' own, checked
+for every byte and scale value in the tests), with the same shape, strides, dtype and device as the parameter of the
+dequantized load, so every op of the forward runs on the same inputs; the backward is autograd's own, unchanged,
+fed the same weights again (dequantization is deterministic). Nothing else in the graph changes.
+
+Dequantization: on CUDA a Triton kernel writes the [E, in, out] weights straight from the packed bytes; elsewhere (and
+on CUDA without Triton, said once) torch's codec (mxfp4.dequantize_mxfp4), one expert at a time.
+
+Decoding: mxfp4_decode.pack_model hands a resident layer's blocks and scales to its kernel as they are (no copy).
+Layers whose experts carry LoRA (train_grpo's LORA_EXPERT_LAYERS) keep ordinary bf16 parameters: PEFT adapts a
+parameter in place, and a trained weight has no fixed MXFP4 form.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from tes_grpo.mxfp4 import BLOCK_SIZE, dequantize_mxfp4, quantize_mxfp4
+from tes_grpo.workarounds import saved_tensors_hooks_now, saved_tensors_hooks_readable
+
+PROJECTIONS = ("gate_up_proj", "down_proj")
+# the Triton kernel's tile: rows (outputs) x columns (inputs) per program, warps; benchmarks/bench_mxfp4_load.py times
+# others (DEQUANT_TILES)
+TILE = (64, 64, 4)
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts$")
+
+__all__ = ["PROJECTIONS", "ResidentSummary", "dequantize_experts", "expert_layer_index", "is_resident",
+           "make_experts_resident", "make_resident", "resident_bytes", "resident_layers", "residency_line"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Dequantization: checkpoint [E, out, in/32, 16] + [E, out, in/32] -> transformers' [E, in, out]
+# ---------------------------------------------------------------------------------------------------------------
+
+_SAID: set = set()
+
+
+def _say_once(key: str, message: str) -> None:
+    if key not in _SAID:
+        _SAID.add(key)
+        from tes_grpo.processes import say
+
+        say(message)
+
+
+@functools.cache
+def _triton_kernel(interpreted: bool):
+    """The Triton dequantization kernel (built once per interpreter mode: triton.jit reads TRITON_INTERPRET when it
+    decorates). Only triton.language builtins: an interpreted kernel cannot call its compiled standard library."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def dequantize_kernel(blocks_ptr, scales_ptr, out_ptr, ROWS, COLS, OUT_KIND: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        """out[e, c, r] = FP4(code of value (r, c)) * 2**(scales[e, r, c // 32] - 127): the checkpoint's weight
+        [E, ROWS, COLS] (blocks [E, ROWS, COLS/2] bytes, the low nibble the even column) written transposed.
+
+        The float32 bits are built with integer arithmetic: FP4 values times a power of two are exact in float32
+        (subnormals included), so nothing rounds and no flush-to-zero can change a value; a bf16 result is their
+        upper half (OUT_KIND 1), a float32 result the bits themselves (0); 2: converted (other dtypes)."""
+        e = tl.program_id(0).to(tl.int64)
+        r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+        ok = (c[:, None] < COLS) & (r[None, :] < ROWS)
+        byte = tl.load(blocks_ptr + e * ROWS * (COLS // 2) + r[None, :] * (COLS // 2) + c[:, None] // 2,
+                       mask=ok, other=0).to(tl.int32)
+        code = (byte >> ((c[:, None] % 2) * 4)) & 15
+        scale = tl.load(scales_ptr + e * ROWS * (COLS // 32) + r[None, :] * (COLS // 32) + c[:, None] // 32,
+                        mask=ok, other=127).to(tl.int32)
+        # E2M1: exponent field f, mantissa bit m; f > 0: (1 + m/2) * 2**(f - 1), f = 0: m * 0.5. Times the scale,
+        # the leading bit sits at 2**lead with the fraction bit m (f > 0) or none (f = 0).
+        f = (code >> 1) & 3
+        m = code & 1
+        lead = tl.where(f == 0, scale - 128, f + scale - 128)
+        frac = tl.where(f == 0, 0, m)
+        normal = ((tl.maximum(lead + 127, 0) << 23) | (frac << 22))
+        subnormal = (2 + frac) << tl.minimum(tl.maximum(lead + 148, 0), 29)  # (2 + frac) * 2**(lead - 1)
+        bits = tl.where(lead > 127, 0x7F800000, tl.where(lead >= -126, normal, subnormal))
+        bits = tl.where((f == 0) & (m == 0), 0, bits) | ((code >> 3) << 31)
+        if OUT_KIND == 1:
+            value = ((bits >> 16) & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            value = bits.to(tl.float32, bitcast=True)
+            if OUT_KIND == 2:
+                value = value.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + e * COLS * ROWS + c[:, None] * ROWS + r[None, :], value, mask=ok)
+
+    return dequantize_kernel
+
+
+def _check_layout(blocks: torch.Tensor, scales: torch.Tensor) -> None:
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
+    if blocks.dim() != 4 or blocks.shape[:-1] != scales.shape or blocks.shape[-1] != BLOCK_SIZE // 2:
+        raise ValueError(f"blocks {tuple(blocks.shape)} / scales {tuple(scales.shape)} are not the checkpoint's "
+                         "[E, out, in/32, 16] / [E, out, in/32]")
+
+
+def dequantize_with_triton(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+                           tile: tuple[int, int, int] = TILE) -> torch.Tensor:
+    """dequantize_experts through the Triton kernel (a CUDA device, or CPU tensors under TRITON_INTERPRET=1); tile:
+    (rows, columns, warps) of a program."""
+    import os
+
+    block_r, block_c, num_warps = tile
+    _check_layout(blocks, scales)
+    experts, rows, groups, _ = blocks.shape
+    cols = groups * BLOCK_SIZE
+    out = torch.empty(experts, cols, rows, dtype=dtype, device=blocks.device)
+    kernel = _triton_kernel(os.environ.get("TRITON_INTERPRET", "0") == "1")
+    grid = (experts, -(-rows // block_r), -(-cols // block_c))
+    kind = {torch.float32: 0, torch.bfloat16: 1}.get(dtype, 2)
+    kernel[grid](blocks.contiguous(), scales.contiguous(), out, rows, cols, OUT_KIND=kind, BLOCK_R=block_r,
+                 BLOCK_C=block_c, num_warps=num_warps)
+    return out
+
+
+def dequantize_with_torch(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """dequantize_experts through torch's codec (mxfp4.dequantize_mxfp4), one expert at a time so the float32
+    scratch stays one expert's size."""
+    _check_layout(blocks, scales)
+    experts, rows, groups, _ = blocks.shape
+    out = torch.empty(experts, groups * BLOCK_SIZE, rows, dtype=dtype, device=blocks.device)
+    for e in range(experts):
+        out[e].copy_(dequantize_mxfp4(blocks[e], scales[e], dtype).t())
+    return out
+
+
+def _has_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def dequantize_experts(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A checkpoint's expert blocks/scales -> transformers' expert parameter [E, in, out] (contiguous, `dtype`): the
+    values transformers' dequantized load holds (integrations.mxfp4.convert_moe_packed_tensors), bit for bit. On CUDA
+    through the Triton kernel; on the CPU (and on CUDA without Triton, said once) through torch's codec."""
+    if blocks.is_cuda:
+        if _has_triton():
+            return dequantize_with_triton(blocks, scales, dtype)
+        _say_once("no-triton", "MXFP4 experts: no triton installed, so each layer's experts are dequantized with "
+                               "torch's codec (slower than the Triton kernel, same values)")
+    return dequantize_with_torch(blocks, scales, dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The resident experts module
+# ---------------------------------------------------------------------------------------------------------------
+
+class _Rebuild:
+    """Dequantizes one projection again for the backward. Keeps the result while handles packed in the same call
+    are still to be unpacked (the eager experts loop saves one slice per expert), then lets it go."""
+
+    def __init__(self, experts, name: str):
+        self.experts, self.name = experts, name
+        self.pending = 0
+        self.weight: torch.Tensor | None = None
+
+    def unpack(self, size, stride, offset) -> torch.Tensor:
+        weight = self.weight if self.weight is not None else self.experts.dequantize(self.name)
+        self.pending -= 1
+        self.weight = weight if self.pending > 0 else None
+        return weight.as_strided(size, stride, offset)
+
+
+@dataclass(frozen=True)
+class _WeightHandle:
+    """What autograd keeps of a saved tensor that lies in a dequantized weight: where in it, not its values."""
+
+    rebuild: _Rebuild
+    size: tuple
+    stride: tuple
+    offset: int
+
+
+@dataclass(frozen=True)
+class _OuterPacked:
+    """A saved tensor packed by the hooks that were active when the call began (gradient checkpointing's)."""
+
+    unpack: object
+    packed: object
+
+
+class _JustInTime:
+    """One call of a resident experts module: its dequantized weights, and (with grad on) the saved-tensor hooks."""
+
+    def __init__(self, experts):
+        self.experts = experts
+        self.weights: dict[str, torch.Tensor] = {}
+        self.rebuilds: dict[str, _Rebuild] = {}
+        self.outer = saved_tensors_hooks_now() if torch.is_grad_enabled() else None
+        self.hooks = (torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+                      if torch.is_grad_enabled() else None)
+
+    def weight(self, name: str) -> torch.Tensor:
+        if name not in self.weights:
+            self.weights[name] = self.experts.dequantize(name)
+        return self.weights[name]
+
+    def pack(self, tensor: torch.Tensor):
+        for name, weight in self.weights.items():
+            if (tensor.device == weight.device and tensor.dtype == weight.dtype
+                    and tensor.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()):
+                rebuild = self.rebuilds.setdefault(name, _Rebuild(self.experts, name))
+                rebuild.pending += 1
+                return _WeightHandle(rebuild, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
+        if self.outer is not None:
+            return _OuterPacked(self.outer[1], self.outer[0](tensor))
+        return tensor
+
+    @staticmethod
+    def unpack(packed):
+        if isinstance(packed, _WeightHandle):
+            return packed.rebuild.unpack(packed.size, packed.stride, packed.offset)
+        if isinstance(packed, _OuterPacked):
+            return packed.unpack(packed.packed)
+        return packed
+
+    def __enter__(self):
+        if self.hooks is not None:
+            self.hooks.__enter__()
+        self.experts.__dict__["_just_in_time"] = self
+        return self
+
+    def __exit__(self, *exc):
+        self.experts.__dict__.pop("_just_in_time", None)
+        self.weights.clear()
+        if self.hooks is not None:
+            self.hooks.__exit__(*exc)
+        return False
+
+
+class ResidentMxfp4Experts:
+    """Mixed into a gpt-oss experts class (resident_class): gate_up_proj / down_proj dequantized from the resident
+    `{proj}_blocks` / `{proj}_scales` parameters when read, once per call of the module (see the module docstring)."""
+
+    mxfp4_resident = True
+    expert_dtype: torch.dtype  # what the dequantized load's parameters would be: the forward's weight dtype
+
+    def __call__(self, *args, **kwargs):
+        with _JustInTime(self):
+            return super().__call__(*args, **kwargs)
+
+    def dequantize(self, name: str) -> torch.Tensor:
+        """A fresh [E, in, out] tensor of projection `name` in expert_dtype, on the blocks' device."""
+        return dequantize_experts(getattr(self, f"{name}_blocks"), getattr(self, f"{name}_scales"), self.expert_dtype)
+
+    def _expert_weight(self, name: str) -> torch.Tensor:
+        scope = self.__dict__.get("_just_in_time")
+        return scope.weight(name) if scope is not None else self.dequantize(name)
+
+    @property
+    def gate_up_proj(self) -> torch.Tensor:
+        return self._expert_weight("gate_up_proj")
+
+    @property
+    def down_proj(self) -> torch.Tensor:
+        return self._expert_weight("down_proj")
+
+    def _apply(self, fn, recurse=True):
+        # .to(dtype) / .half() / .float() change what the dequantized load's parameters would have become
+        result = super()._apply(fn, recurse)
+        self.expert_dtype = fn(torch.empty(0, dtype=self.expert_dtype)).dtype
+        return result
+
+    def extra_repr(self) -> str:
+        blocks = self.gate_up_proj_blocks
+        return (f"resident MXFP4: {blocks.shape[0]} experts, gate_up_proj / down_proj dequantized to "
+                f"{self.expert_dtype} when called")
+
+
+@functools.cache
+def resident_class(cls: type) -> type:
+    """The resident variant of an experts class (one per class, so isinstance(module, cls) still holds); a name in
+    this module, so a pickled model finds it again."""
+    name = f"ResidentMxfp4{cls.__name__}"
+    resident = type(name, (ResidentMxfp4Experts, cls), {"__module__": __name__, "__qualname__": name})
+    globals()[name] = resident
+    return resident
+
+
+def is_resident(module) -> bool:
+    return bool(getattr(type(module), "mxfp4_resident", False))
+
+
+def expected_shapes(experts) -> dict[str, tuple[int, ...]]:
+    """The checkpoint's `{proj}_{blocks|scales}` shapes for this experts module."""
+    e, h, i = experts.num_experts, experts.hidden_size, experts.intermediate_size
+    out_in = {"gate_up_proj": (2 * i, h), "down_proj": (h, i)}
+    shapes = {}
+    for name, (rows, cols) in out_in.items():
+        shapes[f"{name}_blocks"] = (e, rows, cols // BLOCK_SIZE, BLOCK_SIZE // 2)
+        shapes[f"{name}_scales"] = (e, rows, cols // BLOCK_SIZE)
+    return shapes
+
+
+def make_resident(experts, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """Turns one gpt-oss experts module resident in place: `tensors` holds its `{proj}_blocks` / `{proj}_scales`
+    (uint8, checkpoint layout; meta tensors for a skeleton), `dtype` the weights' dtype when dequantized. Drops the
+    module's gate_up_proj / down_proj parameters."""
+    if is_resident(experts):
+        raise ValueError("experts are already resident")
+    if not saved_tensors_hooks_readable():
+        saved_tensors_hooks_now()  # raises, saying why
+    shapes = expected_shapes(experts)
+    if set(tensors) != set(shapes):
+        raise ValueError(f"make_resident needs exactly {sorted(shapes)}, got {sorted(tensors)}")
+    for name, tensor in tensors.items():
+        if tensor.dtype != torch.uint8 or tuple(tensor.shape) != shapes[name]:
+            raise ValueError(f"{name}: {tensor.dtype} {tuple(tensor.shape)}, expected uint8 {shapes[name]}")
+    if BLOCK_SIZE > experts.hidden_size or experts.hidden_size % BLOCK_SIZE or experts.intermediate_size % BLOCK_SIZE:
+        raise ValueError(f"hidden {experts.hidden_size} / intermediate {experts.intermediate_size} are not multiples "
+                         f"of the MXFP4 block size {BLOCK_SIZE}")
+    for name in PROJECTIONS:
+        experts._parameters.pop(name, None)
+    for name, tensor in tensors.items():
+        experts.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=False))
+    experts.expert_dtype = dtype
+    experts.__class__ = resident_class(type(experts))
+
+
+def expert_layer_index(name: str) -> int | None:
+    """The decoder layer of a module named `...layers.{i}.mlp.experts` (None for other names)."""
+    match = _LAYER_RE.search(name)
+    return int(match.group(1)) if match else None
+
+
+def _experts_modules(model) -> list[tuple[int, str, torch.nn.Module]]:
+    found = []
+    for name, module in model.named_modules():
+        index = expert_layer_index(name)
+        if index is not None and hasattr(module, "num_experts"):
+            found.append((index, name, module))
+    return found
+
+
+def resident_layers(model) -> list[int]:
+    """The decoder layers whose experts are resident MXFP4."""
+    return sorted(i for i, _, module in _experts_modules(model) if is_resident(module))
+
+
+def resident_bytes(model) -> int:
+    """Bytes of the resident blocks and scales."""
+    return sum(p.numel() * p.element_size() for _, _, module in _experts_modules(model) if is_resident(module)
+               for name, p in module.named_parameters(recurse=False) if name.endswith(("_blocks", "_scales")))
+
+
+@dataclass
+class ResidentSummary:
+    """What is resident: layers, bytes, device, and the layers kept as bf16 parameters with the reason."""
+
+    layers: list[int] = field(default_factory=list)
+    bytes: int = 0
+    device: str = ""
+    kept: dict[int, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, model, kept: Mapping[int, str] = ()) -> ResidentSummary:
+        kept = dict(kept)
+        layers = resident_layers(model)
+        device = ""
+        for _, _, module in _experts_modules(model):
+            if is_resident(module):
+                device = str(module.gate_up_proj_blocks.device)
+                break
+        return cls(layers, resident_bytes(model), device, {i: kept[i] for i in sorted(kept) if i not in layers})
+
+
+def residency_line(summary: ResidentSummary) -> str:
+    """One log line: what is resident, its size, where, and which layers keep bf16 experts and why."""
+    if summary.layers:
+        line = (f"experts: {len(summary.layers)} layer(s) resident as MXFP4 ({summary.bytes / 2**30:.2f} GiB on "
+                f"{summary.device}; one layer at a time dequantized while it runs, for training and sampling)")
+    else:
+        line = "experts: none resident as MXFP4"
+    by_reason: dict[str, list[int]] = {}
+    for layer, why in summary.kept.items():
+        by_reason.setdefault(why, []).append(layer)
+    for why, layers in by_reason.items():
+        line += f"; layers {layers} keep bf16 experts ({why})"
+    return line
+
+
+def _exact_blocks(param: torch.Tensor, name: str, source: Mapping | None, prefix: str):
+    """The checkpoint blocks/scales of an expert parameter [E, in, out]: from `source` when it has them, else
+    quantized from the parameter; ValueError unless they dequantize to the parameter bit for bit."""
+    blocks_name, scales_name = f"{prefix}.{name}_blocks", f"{prefix}.{name}_scales"
+    if source is not None and blocks_name in source and scales_name in source:
+        blocks = source[blocks_name].to(param.device)
+        scales = source[scales_name].to(param.device)
+    else:
+        blocks, scales = quantize_mxfp4(param.detach().transpose(-1, -2))
+    if not torch.equal(dequantize_experts(blocks, scales, param.dtype), param.detach()):
+        raise ValueError(f"{name} is not exactly the MXFP4 values "
+                         + ("of the checkpoint's blocks" if source is not None and blocks_name in source
+                            else "it would be stored as (not loaded from an MXFP4 checkpoint, or changed since)"))
+    return {f"{name}_blocks": blocks, f"{name}_scales": scales}
+
+
+def make_experts_resident(model, source: Mapping | None = None, keep_bf16_layers: Mapping[int, str] | None = None,
+                          say=print) -> ResidentSummary:
+    """Turns the bf16 experts of a loaded gpt-oss model resident, layer by layer, freeing each bf16 copy.
+
+    source: the checkpoint's tensors by name (mxfp4.SafetensorsCheckpoint, or a dict), whose
+    `model.layers.{i}.mlp.experts.{proj}_{blocks|scales}` are taken as they are; without it (or for a name it lacks)
+    the weights are quantized. Either way a layer becomes resident only if the blocks dequantize to its weights bit
+    for bit. keep_bf16_layers: {layer: why} left as they are (experts with LoRA). Layers that cannot be converted
+    (trainable, LoRA-wrapped, not exactly MXFP4) keep bf16 too; `say` gets residency_line's one line.
+    """
+    kept = dict(keep_bf16_layers or {})
+    for index, name, experts in _experts_modules(model):
+        if is_resident(experts) or index in kept:
+            continue
+        params = [getattr(experts, p, None) for p in PROJECTIONS]
+        if not all(isinstance(p, torch.Tensor) and p.dim() == 3 for p in params):
+            kept[index] = f"{type(experts).__name__}: no 3-D gate_up_proj/down_proj (LoRA-wrapped?)"
+            continue
+        if any(p.requires_grad for p in params):
+            kept[index] = "their weights are trainable"
+            continue
+        prefix = re.sub(r"^.*?(model\.layers\.)", r"\1", name)  # checkpoint names start at model.layers
+        try:
+            tensors = {}
+            for proj, param in zip(PROJECTIONS, params, strict=True):
+                tensors.update(_exact_blocks(param, proj, source, prefix))
+        except ValueError as err:
+            kept[index] = str(err)
+            continue
+        make_resident(experts, tensors, params[0].dtype)
+    summary = ResidentSummary.of(model, kept)
+    say(residency_line(summary))
+    return summary

@@ -1,0 +1,421 @@
+"""mxfp4_experts.py and the resident loader (model_loading.load_resident_model): one MXFP4 copy of the frozen experts
+serves training bit for bit like the dequantized load, and no bf16 expert tensor is kept or built.
+
+The tiny MXFP4 checkpoint is loaded both ways (Mxfp4Config(dequantize=True) vs resident) and everything a training
+step computes is compared with torch.equal: logits, loss, LoRA gradients, with and without gradient checkpointing,
+through transformers' experts and fused_experts.py's (run eagerly on the CPU), and a whole GRPO step through
+train_grpo.build_trainer. mxfp4_decode's use of resident layers is tested in test_mxfp4_decode.py.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tes_grpo import mxfp4_experts as mx
+from tes_grpo.model_loading import load_training_model, resolve_experts, resolve_model_path
+from tes_grpo.script_config import SettingsError
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# load_training_model loads onto the GPU where there is one (in bf16): these tests then check the GPU's kernels
+DEVICE, DTYPE = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return resolve_model_path("tiny")
+
+
+def load(path, experts, dtype=None, expert_lora_layers=(), said=None):
+    return load_training_model(path, experts=experts, dtype=dtype, expert_lora_layers=expert_lora_layers,
+                               say=(said.append if said is not None else lambda line: None))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Dequantization: transformers' values, bit for bit
+# ---------------------------------------------------------------------------------------------------------------
+
+def every_byte_and_scale():
+    """Blocks [1, 256, 16, 16]: row r has scale r (every E8M0 value, 255 included) and every byte value."""
+    blocks = torch.arange(256, dtype=torch.uint8).repeat(256).view(1, 256, 16, 16)
+    scales = torch.arange(256, dtype=torch.uint8).view(1, 256, 1).expand(1, 256, 16).contiguous()
+    return blocks, scales
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bit patterns (so signed zeros and infinities compare exactly)."""
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dequantize_equals_transformers_for_every_byte_and_scale(dtype):
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    blocks, scales = every_byte_and_scale()
+    expected = convert_moe_packed_tensors(blocks, scales, dtype=dtype)  # what Mxfp4Config(dequantize=True) loads
+    got = mx.dequantize_experts(blocks, scales, dtype)
+    assert got.shape == expected.shape == (1, 512, 256) and got.is_contiguous() and got.dtype == dtype
+    assert torch.equal(bits(got), bits(expected))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_triton_kernel_equals_transformers(dtype, monkeypatch):
+    """The CUDA kernel's code under Triton's interpreter: every byte and scale, and shapes with partial tiles."""
+    pytest.importorskip("triton")
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(0)
+    odd = (torch.randint(0, 256, (3, 96, 5, 16), dtype=torch.uint8, generator=g),
+           torch.randint(110, 130, (3, 96, 5), dtype=torch.uint8, generator=g))
+    for blocks, scales in (every_byte_and_scale(), odd):
+        expected = convert_moe_packed_tensors(blocks, scales, dtype=dtype)
+        got = mx.dequantize_with_triton(blocks, scales, dtype)
+        assert torch.equal(bits(got), bits(expected))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training: resident = dequantized load, bit for bit
+# ---------------------------------------------------------------------------------------------------------------
+
+def lora_pass(path, experts, dtype, checkpointing, fused, expert_layers=()):
+    """One forward/backward of the tiny model with LoRA (B != 0, same init every time): logits, loss, LoRA grads, and
+    the resident layers."""
+    from peft import get_peft_model
+
+    from tes_grpo.fused_experts import use_fused_experts
+    from train_grpo import build_lora_config
+
+    model = load(path, experts, dtype, expert_layers)
+    resident = mx.resident_layers(model)
+    torch.manual_seed(0)
+    config = build_lora_config(4, 8, expert_layers)
+    config.init_lora_weights = False
+    model = get_peft_model(model, config)
+    if checkpointing:  # as TRL sets it up
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    model.train()
+    if fused:
+        assert use_fused_experts(model, say=pytest.fail) == 2
+    ids = torch.randint(0, 201088, (2, 13), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    return out.logits.detach(), out.loss.detach(), grads, resident
+
+
+# (dtype, gradient checkpointing, fused_experts' training forward, layers with LoRA on their experts, resident layers)
+TRAINING_CASES = [
+    (None, False, False, (), [0, 1]),  # the device's dtype (CPU: float32), transformers' grouped_mm experts
+    (None, True, False, (), [0, 1]),  # gradient checkpointing (non-reentrant, as TRL asks): recomputed forward
+    (None, False, True, (), [0, 1]),  # fused_experts.py's Functions, eagerly
+    (None, True, True, (), [0, 1]),
+    (torch.bfloat16, True, True, (), [0, 1]),  # the GPU's dtype
+    (None, True, False, (1,), [0]),  # layer 1's experts carry LoRA: bf16 there, resident in layer 0
+]
+
+
+@pytest.mark.parametrize("dtype, checkpointing, fused, expert_layers, resident", TRAINING_CASES)
+def test_training_pass_is_bit_exact(tiny, dtype, checkpointing, fused, expert_layers, resident):
+    logits_a, loss_a, grads_a, none = lora_pass(tiny, "bf16", dtype, checkpointing, fused, expert_layers)
+    logits_b, loss_b, grads_b, layers = lora_pass(tiny, "mxfp4", dtype, checkpointing, fused, expert_layers)
+    assert none == [] and layers == resident
+    assert torch.equal(logits_a, logits_b) and torch.equal(loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys() and len(grads_a) == 16 + 4 * len(expert_layers)
+    for name in grads_a:
+        assert torch.equal(grads_a[name], grads_b[name]), name
+
+
+@pytest.mark.parametrize("checkpointing, calls", [
+    (False, 4),  # forward, then the backward's own dequantization: 2 layers x 2 projections x 2
+    (True, 6),  # + checkpointing's recomputed forward
+])
+def test_dequantized_weights_live_only_while_their_layer_runs(tiny, checkpointing, calls, monkeypatch):
+    """Between forward and backward no dequantized weight is alive (autograd keeps a handle, not the weight)."""
+    from peft import get_peft_model
+
+    from train_grpo import build_lora_config
+
+    made = []
+    real = mx.ResidentMxfp4Experts.dequantize
+
+    def dequantize(self, name):
+        weight = real(self, name)
+        made.append(weakref.ref(weight))
+        return weight
+
+    monkeypatch.setattr(mx.ResidentMxfp4Experts, "dequantize", dequantize)
+    model = get_peft_model(load(tiny, "mxfp4"), build_lora_config(4, 8))
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    model.train()
+    ids = torch.randint(0, 201088, (2, 9), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    loss = model(input_ids=ids, labels=ids).loss
+    gc.collect()
+    assert len(made) == 2 * 2 and not any(ref() is not None for ref in made)
+    loss.backward()
+    gc.collect()
+    assert len(made) == 2 * calls and not any(ref() is not None for ref in made)
+
+
+def test_other_saved_tensors_go_to_the_hooks_outside(monkeypatch):
+    """Inside a call, the saved tensors that are not the weights reach the hooks active around it (gradient
+    checkpointing's, or torch.autograd.graph.save_on_cpu's): innermost hooks would otherwise shadow them."""
+    import copy
+
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    config = GptOssConfig(hidden_size=64, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)
+    config._experts_implementation = "grouped_mm"
+    torch.manual_seed(0)
+    experts = GptOssExperts(config).requires_grad_(False)
+    with torch.no_grad():
+        for param in experts.parameters():
+            param.normal_(0, 0.1)
+        for name in mx.PROJECTIONS:  # values on the MXFP4 grid, as loaded from a checkpoint
+            weight = getattr(experts, name)
+            weight.copy_(mx.dequantize_experts(*mx.quantize_mxfp4(weight.transpose(-1, -2)), torch.float32))
+    plain = copy.deepcopy(experts)
+    layers = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([torch.nn.ModuleDict({"mlp": torch.nn.ModuleDict(
+        {"experts": experts})})])})
+    assert mx.make_experts_resident(layers, say=lambda line: None).layers == [0] and mx.is_resident(experts)
+    weights_at = []
+    real = mx.ResidentMxfp4Experts.dequantize
+    monkeypatch.setattr(mx.ResidentMxfp4Experts, "dequantize",
+                        lambda self, name: weights_at.append(t := real(self, name)) or t)
+    hidden = torch.randn(7, 64, requires_grad=True)
+    index = torch.randint(0, 4, (7, 2), generator=torch.Generator().manual_seed(1))
+    routing = torch.rand(7, 2)
+    outside = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: outside.append(t.untyped_storage().data_ptr()) or t,
+                                                  lambda t: t):
+        out = experts(hidden, index, routing)
+        assert len(weights_at) == 2
+        weight_ptrs = {w.untyped_storage().data_ptr() for w in weights_at}
+    assert outside and not weight_ptrs & set(outside)  # activations went out, the weights stayed as handles
+    out.sum().backward()
+    assert len(weights_at) == 4  # dequantized again for the backward
+    again = hidden.detach().requires_grad_()
+    expected = plain(again, index, routing)
+    expected.sum().backward()
+    assert torch.equal(out.detach(), expected.detach()) and torch.equal(hidden.grad, again.grad)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The loader: no bf16 expert tensor, everything else as from_pretrained gives it
+# ---------------------------------------------------------------------------------------------------------------
+
+class FloatShapes(TorchDispatchMode):
+    """Records the shape of every floating-point tensor with storage an op creates (meta tensors have none)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.is_meta:
+                self.shapes.add(tuple(t.shape))
+        return out
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_loader_builds_no_bf16_expert_and_matches_from_pretrained(tiny, dtype):
+    from tes_grpo.mxfp4 import SafetensorsCheckpoint
+
+    said = []
+    with FloatShapes() as created:
+        model = load(tiny, "mxfp4", dtype, said=said)
+    reference = load(tiny, "bf16", dtype)
+    e, h, i = 4, 64, 64  # the tiny model's experts, hidden, intermediate
+    expert_shapes = {(e, h, 2 * i), (e, i, h), (h, 2 * i), (i, h), (2 * i, h), (h, i), (e, 2 * i, h), (e, h, i)}
+    assert not created.shapes & expert_shapes  # not even one expert's weight was built in a float dtype
+    checkpoint = SafetensorsCheckpoint(tiny)
+    state, expected = model.state_dict(), reference.state_dict()
+    for name, tensor in state.items():
+        assert tensor.device.type == DEVICE
+        if name.endswith(("_blocks", "_scales")):  # the checkpoint's bytes, nothing else, for the experts
+            assert tensor.dtype == torch.uint8 and torch.equal(tensor.cpu(), checkpoint[name]), name
+        else:
+            assert tensor.dtype == expected[name].dtype and torch.equal(tensor, expected[name]), name
+    assert not any(n.endswith(("experts.gate_up_proj", "experts.down_proj")) for n in state)
+    assert set(expected) - set(state) == {f"model.layers.{j}.mlp.experts.{p}" for j in (0, 1) for p in mx.PROJECTIONS}
+    for j, layer in enumerate(model.model.layers):
+        for name in mx.PROJECTIONS:  # the properties give the dequantized load's tensors: values, layout, dtype
+            ours, theirs = getattr(layer.mlp.experts, name), getattr(reference.model.layers[j].mlp.experts, name)
+            assert (ours.shape, ours.stride(), ours.dtype) == (theirs.shape, theirs.stride(), theirs.dtype)
+            assert torch.equal(ours, theirs)
+    for name, buffer in reference.named_buffers():
+        assert torch.equal(dict(model.named_buffers())[name], buffer)
+    assert model.config.to_dict() == reference.config.to_dict()
+    assert model.generation_config.to_dict() == reference.generation_config.to_dict()
+    assert (model.training, model.name_or_path, model.config._attn_implementation,
+            model.config._experts_implementation) == (False, reference.name_or_path, "eager", "grouped_mm")
+    assert mx.resident_bytes(model) == sum(checkpoint[n].numel() for n in checkpoint if n.endswith(("_blocks",
+                                                                                                    "_scales")))
+    assert any(line.startswith("experts: 2 layer(s) resident as MXFP4") for line in said)
+
+
+# (EXPERTS, layers with expert LoRA, resident layers, words of the log)
+CHOICES = [
+    ("auto", (), [0, 1], "EXPERTS=auto: MXFP4 checkpoint, no LoRA on the experts"),
+    ("auto", (1,), [], "EXPERTS=auto: LoRA on the experts of layers [1], so all experts dequantized"),
+    ("mxfp4", (1,), [0], "layers [1] keep bf16 experts (LoRA on their experts: LORA_EXPERT_LAYERS)"),
+    ("bf16", (), [], "Mxfp4Config(dequantize=True)"),
+]
+
+
+@pytest.mark.parametrize("experts, expert_layers, resident, words", CHOICES)
+def test_experts_choice_and_what_the_log_says(tiny, experts, expert_layers, resident, words):
+    said = []
+    model = load(tiny, experts, expert_lora_layers=expert_layers, said=said)
+    assert mx.resident_layers(model) == resident
+    assert any(words in line for line in said), said
+    for j in expert_layers:  # LoRA's layers: ordinary parameters, PEFT's target_parameters can adapt them
+        params = dict(model.model.layers[j].mlp.experts.named_parameters())
+        assert params["gate_up_proj"].dtype == DTYPE and "gate_up_proj_blocks" not in params
+
+
+def test_bad_experts_choices(tiny, tmp_path):
+    from transformers import GptOssConfig
+
+    with pytest.raises(SettingsError, match="EXPERTS='int4': must be one of auto, mxfp4, bf16"):
+        resolve_experts("int4", tiny)
+    GptOssConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=1).save_pretrained(tmp_path)  # bf16
+    assert resolve_experts("auto", str(tmp_path)) == ("bf16", "EXPERTS=auto: the checkpoint is not MXFP4")
+    with pytest.raises(SettingsError, match="EXPERTS=mxfp4 needs an MXFP4 checkpoint"):
+        resolve_experts("mxfp4", str(tmp_path))
+
+
+def test_peft_adapter_loads_on_the_resident_model(tiny, tmp_path):
+    """What an evaluation script does: the loader, then PeftModel.from_pretrained with a saved adapter."""
+    from peft import PeftModel, get_peft_model
+
+    from train_grpo import build_lora_config
+
+    torch.manual_seed(0)
+    config = build_lora_config(4, 8)
+    config.init_lora_weights = False
+    get_peft_model(load(tiny, "bf16"), config).save_pretrained(tmp_path)
+    ids = torch.randint(0, 201088, (2, 11), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    logits = {}
+    for experts in ("bf16", "mxfp4"):
+        model = PeftModel.from_pretrained(load(tiny, experts), str(tmp_path))
+        assert mx.resident_layers(model) == ([0, 1] if experts == "mxfp4" else [])
+        with torch.no_grad():
+            logits[experts] = model(input_ids=ids).logits
+    assert torch.equal(logits["bf16"], logits["mxfp4"])
+
+
+def test_dtype_changes_follow_to():
+    """model.to(dtype) changes what the experts dequantize to, as it would change their parameters."""
+    from tes_grpo.gpt_oss_shapes import build_random_model
+
+    model = build_random_model("eager", "cpu", resident=True, dtype=torch.float32, **SMALL)
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.dtype == torch.float32
+    model.to(torch.bfloat16)
+    assert experts.gate_up_proj.dtype == torch.bfloat16 and experts.gate_up_proj_blocks.dtype == torch.uint8
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# gpt-oss-120b's shapes
+# ---------------------------------------------------------------------------------------------------------------
+
+SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=64, vocab_size=1024, pad_token_id=5,
+             eos_token_id=3, bos_token_id=1)
+
+
+def test_120b_config_is_openais():
+    from tes_grpo.gpt_oss_shapes import gpt_oss_120b_config
+
+    c = gpt_oss_120b_config()
+    assert (c.num_hidden_layers, c.num_local_experts, c.num_experts_per_tok, c.hidden_size, c.intermediate_size,
+            c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.sliding_window, c.vocab_size) == (
+        36, 128, 4, 2880, 2880, 64, 8, 64, 128, 201088)
+    assert c.layer_types == ["sliding_attention", "full_attention"] * 18
+    assert c.rope_parameters["rope_type"] == "yarn" and c.rope_parameters["factor"] == 32.0
+    assert c.rope_parameters["rope_theta"] == 150000.0
+
+
+def test_120b_shaped_model_builds_resident_and_trains_one_step():
+    """128 experts of 4 per token at a reduced width and depth: experts as MXFP4 blocks only, one LoRA step."""
+    from peft import get_peft_model
+    from transformers import GptOssForCausalLM
+
+    from tes_grpo.gpt_oss_shapes import build_random_model, gpt_oss_config
+    from train_grpo import build_lora_config
+
+    with FloatShapes() as created:
+        model = build_random_model("eager", "cpu", size="120b", resident=True, dtype=torch.float32, **SMALL)
+    assert not created.shapes & {(128, 64, 128), (128, 64, 64), (64, 128), (64, 64)}  # no float expert weight
+    assert mx.resident_layers(model) == [0, 1] and model.config.num_local_experts == 128
+    reference = GptOssForCausalLM(gpt_oss_config("120b", **SMALL))
+    for name, buffer in reference.named_buffers():  # the rotary frequencies, as an ordinary build computes them
+        assert torch.equal(dict(model.named_buffers())[name], buffer), name
+    blocks = model.model.layers[0].mlp.experts.gate_up_proj_blocks.clone()
+    model = get_peft_model(model, build_lora_config(4, 8))
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in trainable]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-3)
+    ids = torch.randint(0, 1024, (2, 16), generator=torch.Generator().manual_seed(0))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    assert torch.isfinite(loss)
+    assert any(not torch.equal(a, p) for a, p in zip(before, trainable, strict=True))
+    assert torch.equal(model.base_model.model.model.layers[0].mlp.experts.gate_up_proj_blocks, blocks)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A whole GRPO step through train_grpo
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_grpo_step_is_bit_exact(tiny, tmp_path, tokenizer):
+    """train_grpo.build_trainer(...).train() for one step, both ways: same completions, loss, trained adapter."""
+    from grpo_fixtures import write_fixture_data
+
+    import train_grpo
+
+    data = write_fixture_data(tmp_path, tokenizer)
+    results = {}
+    for experts in ("bf16", "mxfp4"):
+        settings = train_grpo.default_settings(
+            MODEL_ID="tiny", DATA_DIR=str(data), EVAL_DIR=str(data / "eval"), OUT_DIR=str(tmp_path / experts),
+            TOTAL_STEPS=1, NUM_GENERATIONS=4, GRADIENT_ACCUMULATION_STEPS=1, MAX_COMPLETION_LEN=8,
+            GRADIENT_CHECKPOINTING=True, TRAIN_EXPERTS="fused")
+        frame = train_grpo.load_training_data(settings, tokenizer)
+        layout = train_grpo.batch_layout(settings, int(frame["prompt_tokens"].max()))
+        model = load(tiny, experts)
+        assert mx.resident_layers(model) == ([0, 1] if experts == "mxfp4" else [])
+        torch.manual_seed(0)
+        trainer = train_grpo.build_trainer(settings, model, tokenizer,
+                                           train_grpo.build_stream(frame, settings).to_iterable_dataset(), layout)
+        seen = []
+        compute_loss = trainer.compute_loss
+
+        def record(model, inputs, *args, compute_loss=compute_loss, seen=seen, **kwargs):
+            loss = compute_loss(model, inputs, *args, **kwargs)
+            seen.append((inputs["completion_ids"].clone(), loss.detach().clone()))
+            return loss
+
+        trainer.compute_loss = record
+        trainer.train()
+        lora = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
+        results[experts] = (seen, lora)
+    (seen_a, lora_a), (seen_b, lora_b) = results["bf16"], results["mxfp4"]
+    assert len(seen_a) == len(seen_b) == 1
+    assert torch.equal(seen_a[0][0], seen_b[0][0]) and torch.equal(seen_a[0][1], seen_b[0][1])
+    assert lora_a.keys() == lora_b.keys() and lora_a
+    for name in lora_a:
+        assert torch.equal(lora_a[name], lora_b[name]), name
