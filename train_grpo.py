@@ -33,6 +33,7 @@ from tes_grpo import fast_paths, sampling_fidelity
 from tes_grpo.fast_paths import CHOICES as FAST_PATH_CHOICES
 from tes_grpo.fileio import InputError
 from tes_grpo.harmony import REASONING_EFFORTS as _EFFORTS
+from tes_grpo.model_loading import EXPERTS_CHOICES as _EXPERTS_CHOICES
 from tes_grpo.processes import is_main_process, process_count, say
 from tes_grpo.script_config import ConfigError, Settings, SettingsError, check_choices, parse_bool, resolve, save_config
 
@@ -72,7 +73,7 @@ GRADIENT_CHECKPOINTING = True  # recompute activations in backward (saves memory
 DECODE_GRAPHS = "auto"  # sample with graph_decode.py (static KV cache, CUDA graphs); auto = where it can run
 DECODE_EXPERTS = "auto"  # graph_decode's experts; auto = MXFP4 kernel on a GPU with Triton (fast_paths.py)
 TRAIN_EXPERTS = "auto"  # training MoE elementwise work; auto = fused on a GPU with Triton (fast_paths.py)
-EXPERTS = "auto"  # frozen MoE experts: auto = resident as MXFP4 (mxfp4_experts.py) unless LORA_EXPERT_LAYERS; mxfp4; bf16
+EXPERTS = "auto"  # frozen MoE experts: auto = resident as MXFP4 (mxfp4_experts.py) unless LORA_EXPERT_LAYERS
 ATTN_IMPLEMENTATION = "auto"  # auto = flex_attention on CUDA (supports gpt-oss's sinks), eager on CPU
 USE_VLLM = False  # generate with vLLM (colocated; needs requirements-gpu.txt's vllm) instead of transformers
 VLLM_GPU_MEMORY_UTILIZATION = 0.35  # GPU memory fraction vLLM may take when USE_VLLM=1
@@ -100,6 +101,7 @@ CHOICES = {
     "PROMPT_TOO_LONG": ("error", "skip"),
     "REASONING_EFFORT": ("", *_EFFORTS),
     "IMPORTANCE_SAMPLING": sampling_fidelity.IS_MODES,
+    "EXPERTS": _EXPERTS_CHOICES,
     **FAST_PATH_CHOICES,
 }
 
@@ -169,41 +171,6 @@ def expert_layers(s) -> list[int]:
         except ValueError:
             raise SettingsError(f"LORA_EXPERT_LAYERS: {item!r} is not a layer number") from None
     return layers
-
-
-def largest_divisor_at_most(total: int, cap: int) -> int:
-    return max(d for d in range(1, total + 1) if total % d == 0 and d <= max(1, cap))
-
-
-def batch_layout(s, longest_prompt: int, steps_per_generation: int | None = None,
-                 planned_micro: int | None = None) -> dict:
-    """How one optimizer step's completions are generated and split into forward/backward passes.
-
-    completions_per_step = PROMPTS_PER_STEP x NUM_GENERATIONS x GRADIENT_ACCUMULATION_STEPS. TRAIN_BATCH_SIZE=auto
-    takes the largest divisor of it whose worst case (every completion at MAX_COMPLETION_LEN after the longest
-    prompt) fits TRAIN_TOKENS_PER_PASS, so a longer MAX_COMPLETION_LEN trains in smaller passes, never out of
-    memory, and the step still trains the same completions. steps_per_generation (GRPO_STEPS_PER_GENERATION)
-    defaults to all of a step's passes: one generation batch per optimizer step. planned_micro: the memory plan's
-    completions a pass (memory_plan.plan_memory), taken for TRAIN_BATCH_SIZE=auto instead of TRAIN_TOKENS_PER_PASS's.
-    """
-    per_step = s.PROMPTS_PER_STEP * s.NUM_GENERATIONS * s.GRADIENT_ACCUMULATION_STEPS
-    sequence = longest_prompt + s.MAX_COMPLETION_LEN
-    if str(s.TRAIN_BATCH_SIZE) == "auto":
-        micro = planned_micro or largest_divisor_at_most(per_step, s.TRAIN_TOKENS_PER_PASS // sequence)
-    else:
-        micro = int(s.TRAIN_BATCH_SIZE)
-    if per_step % micro:
-        raise SettingsError(f"TRAIN_BATCH_SIZE={micro} must divide the {per_step} completions of an optimizer step "
-                            "(PROMPTS_PER_STEP x NUM_GENERATIONS x GRADIENT_ACCUMULATION_STEPS)")
-    passes = per_step // micro
-    generation = steps_per_generation or passes
-    if passes % generation or (generation * micro) % s.NUM_GENERATIONS:
-        raise SettingsError(f"GRPO_STEPS_PER_GENERATION={generation}: must divide the {passes} forward/backward passes "
-                            f"of an optimizer step, and {generation} x {micro} completions must be whole groups of "
-                            f"NUM_GENERATIONS={s.NUM_GENERATIONS}")
-    return {"completions_per_step": per_step, "prompts_per_step": per_step // s.NUM_GENERATIONS,
-            "train_batch_size": micro, "gradient_accumulation_steps": passes, "steps_per_generation": generation,
-            "worst_case_tokens_per_pass": micro * sequence, "longest_prompt": longest_prompt}
 
 
 def read_environment(environ) -> dict:
@@ -321,7 +288,7 @@ def build_trainer(s, model, tokenizer, train_dataset, layout: dict, completion_l
                    *callbacks])
     trainer.remove_callback(PrinterCallback)  # ProgressLineCallback prints a compact line instead of the raw dict
     point_tensorboard(trainer, out / "tensorboard", resume_step)
-    for line in fast_paths.install(trainer, s, cuda, process_count()):
+    for line in fast_paths.install(trainer, s, cuda, process_count(), layout["generation_sequences"]):
         say(line)
     # last: it wraps the generate() that fast_paths chose, to read the sampler's log-probs
     sampling_fidelity.install(trainer, sampling_fidelity.Correction(s.IMPORTANCE_SAMPLING, s.IMPORTANCE_SAMPLING_CAP),
@@ -352,8 +319,17 @@ def describe_run(s, layout: dict, trainer, completion_log) -> None:
 
 def train(s, environ=None, callbacks=()) -> Path:
     """Runs GRPO for resolved settings; returns OUT_DIR. callbacks: extra TrainerCallbacks (tests look inside)."""
+    from transformers import AutoConfig
+
     from data_reward import CompletionLog
-    from tes_grpo.model_loading import check_machine, load_tokenizer_for, load_training_model, resolve_model_path
+    from tes_grpo.memory_plan import batch_layout, plan_run
+    from tes_grpo.model_loading import (
+        check_machine,
+        load_tokenizer_for,
+        load_training_model,
+        resolve_experts,
+        resolve_model_path,
+    )
     from tes_grpo.processes import start_process_group
     from tes_grpo.run_folder import prepare_resume, run_summary
 
@@ -372,12 +348,17 @@ def train(s, environ=None, callbacks=()) -> Path:
     model_path = resolve_model_path(s.MODEL_ID)
     tokenizer = load_tokenizer_for(model_path, say=say)
     frame = load_training_data(s, tokenizer)
-    layout = batch_layout(s, int(frame["prompt_tokens"].max()), env["steps_per_generation"])
+    longest = int(frame["prompt_tokens"].max())
     dataset = build_stream(frame, s).to_iterable_dataset()
 
-    # Model and trainer
+    # Model, the memory it leaves (checked before loading too: a run that cannot fit stops before it), trainer
+    config = AutoConfig.from_pretrained(model_path)
+    resident = resolve_experts(s.EXPERTS, model_path, expert_layers(s))[0] == "mxfp4"
+    plan_run(s, config, longest, env["steps_per_generation"], resident, loaded=False)
     model = load_training_model(model_path, s.ATTN_IMPLEMENTATION, say=say, experts=s.EXPERTS,
                                 expert_lora_layers=expert_layers(s))
+    plan = plan_run(s, config, longest, env["steps_per_generation"], resident, loaded=True, say=say)
+    layout = batch_layout(s, longest, env["steps_per_generation"], plan)
     slot = s.PROMPTS_PER_STEP * s.NUM_GENERATIONS  # completions of one gradient-accumulation slot
     completion_log = CompletionLog(log_path, slot) if env["log_completions"] else None
     trainer = build_trainer(s, model, tokenizer, dataset, layout, completion_log, callbacks,

@@ -36,6 +36,7 @@ _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))
 import math
 from pathlib import Path
 
+from tes_grpo import memory_plan
 from tes_grpo.processes import (
     is_main_process,
     local_rank,
@@ -54,6 +55,7 @@ MODEL_SIZE = "20b"  # gpt-oss shapes: 20b, or 120b (resident MXFP4 experts: ~61 
 EXPERTS = "bf16"  # the experts: bf16 parameters (as loaded with EXPERTS=bf16) or mxfp4 (resident, mxfp4_experts.py)
 TRAIN_BATCH_SIZE = "auto"  # train_grpo's TRAIN_BATCH_SIZE: auto (from TRAIN_TOKENS_PER_PASS) or a number
 TRAIN_TOKENS_PER_PASS = 40000  # train_grpo's auto micro-batch budget (tokens per forward/backward, worst case)
+MEMORY_BUDGET_GB = 0.0  # train_grpo's MEMORY_BUDGET_GB; > 0 also caps this process there (a card of that size)
 PROMPT_TOKENS = 1316  # lengthen each data/ prompt to about this many tokens (BENCHMARKS.md's length); 0 = as is
 OUT_DIR = "runs/bench-grpo"  # run folder (adapter, logs) on the GPU machine
 RESULTS = "runs/bench-grpo/results.jsonl"  # one JSON line per timed step is appended here
@@ -159,7 +161,8 @@ def main(argv: list[str] | None = None) -> None:
         OUT_DIR=bench.OUT_DIR, TOTAL_STEPS=bench.STEPS, MAX_COMPLETION_LEN=bench.MAX_COMPLETION_LEN, SAVE_STEPS=10_000,
         DECODE_EXPERTS=bench.DECODE_EXPERTS, DECODE_GRAPHS=bench.DECODE_GRAPHS, TRAIN_EXPERTS=bench.TRAIN_EXPERTS,
         TRAIN_BATCH_SIZE=bench.TRAIN_BATCH_SIZE,
-        TRAIN_TOKENS_PER_PASS=bench.TRAIN_TOKENS_PER_PASS, IMPORTANCE_SAMPLING=bench.IMPORTANCE_SAMPLING)
+        TRAIN_TOKENS_PER_PASS=bench.TRAIN_TOKENS_PER_PASS, IMPORTANCE_SAMPLING=bench.IMPORTANCE_SAMPLING,
+        MEMORY_BUDGET_GB=bench.MEMORY_BUDGET_GB)
     train_grpo.check_settings(settings)
     tokenizer = load_tokenizer()
     frame = train_grpo.load_training_data(settings, tokenizer)
@@ -167,10 +170,15 @@ def main(argv: list[str] | None = None) -> None:
         frame = lengthen_prompts(frame, tokenizer, bench.PROMPT_TOKENS)
     lengths = [len(tokenizer(p, add_special_tokens=False).input_ids) for p in frame["prompt"]]
     prompt_tokens = int(sum(lengths) / len(lengths))
-    layout = train_grpo.batch_layout(settings, max(lengths))
-    say(f"prompts: {len(frame)} rows, mean {prompt_tokens} tokens, longest {max(lengths)}; layout {layout}")
+    if bench.MEMORY_BUDGET_GB:  # the process behaves like a card of this size: allocations past it fail
+        torch.cuda.set_per_process_memory_fraction(
+            min(1.0, bench.MEMORY_BUDGET_GB * 2**30 / torch.cuda.get_device_properties(local_rank()).total_memory))
     model = build_random_model(attn_implementation="flex_attention", device=f"cuda:{local_rank()}",
                                size=bench.MODEL_SIZE, resident=bench.EXPERTS == "mxfp4")
+    plan = memory_plan.plan_run(settings, model.config, max(lengths), None, bench.EXPERTS == "mxfp4", loaded=True,
+                                say=say)
+    layout = memory_plan.batch_layout(settings, max(lengths), None, plan)
+    say(f"prompts: {len(frame)} rows, mean {prompt_tokens} tokens, longest {max(lengths)}; layout {layout}")
     if bench.EXPERTS == "mxfp4":
         from tes_grpo.mxfp4_experts import ResidentSummary, residency_line
 

@@ -115,8 +115,7 @@ def run_budget(s, trainer, shape, settings) -> dict:
 
     budgeted = settings.replace(MEMORY_BUDGET_GB=s.MEMORY_BUDGET_GB, MAX_COMPLETION_LEN=max(s.COMPLETION_LENS))
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
-    facts = memory_plan.MemoryFacts.measured(trainable_params=trainable,
-                                             generation_fixed_bytes=memory_plan.attention_weight_bytes(shape))
+    facts = memory_plan.MemoryFacts.measured(trainable_params=trainable)
     plan = memory_plan.plan_memory(budgeted, shape, s.PROMPT_TOKENS, facts)
     print(plan.describe(), flush=True)
     torch.cuda.set_per_process_memory_fraction(s.MEMORY_BUDGET_GB * 2**30 / facts.total_bytes)
@@ -147,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     train_grpo.check_settings(settings)
     tokenizer = load_tokenizer()
     frame = train_grpo.load_training_data(settings, tokenizer)
-    layout = train_grpo.batch_layout(settings, s.PROMPT_TOKENS)
+    layout = memory_plan.batch_layout(settings, s.PROMPT_TOKENS)
     model = build_random_model(attn_implementation="flex_attention", device="cuda")
     model.config.use_cache = True
     shape = memory_plan.ModelShape.from_config(model.config)

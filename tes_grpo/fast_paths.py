@@ -92,20 +92,22 @@ def train_experts_choice(s, cuda: bool) -> tuple[bool, str]:
     return True, "TRAIN_EXPERTS=auto: GPU with Triton"
 
 
-def use_graph_decode(model, experts: str, say) -> None:
-    """Routes the model's generate() through graph_decode.GraphDecodeGenerate (idempotent; the latest experts
-    choice wins)."""
+def use_graph_decode(model, experts: str, say, max_batch: int | None = None) -> None:
+    """Routes the model's generate() through graph_decode.GraphDecodeGenerate (idempotent; the latest choices win):
+    experts as decode_experts_choice chose, at most max_batch rows a call (None: the whole batch at once)."""
     from tes_grpo.graph_decode import GraphDecodeGenerate, causal_lm
 
     inner = causal_lm(model)
     if not isinstance(inner.generate, GraphDecodeGenerate):
         inner.generate = GraphDecodeGenerate(inner, inner.generate, say=say)
     inner.generate.experts = experts
+    inner.generate.max_batch = max_batch
 
 
-def install(trainer, s, cuda: bool, processes: int = 1) -> list[str]:
+def install(trainer, s, cuda: bool, processes: int = 1, generation_sequences: int | None = None) -> list[str]:
     """Installs the run's workarounds and fast paths on a GRPOTrainer (its model already LoRA-wrapped); returns the
-    log lines saying what was chosen and why."""
+    log lines saying what was chosen and why. generation_sequences: the most sequences a generate call may take
+    (memory_plan's plan; None = the whole generation batch); only graph_decode can split a batch."""
     from tes_grpo.processes import say, uses_fsdp
 
     lines: list[str] = []
@@ -126,10 +128,18 @@ def install(trainer, s, cuda: bool, processes: int = 1) -> list[str]:
 
     graphs, why = decode_graphs_choice(s, model, cuda, sharded)
     experts, experts_why = decode_experts_choice(s, cuda) if graphs else ("model", "")
+    batch = trainer.args.per_device_train_batch_size * trainer.args.steps_per_generation
+    split = generation_sequences is not None and generation_sequences < batch
+    if split and not graphs:
+        raise SettingsError(f"memory: a generate call fits {generation_sequences} of the {batch} sequences of a "
+                            f"generation batch, and only graph_decode splits a batch ({why}); use DECODE_GRAPHS=auto "
+                            "or lower MAX_COMPLETION_LEN")
     if graphs:
-        use_graph_decode(model, experts, say)
+        use_graph_decode(model, experts, say, generation_sequences if split else None)
     lines.append(f"decoding: {'graph_decode.py, static KV cache' if graphs else 'transformers generate'} ({why}"
-                 + (f"; experts: {experts_why}" if graphs else "") + ")")
+                 + (f"; experts: {experts_why}" if graphs else "")
+                 + (f"; {generation_sequences} of the {batch} sequences a call, as memory allows" if split else "")
+                 + ")")
     fused, why = train_experts_choice(s, cuda)
     if fused:
         from tes_grpo.fused_experts import use_fused_experts

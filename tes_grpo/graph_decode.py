@@ -831,13 +831,29 @@ def auto_decode_graphs(model, cuda: bool | None = None, sharded: bool = False) -
     return True, "on: CUDA, gpt-oss with capturable experts, not sharded"
 
 
+def first_end_token(generation_config) -> int:
+    eos = generation_config.eos_token_id
+    return eos[0] if isinstance(eos, (list, tuple)) else eos
+
+
+def joined_rows(parts: list[torch.Tensor], fill) -> torch.Tensor:
+    """The row blocks of consecutive generate calls as one batch: each right-padded with `fill` to the longest (a
+    call stops when all its rows ended, so calls return different lengths; generate() pads a finished row alike)."""
+    if len(parts) == 1:
+        return parts[0]
+    width = max(p.shape[1] for p in parts)
+    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=fill) for p in parts])
+
+
 class GraphDecodeGenerate:
     """Stands in for a model's generate(): graph_decode.generate for the calls it supports, transformers' own for
     the others (said once per reason). Whether the model itself can take this path is the installer's check
     (auto_decode_graphs), made once; each call checks only its options (unsupported_options).
 
     Settable after construction: experts ("model" or "mxfp4", see generate), lora ("peft" or "merged"), autocast (the
-    trainer's autocast dtype; sampling_fidelity.install sets it from the trainer's mixed precision). A
+    trainer's autocast dtype; sampling_fidelity.install sets it from the trainer's mixed precision), max_batch (rows
+    a generate call takes at most: a larger batch is generated in consecutive calls of that many rows, as the memory
+    plan allows; None = all at once). A
     logits_processor of sampling_fidelity.SampledLogprobs recorders is served here: each gets the sampled tokens'
     log-probabilities; any other processor sends the call to transformers' generate.
     """
@@ -846,6 +862,7 @@ class GraphDecodeGenerate:
         self.model, self.original, self.say, self.experts = model, original, say, experts
         self.lora: str = "peft"
         self.autocast: torch.dtype | None = None
+        self.max_batch: int | None = None
         self.reported: set[str] = set()
 
     def __call__(self, input_ids=None, attention_mask=None, generation_config=None, logits_processor=None, **kwargs):
@@ -866,11 +883,16 @@ class GraphDecodeGenerate:
                 kwargs["logits_processor"] = logits_processor
             return self.original(input_ids=input_ids, attention_mask=attention_mask,
                                  generation_config=generation_config, **kwargs)
-        out = generate(self.model, input_ids, attention_mask, config, experts=self.experts, say=self.say,
-                       lora=self.lora, autocast=self.autocast, logprobs=bool(recorders))
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        size = self.max_batch or input_ids.shape[0]
+        parts = [generate(self.model, input_ids[i:i + size], attention_mask[i:i + size], config, experts=self.experts,
+                          say=self.say, lora=self.lora, autocast=self.autocast, logprobs=True)
+                 for i in range(0, input_ids.shape[0], size)]
+        pad = config.pad_token_id if config.pad_token_id is not None else first_end_token(config)
+        ids, logprobs = joined_rows([p[0] for p in parts], pad), joined_rows([p[1] for p in parts], 0.0)
         if not recorders:
-            return out
-        ids, logprobs = out
+            return ids
         for recorder in recorders:
             recorder.record(logprobs)
         return ids

@@ -247,7 +247,7 @@ class MemoryFacts:
     to_load_bytes: int = 0  # weights not loaded yet (the check before loading; weights_bytes), 0 after
     later_resident_bytes: int = 0  # held from some point on for the rest of the run (an MXFP4 decode copy)
     train_transient_bytes: int = 0  # a pass's fixed extra (e.g. expert_layer_bytes when experts are MXFP4)
-    generation_fixed_bytes: int = 0  # a generate call's fixed extra (graph_decode: attention_weight_bytes)
+    generation_fixed_bytes: int = 0  # a generate call's fixed extra
     trainable_params: int = 0  # LoRA parameters (weights, gradients and AdamW moments stay all run)
     head_tile: tuple[int, int] | None = TRL_FUSED_HEAD_TILE  # lm_head.fused_head_tile(); None: full logits
     dtype_bytes: int = 2  # the compute dtype's size (bf16 on GPUs)
@@ -264,18 +264,41 @@ class MemoryFacts:
 
 
 def recipe_facts(s, m: ModelShape, loaded: bool, experts_resident_mxfp4: bool, mxfp4_decode_copy: bool,
-                 graph_decode: bool, device=None) -> MemoryFacts:
+                 device=None) -> MemoryFacts:
     """MemoryFacts for train_grpo's recipe, measured now: before loading (loaded=False) the weights still to come
-    count against the free memory; experts_resident_mxfp4: training dequantizes one layer's experts at a time;
-    mxfp4_decode_copy: DECODE_EXPERTS=mxfp4 packs a copy of bf16 experts at the first generation and keeps it;
-    graph_decode: each generate call merges LoRA into a copy of the attention weights; LoRA r = s.LORA_R."""
+    count against the free memory; experts_resident_mxfp4: training dequantizes one layer's experts at a time
+    (mxfp4_experts.py); mxfp4_decode_copy: DECODE_EXPERTS=mxfp4 over bf16 experts packs an MXFP4 copy at the first
+    generation and keeps it; LoRA r = s.LORA_R."""
     return MemoryFacts.measured(
         device,
         to_load_bytes=0 if loaded else weights_bytes(m, experts_mxfp4=experts_resident_mxfp4),
         train_transient_bytes=expert_layer_bytes(m) if experts_resident_mxfp4 else 0,
         later_resident_bytes=expert_bytes(m, mxfp4=True) if mxfp4_decode_copy else 0,
-        generation_fixed_bytes=attention_weight_bytes(m) if graph_decode else 0,
         trainable_params=lora_params(m, s.LORA_R))
+
+
+def plan_run(s, config, longest_prompt: int, steps_per_generation: int | None, experts_resident_mxfp4: bool,
+             loaded: bool, say=print) -> MemoryPlan | None:
+    """train_grpo's memory plan for a model `config` on this process's GPU: None (and why, through `say`) where
+    there is nothing to plan (no GPU; FSDP and vLLM hold memory this estimate does not model). Before loading
+    (loaded=False) it only checks that the run can fit, so a run that cannot stops with a SettingsError before
+    minutes of loading; after loading it says the budget and both choices."""
+    from tes_grpo.model_loading import cuda_available
+    from tes_grpo.processes import uses_fsdp
+
+    if not cuda_available() or uses_fsdp() or s.USE_VLLM:
+        if loaded:
+            why = "no GPU" if not cuda_available() else "FSDP" if uses_fsdp() else "vLLM"
+            say(f"memory: no plan ({why}): TRAIN_TOKENS_PER_PASS sizes the training passes, generation takes the "
+                "whole batch")
+        return None
+    m = ModelShape.from_config(config)
+    decode_copy = not experts_resident_mxfp4 and s.DECODE_EXPERTS in ("auto", "mxfp4")
+    facts = recipe_facts(s, m, loaded, experts_resident_mxfp4, decode_copy)
+    plan = plan_memory(s, m, longest_prompt, facts, steps_per_generation)
+    if loaded:
+        say(plan.describe())
+    return plan
 
 
 @dataclass(frozen=True)
@@ -445,3 +468,44 @@ def plan_memory(s, m: ModelShape, longest_prompt: int, facts: MemoryFacts,
         generation_sequences=sequences, generation_batch=batch,
         generation_bytes=_generation_bytes(m, facts, s, sequences, prompt_len, completion_len),
         kv_cache_bytes=kv_cache_bytes(m, sequences, sequence, facts.dtype_bytes), notes=tuple(notes))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The batch layout of an optimizer step
+# ---------------------------------------------------------------------------------------------------------------
+
+def largest_divisor_at_most(total: int, cap: int) -> int:
+    return max(d for d in range(1, total + 1) if total % d == 0 and d <= max(1, cap))
+
+
+def batch_layout(s, longest_prompt: int, steps_per_generation: int | None = None, plan=None) -> dict:
+    """How one optimizer step's completions are generated and split into forward/backward passes.
+
+    completions_per_step = PROMPTS_PER_STEP x NUM_GENERATIONS x GRADIENT_ACCUMULATION_STEPS. TRAIN_BATCH_SIZE=auto
+    takes the largest divisor of it whose worst case (every completion at MAX_COMPLETION_LEN after the longest
+    prompt) fits TRAIN_TOKENS_PER_PASS, so a longer MAX_COMPLETION_LEN trains in smaller passes, never out of
+    memory, and the step still trains the same completions. steps_per_generation (GRPO_STEPS_PER_GENERATION)
+    defaults to all of a step's passes: one generation batch per optimizer step. plan (memory_plan.plan_run, on a
+    GPU): TRAIN_BATCH_SIZE=auto takes its completions a pass, and a generate call its sequences, which may split
+    the generation batch.
+    """
+    per_step = s.PROMPTS_PER_STEP * s.NUM_GENERATIONS * s.GRADIENT_ACCUMULATION_STEPS
+    sequence = longest_prompt + s.MAX_COMPLETION_LEN
+    if str(s.TRAIN_BATCH_SIZE) == "auto":
+        cap = s.TRAIN_TOKENS_PER_PASS // sequence
+        micro = plan.train_batch_size if plan else largest_divisor_at_most(per_step, cap)
+    else:
+        micro = int(s.TRAIN_BATCH_SIZE)
+    if per_step % micro:
+        raise SettingsError(f"TRAIN_BATCH_SIZE={micro} must divide the {per_step} completions of an optimizer step "
+                            "(PROMPTS_PER_STEP x NUM_GENERATIONS x GRADIENT_ACCUMULATION_STEPS)")
+    passes = per_step // micro
+    generation = steps_per_generation or passes
+    if passes % generation or (generation * micro) % s.NUM_GENERATIONS:
+        raise SettingsError(f"GRPO_STEPS_PER_GENERATION={generation}: must divide the {passes} forward/backward passes "
+                            f"of an optimizer step, and {generation} x {micro} completions must be whole groups of "
+                            f"NUM_GENERATIONS={s.NUM_GENERATIONS}")
+    return {"completions_per_step": per_step, "prompts_per_step": per_step // s.NUM_GENERATIONS,
+            "train_batch_size": micro, "gradient_accumulation_steps": passes, "steps_per_generation": generation,
+            "generation_sequences": plan.generation_sequences if plan else generation * micro,
+            "worst_case_tokens_per_pass": micro * sequence, "longest_prompt": longest_prompt}

@@ -109,5 +109,6 @@ def test_use_graph_decode_passes_the_experts_choice():
     fast_paths.use_graph_decode(model, "mxfp4", print)
     assert isinstance(model.generate, GraphDecodeGenerate) and model.generate.experts == "mxfp4"
     wrapper = model.generate
-    fast_paths.use_graph_decode(model, "model", print)  # idempotent: the same wrapper, the latest choice
-    assert model.generate is wrapper and model.generate.experts == "model"
+    assert model.generate.max_batch is None  # the whole generation batch in one call
+    fast_paths.use_graph_decode(model, "model", print, max_batch=32)  # idempotent: the same wrapper, the latest choice
+    assert model.generate is wrapper and model.generate.experts == "model" and model.generate.max_batch == 32

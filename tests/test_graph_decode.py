@@ -22,7 +22,7 @@ from benchmarks.decode_compare import (
     transformers_logprobs,
 )
 from data_reward import CompletionLog
-from tes_grpo import graph_decode
+from tes_grpo import graph_decode, memory_plan
 from tes_grpo.model_loading import load_training_model, resolve_model_path
 
 PAD, VOCAB = 5, 512
@@ -573,6 +573,30 @@ def test_wrapper_uses_transformers_for_unsupported_calls_and_says_so(model):
     assert len(calls) == 2 and out.shape[0] == 3  # supported: decoded here
 
 
+@pytest.mark.parametrize("max_batch", [1, 2])  # three rows: one a call, or two then one
+def test_a_batch_split_by_the_memory_plan_gives_the_same_tokens_and_logprobs(model, max_batch):
+    """Greedy decoding depends on no random draw, so rows generated in several calls equal rows generated at once;
+    the calls end at different lengths and are padded as generate() pads a finished row."""
+    from tes_grpo.sampling_fidelity import SampledLogprobs
+
+    ids, mask = left_padded_prompts()
+    config = trl_config(do_sample=False, eos_token_id=[int(ids[0, -1])])  # some row may end early
+    runs = {}
+    for size in (None, max_batch):
+        wrapper = graph_decode.GraphDecodeGenerate(model, lambda **kw: "transformers", say=print)
+        wrapper.max_batch = size
+        recorder = SampledLogprobs()
+        out = wrapper(input_ids=ids, attention_mask=mask, generation_config=config, logits_processor=[recorder])
+        runs[size] = (out, recorder.result(out, ids.shape[1]))
+    (whole, whole_lp), (split, split_lp) = runs[None], runs[max_batch]
+    assert whole.shape[0] == split.shape[0] == 3
+    width = min(whole.shape[1], split.shape[1])
+    assert torch.equal(whole[:, :width], split[:, :width])
+    assert torch.equal(whole[:, width:], torch.full_like(whole[:, width:], PAD))
+    assert torch.equal(split[:, width:], torch.full_like(split[:, width:], PAD))
+    assert torch.allclose(whole_lp[:, :width - ids.shape[1]], split_lp[:, :width - ids.shape[1]], atol=1e-6)
+
+
 def test_dropout_left_on_is_refused_once_at_install():
     peft_model = lora_model(dropout=0.1)
     assert graph_decode.state_blockers(peft_model) == []  # eval mode: dropout off
@@ -642,7 +666,7 @@ def test_grpo_step_samples_the_same_completions_with_decode_graphs(tmp_path, tok
         frame = train_grpo.load_training_data(settings, tokenizer)
         log = tmp_path / f"completions-{graphs}.csv"
         dataset = train_grpo.build_stream(frame, settings).to_iterable_dataset()
-        layout = train_grpo.batch_layout(settings, int(frame["prompt_tokens"].max()))
+        layout = memory_plan.batch_layout(settings, int(frame["prompt_tokens"].max()))
         model = load_training_model(resolve_model_path("tiny"))
         trainer = train_grpo.build_trainer(settings, model, tokenizer, dataset, layout, CompletionLog(log))
         with prefill_shapes(model) as shapes:

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tes_grpo import memory_plan
 from tes_grpo import mxfp4_experts as mx
 from tes_grpo.model_loading import load_training_model, resolve_experts, resolve_model_path
 from tes_grpo.script_config import SettingsError
@@ -395,7 +396,7 @@ def test_grpo_step_is_bit_exact(tiny, tmp_path, tokenizer):
             TOTAL_STEPS=1, NUM_GENERATIONS=4, GRADIENT_ACCUMULATION_STEPS=1, MAX_COMPLETION_LEN=8,
             GRADIENT_CHECKPOINTING=True, TRAIN_EXPERTS="fused")
         frame = train_grpo.load_training_data(settings, tokenizer)
-        layout = train_grpo.batch_layout(settings, int(frame["prompt_tokens"].max()))
+        layout = memory_plan.batch_layout(settings, int(frame["prompt_tokens"].max()))
         model = load(tiny, experts)
         assert mx.resident_layers(model) == ([0, 1] if experts == "mxfp4" else [])
         torch.manual_seed(0)

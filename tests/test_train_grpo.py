@@ -19,6 +19,7 @@ from transformers import TrainerCallback
 
 import train_grpo
 from data_reward import LOG_COLUMNS
+from tes_grpo import memory_plan
 from tes_grpo.model_loading import load_training_model, resolve_model_path
 
 FIRST_STEPS, SAVE_STEPS, RESUMED_TO = 20, 10, 12
@@ -45,7 +46,7 @@ LAYOUTS = [
 @pytest.mark.parametrize("overrides, longest, steps_per_generation, per_step, micro, passes, generation", LAYOUTS)
 def test_batch_layout(overrides, longest, steps_per_generation, per_step, micro, passes, generation):
     settings = train_grpo.default_settings(**overrides)
-    layout = train_grpo.batch_layout(settings, longest, steps_per_generation)
+    layout = memory_plan.batch_layout(settings, longest, steps_per_generation)
     assert (layout["completions_per_step"], layout["train_batch_size"], layout["gradient_accumulation_steps"],
             layout["steps_per_generation"]) == (per_step, micro, passes, generation)
     if settings.TRAIN_BATCH_SIZE == "auto" and micro > 1:
@@ -63,7 +64,7 @@ BAD_LAYOUTS = [
 @pytest.mark.parametrize("overrides, steps_per_generation, words", BAD_LAYOUTS)
 def test_bad_layouts(overrides, steps_per_generation, words):
     with pytest.raises(train_grpo.SettingsError, match=words):
-        train_grpo.batch_layout(train_grpo.default_settings(**overrides), 871, steps_per_generation)
+        memory_plan.batch_layout(train_grpo.default_settings(**overrides), 871, steps_per_generation)
 
 
 NAN, INF = float("nan"), float("inf")
@@ -176,7 +177,7 @@ def test_read_environment(environ, expected, words):
 
 def test_grpo_config_uses_cache_stream_options_and_loss(tmp_path):
     settings = train_grpo.default_settings(OUT_DIR=str(tmp_path))
-    layout = train_grpo.batch_layout(settings, 871)
+    layout = memory_plan.batch_layout(settings, 871)
     args = train_grpo.build_grpo_config(settings, layout, cuda=False)
     assert args.generation_kwargs == {"use_cache": True}  # generation keeps its KV cache under checkpointing
     assert args.shuffle_dataset is False and args.max_steps == settings["TOTAL_STEPS"]
@@ -261,7 +262,7 @@ def test_generation_uses_kv_cache_with_gradient_checkpointing(tmp_path, tokenize
         TRAIN_EXPERTS="fused")  # the GPU's training experts, run eagerly: recomputed under checkpointing too
     model = load_training_model(resolve_model_path("tiny"))
     frame = train_grpo.load_training_data(settings, tokenizer)
-    layout = train_grpo.batch_layout(settings, int(frame["prompt_tokens"].max()))
+    layout = memory_plan.batch_layout(settings, int(frame["prompt_tokens"].max()))
     calls = []
     model.model.embed_tokens.register_forward_hook(
         lambda module, inputs, output: calls.append((inputs[0].shape[1], torch.is_grad_enabled())))
@@ -296,7 +297,7 @@ def group_advantages(tmp_path, tokenizer, monkeypatch, invalid_reward: float) ->
     monkeypatch.setattr(data_reward, "is_truncated", lambda ids: False)
     monkeypatch.setattr(data_reward, "parse_action", lambda text: 1 if next(calls) % 2 == 0 else None)
     frame = train_grpo.load_training_data(settings, tokenizer)
-    layout = train_grpo.batch_layout(settings, int(frame["prompt_tokens"].max()))
+    layout = memory_plan.batch_layout(settings, int(frame["prompt_tokens"].max()))
     trainer = train_grpo.build_trainer(settings, load_training_model(resolve_model_path("tiny")), tokenizer,
                                        train_grpo.build_stream(frame, settings).to_iterable_dataset(), layout)
     seen = []
