@@ -165,6 +165,35 @@ def test_dequantized_weights_live_only_while_their_layer_runs(tiny, checkpointin
     assert len(made) == 2 * calls and not any(ref() is not None for ref in made)
 
 
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_a_training_pass_leaves_no_tensor_in_a_reference_cycle(tiny, checkpointing):
+    """Refcounting alone must free a pass's activations: Python's cyclic collector runs by object counts, not GPU
+    memory, so a tensor held in a cycle (a call's hooks hold checkpointing's, which hold the layer's frame) stays on
+    the GPU for an unknown time; on an H100 such a cycle ran GRPO out of memory at its second step."""
+    from peft import get_peft_model
+
+    from train_grpo import build_lora_config
+
+    model = get_peft_model(load(tiny, "mxfp4"), build_lora_config(4, 8))
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    model.train()
+    ids = torch.randint(0, 201088, (2, 9), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    gc.collect()
+    gc.disable()
+    try:
+        model(input_ids=ids, labels=ids).loss.backward()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        cycled = [o for o in gc.garbage if isinstance(o, torch.Tensor)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert cycled == []
+
+
 def test_other_saved_tensors_go_to_the_hooks_outside(monkeypatch):
     """Inside a call, the saved tensors that are not the weights reach the hooks active around it (gradient
     checkpointing's, or torch.autograd.graph.save_on_cpu's): innermost hooks would otherwise shadow them."""
