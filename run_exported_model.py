@@ -7,8 +7,9 @@ with the generation prompt) or a folder of them. The action is read with the tra
 (`harmony.parse_action`: the last `[k]` in the final channel, None when invalid or cut off). MAX_COMPLETION_LEN
 and TEMPERATURE follow the training run ("auto": the train_config.json the export carries), as they would in
 training.
-On a machine without triton + `kernels` (any CPU), transformers dequantizes the MXFP4 experts to bf16
-while loading; the script prints which path was taken.
+The export loads as training and the evaluation scripts load a checkpoint (model_loading.load_for_inference): its
+MXFP4 experts stay resident as MXFP4 on any device (DEQUANTIZE=1: dequantized to bf16 at load); the script prints
+which path was taken.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ DO_SAMPLE = True  # sample (gpt-oss's recommended T=1, top_p=1) or decode greedi
 TEMPERATURE = "auto"  # sampling temperature; auto = the training run's
 TOP_P = 1.0  # nucleus sampling mass
 SEED = 0  # torch seed for sampling
-DEQUANTIZE = False  # True: load experts as bf16; False: keep MXFP4 where the machine can (falls back, and says so)
+DEQUANTIZE = False  # True: load the experts dequantized to bf16; False: keep them resident as MXFP4
 DEVICE = "auto"  # "auto" (cuda when available), "cpu" or "cuda"
 OUT_DIR = ""  # also write OUT_DIR/decisions.csv (row, action, optimal_action, completion); "" = print only
 
@@ -70,15 +71,13 @@ def sampling_settings(s) -> tuple[int, float]:
 def load_model(model_id: str, dequantize: bool, device: str):
     """(model, tokenizer, description of how the experts were loaded)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Mxfp4Config
 
-    from tes_grpo.model_loading import checkpoint_is_mxfp4, expert_load_path, resolve_device
+    from tes_grpo.model_loading import load_for_inference, load_tokenizer_for, resolve_attention, resolve_device
 
-    kwargs = {"quantization_config": Mxfp4Config(dequantize=True)} if dequantize else {}
     device = resolve_device(device)
-    source_is_mxfp4 = checkpoint_is_mxfp4(model_id)
-    model = AutoModelForCausalLM.from_pretrained(model_id, dtype=torch.bfloat16, device_map=device, **kwargs).eval()
-    return model, AutoTokenizer.from_pretrained(model_id), expert_load_path(model, source_is_mxfp4, dequantize)
+    model, how, _ = load_for_inference(model_id, device, torch.bfloat16, resolve_attention("auto", device),
+                                       experts="bf16" if dequantize else "auto")
+    return model, load_tokenizer_for(model_id), how
 
 
 def final_answer(text: str) -> str | None:

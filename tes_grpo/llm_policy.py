@@ -3,9 +3,10 @@
 Not a script: `test_lora_adapter.py`, `test_lora_adapter_quantized.py` and `evaluate_policy.py` import it.
 
 - `load_policy_model(base_model_id, adapter_path, quantized, device, dtype, attn_implementation)`: the base
-  loaded through `Mxfp4Config(dequantize=True)` (or, with quantized=True, with its MXFP4 experts kept quantized
-  where transformers can; otherwise it says that it fell back and to what), with the adapter on top. The weights are
-  loaded once: `generate(..., use_adapter=False)` runs the same model inside PEFT's `disable_adapter()`.
+  loaded as training loads it (model_loading.load_for_inference: the MXFP4 experts resident as MXFP4, so a model
+  evaluates on the GPU it trained on), with the adapter on top; quantized=True says when the experts could not stay
+  MXFP4. The weights are loaded once: `generate(..., use_adapter=False)` runs the same model inside PEFT's
+  `disable_adapter()`.
 - `generate(...)`: `samples` completions per prompt, in batches, each batch seeded with `seed + batch index`, so
   the adapter pass and the base pass with the same batching draw from the same random streams. On a GPU, batches of
   GROUPED_MM_MIN_BATCH or more sequences keep the grouped_mm experts while decoding (measured faster; see there).
@@ -29,12 +30,10 @@ from tes_grpo.harmony import HARMONY_GLOB, STOP_TOKEN_IDS, harmony_csv_files, pa
 from tes_grpo.model_loading import (
     adapter_base_model,
     adapter_config,
-    adapter_touches_experts,
-    checkpoint_is_mxfp4,
+    adapter_expert_layers,
     dtype_name,
-    experts_are_mxfp4,
+    load_for_inference,
     load_tokenizer_for,
-    native_mxfp4_blockers,
     resolve_attention,
     resolve_device,
     resolve_dtype,
@@ -68,7 +67,7 @@ class PolicyModel:
     dtype: str
     attention: str
     experts: str  # how the MoE expert weights were loaded, in words
-    experts_quantized: bool  # True when the experts stay MXFP4 (transformers' native path)
+    experts_resident: bool  # True when the experts stay resident as MXFP4 (mxfp4_experts.py)
     stop_token_ids: frozenset
 
     @property
@@ -89,52 +88,14 @@ def prompt_files(path: str | Path) -> list[Path]:
     return files
 
 
-def fallback_note(torch_dtype, reasons: list[str]) -> str:
-    return (f"FELL BACK to dequantized {dtype_name(torch_dtype)} experts: MXFP4 cannot stay quantized here "
-            f"({'; '.join(reasons)})")
-
-
-def load_base(base_model_id: str, device: str, torch_dtype, quantized: bool, attn_implementation: str = "eager"):
-    """(model, how the experts were loaded in words, experts still MXFP4?) for the base checkpoint."""
-    import functools
-
-    from transformers import AutoModelForCausalLM, Mxfp4Config
-
-    load = functools.partial(AutoModelForCausalLM.from_pretrained, base_model_id, dtype=torch_dtype, device_map=device,
-                             attn_implementation=attn_implementation)
-    if not checkpoint_is_mxfp4(base_model_id):
-        model = load()
-        return model.eval(), f"not an MXFP4 checkpoint: loaded as stored, in {dtype_name(torch_dtype)}", False
-    if quantized:
-        reasons = native_mxfp4_blockers(device)
-        if not reasons:
-            try:
-                model = load()
-            except (OSError, RuntimeError, ImportError, ValueError) as err:
-                # the `kernels` package fetches its MXFP4 kernels from the Hugging Face hub; offline that fails
-                reasons = [f"native MXFP4 loading failed: {type(err).__name__}: {err}"]
-            else:
-                if experts_are_mxfp4(model):
-                    return model.eval(), "native MXFP4: expert weights stay quantized (triton kernels)", True
-                # transformers fell back by itself (e.g. a GPU below compute capability 7.5) and logged why
-                note = fallback_note(torch_dtype, ["transformers dequantized them while loading; see its warning"])
-                print(note, file=sys.stderr)
-                return model.eval(), note, False
-        note = fallback_note(torch_dtype, reasons)
-        print(note, file=sys.stderr)
-    else:
-        note = f"dequantized to {dtype_name(torch_dtype)} while loading (Mxfp4Config(dequantize=True))"
-    model = load(quantization_config=Mxfp4Config(dequantize=True))
-    return model.eval(), note, False
-
-
 def load_policy_model(base_model_id: str = "", adapter_path: str = "", quantized: bool = False,
                       device: str = "auto", dtype: str = "auto", attn_implementation: str = "auto") -> PolicyModel:
     """Base model (from the adapter's config when base_model_id is "") with the adapter on top, ready to generate.
 
-    quantized=True keeps the MXFP4 experts quantized where transformers can (CUDA + triton + `kernels`, bf16) and
-    otherwise prints that it fell back to dequantized bf16 experts, and why. An adapter with LoRA on the expert
-    weights cannot sit on quantized experts, so it also falls back then (and says so).
+    The base loads as training loaded it (model_loading.load_for_inference): an MXFP4 checkpoint keeps its experts
+    resident as MXFP4 on any device, unless the adapter has LoRA on the expert weights, which PEFT applies to bf16
+    experts only. quantized=True (test_lora_adapter_quantized.py) computes in bf16 and insists on MXFP4 experts:
+    where they cannot stay MXFP4 it prints that it FELL BACK, and why.
     """
     import torch
 
@@ -147,13 +108,12 @@ def load_policy_model(base_model_id: str = "", adapter_path: str = "", quantized
     device = resolve_device(device)
     torch_dtype = torch.bfloat16 if quantized else resolve_dtype(dtype, device)
     attention = resolve_attention(attn_implementation, device)
-    if quantized and adapter_path and adapter_touches_experts(adapter_path):
-        experts = fallback_note(torch_dtype, ["the adapter has LoRA on the expert weights (target_parameters), "
-                                              "which PEFT cannot apply to MXFP4-quantized experts"])
+    expert_layers = adapter_expert_layers(adapter_path) if adapter_path else []
+    model, experts, resident = load_for_inference(base_model_id, device, torch_dtype, attention,
+                                                  expert_lora_layers=expert_layers)
+    if quantized and not resident:
+        experts = f"FELL BACK: the experts could not stay MXFP4 ({experts})"
         print(experts, file=sys.stderr)
-        model, _, is_quantized = load_base(base_model_id, device, torch_dtype, False, attention)
-    else:
-        model, experts, is_quantized = load_base(base_model_id, device, torch_dtype, quantized, attention)
     if adapter_path:
         from peft import PeftModel
 
@@ -166,7 +126,7 @@ def load_policy_model(base_model_id: str = "", adapter_path: str = "", quantized
         stop_ids = STOP_TOKEN_IDS
     return PolicyModel(model=model, tokenizer=tokenizer, base_model_id=base_model_id, adapter_path=adapter_path or "",
                        device=device, dtype=dtype_name(torch_dtype), attention=attention, experts=experts,
-                       experts_quantized=is_quantized, stop_token_ids=stop_ids)
+                       experts_resident=resident, stop_token_ids=stop_ids)
 
 
 def split_at_stop(ids: Sequence[int], stop_ids) -> tuple[list[int], bool]:
@@ -193,7 +153,7 @@ def adapter_switch(policy: PolicyModel, use_adapter: bool):
 
 def decode_experts_context(policy: PolicyModel, batch_len: int):
     """Keeps grouped_mm experts while decoding for large GPU batches (see GROUPED_MM_MIN_BATCH); else no change."""
-    if policy.device == "cuda" and not policy.experts_quantized and batch_len >= GROUPED_MM_MIN_BATCH:
+    if policy.device == "cuda" and batch_len >= GROUPED_MM_MIN_BATCH:
         from tes_grpo.workarounds import grouped_mm_experts_for_decode
 
         return grouped_mm_experts_for_decode(policy.model, say=print)

@@ -8,7 +8,7 @@ run_exported_model.py all decide these the same way here:
 - attention "auto": flex_attention on CUDA (it supports gpt-oss's attention sinks; sdpa and flash-attention 2 do
   not), eager on the CPU;
 - an adapter's adapter_config.json, its base model, the training run's train_config.json (evaluation settings set
-  to "auto" follow it: from_training_run), and how the experts were loaded (expert_load_path).
+  to "auto" follow it: from_training_run), and the evaluation scripts' loader (load_for_inference).
 """
 
 from __future__ import annotations
@@ -340,6 +340,27 @@ def load_resident_model(path: str, dtype, attn: str, device: str = "cpu", keep_b
     return model
 
 
+def load_for_inference(path: str, device: str, dtype, attn: str, experts: str = "auto", expert_lora_layers=(),
+                       say=print):
+    """(model in eval mode, how its experts were loaded in words, experts resident as MXFP4?) for the evaluation
+    scripts: the training loader's choice of experts (resolve_experts), on `device`. An MXFP4 checkpoint keeps its
+    experts resident as MXFP4 on any device (load_resident_model; computed as the dequantized load computes them),
+    so a model that trained on a GPU evaluates on it too; with LoRA on the experts (expert_lora_layers), or
+    experts="bf16", they are dequantized at load; another checkpoint is loaded as stored."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    if not checkpoint_is_mxfp4(path):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device, attn_implementation=attn)
+        return model.eval(), f"not an MXFP4 checkpoint: loaded as stored, in {dtype_name(dtype)}", False
+    choice, why = resolve_experts(experts, path, expert_lora_layers)
+    if choice == "mxfp4":
+        model = load_resident_model(path, dtype, attn, device, say=say)
+        return model, f"resident MXFP4 ({why}): the checkpoint's blocks and scales, dequantized per layer", True
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=Mxfp4Config(dequantize=True), dtype=dtype,
+                                                 device_map=device, attn_implementation=attn)
+    return model.eval(), f"dequantized to {dtype_name(dtype)} while loading ({why})", False
+
+
 def check_visible_gpus(gpus: int, processes: int) -> None:
     """One process must see one GPU: the Trainer would wrap the model in nn.DataParallel, which TRL refuses."""
     from tes_grpo.script_config import SettingsError
@@ -403,10 +424,13 @@ def adapter_base_model(adapter_path: str | Path) -> str:
     return str(base)
 
 
-def adapter_touches_experts(adapter_path: str | Path) -> bool:
-    """Whether the adapter has LoRA on the MoE expert weights (PEFT `target_parameters`)."""
+def adapter_expert_layers(adapter_path: str | Path) -> list[int]:
+    """The layers whose MoE experts the adapter adapts (PEFT `target_parameters` such as
+    "layers.7.mlp.experts.gate_up_proj", as train_grpo's LORA_EXPERT_LAYERS writes them), sorted."""
+    import re
+
     targets = adapter_config(adapter_path).get("target_parameters") or []
-    return any("experts" in str(target) for target in targets)
+    return sorted({int(m.group(1)) for t in targets if (m := re.search(r"layers\.(\d+)\.mlp\.experts", str(t)))})
 
 
 def adapter_run_name(adapter_path: str | Path) -> str:
