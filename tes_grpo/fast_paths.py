@@ -12,6 +12,10 @@ has wrapped the model in LoRA, `install(trainer, s, cuda)`, which returns the li
   experts; transformers = also let transformers switch its experts to batched_mm while decoding.
 - TRAIN_EXPERTS (auto | fused | transformers): the training forward's MoE elementwise work fused (fused_experts.py)
   or transformers' grouped_mm. auto = fused on a GPU with Triton.
+- DECODE_LORA (peft | merged): how graph_decode applies the adapter. peft = the base product, then the LoRA output
+  added, as the trainer's PEFT forward computes it (the sampler samples the policy being trained); merged = the
+  adapter folded into a bf16 copy of the attention weights, fewer kernels a step but rounding of its own
+  (BENCHMARKS.md, "MXFP4-resident experts, sampler fidelity and gpt-oss-120b", measures both).
 
 The library workarounds the run needs are installed here too, each from tes_grpo/workarounds.py, in this order:
 experts kept for decoding, CPU scoring of completion positions only, flex attention masks from padding bounds,
@@ -30,6 +34,7 @@ CHOICES = {
     "DECODE_GRAPHS": ("auto", "on", "off"),
     "DECODE_EXPERTS": ("auto", "mxfp4", "grouped_mm", "transformers"),
     "TRAIN_EXPERTS": ("auto", "fused", "transformers"),
+    "DECODE_LORA": ("peft", "merged"),
 }
 
 
@@ -92,9 +97,10 @@ def train_experts_choice(s, cuda: bool) -> tuple[bool, str]:
     return True, "TRAIN_EXPERTS=auto: GPU with Triton"
 
 
-def use_graph_decode(model, experts: str, say, max_batch: int | None = None) -> None:
+def use_graph_decode(model, experts: str, say, max_batch: int | None = None, lora: str = "peft") -> None:
     """Routes the model's generate() through graph_decode.GraphDecodeGenerate (idempotent; the latest choices win):
-    experts as decode_experts_choice chose, at most max_batch rows a call (None: the whole batch at once)."""
+    experts as decode_experts_choice chose, at most max_batch rows a call (None: the whole batch at once), the
+    adapter applied as `lora` says (DECODE_LORA)."""
     from tes_grpo.graph_decode import GraphDecodeGenerate, causal_lm
 
     inner = causal_lm(model)
@@ -102,6 +108,7 @@ def use_graph_decode(model, experts: str, say, max_batch: int | None = None) -> 
         inner.generate = GraphDecodeGenerate(inner, inner.generate, say=say)
     inner.generate.experts = experts
     inner.generate.max_batch = max_batch
+    inner.generate.lora = lora
 
 
 def install(trainer, s, cuda: bool, processes: int = 1, generation_sequences: int | None = None) -> list[str]:
@@ -135,9 +142,9 @@ def install(trainer, s, cuda: bool, processes: int = 1, generation_sequences: in
                             f"generation batch, and only graph_decode splits a batch ({why}); use DECODE_GRAPHS=auto "
                             "or lower MAX_COMPLETION_LEN")
     if graphs:
-        use_graph_decode(model, experts, say, generation_sequences if split else None)
+        use_graph_decode(model, experts, say, generation_sequences if split else None, s.DECODE_LORA)
     lines.append(f"decoding: {'graph_decode.py, static KV cache' if graphs else 'transformers generate'} ({why}"
-                 + (f"; experts: {experts_why}" if graphs else "")
+                 + (f"; experts: {experts_why}; LoRA: DECODE_LORA={s.DECODE_LORA}" if graphs else "")
                  + (f"; {generation_sequences} of the {batch} sequences a call, as memory allows" if split else "")
                  + ")")
     fused, why = train_experts_choice(s, cuda)

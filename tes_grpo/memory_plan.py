@@ -73,6 +73,7 @@ then splits the batch into calls of that many.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -295,6 +296,8 @@ def plan_run(s, config, longest_prompt: int, steps_per_generation: int | None, e
     m = ModelShape.from_config(config)
     decode_copy = not experts_resident_mxfp4 and s.DECODE_EXPERTS in ("auto", "mxfp4")
     facts = recipe_facts(s, m, loaded, experts_resident_mxfp4, decode_copy)
+    if s.DECODE_LORA == "merged":  # graph_decode folds LoRA into a copy of the attention weights per generate call
+        facts = dataclasses.replace(facts, generation_fixed_bytes=attention_weight_bytes(m))
     plan = plan_memory(s, m, longest_prompt, facts, steps_per_generation)
     if loaded:
         say(plan.describe())

@@ -110,5 +110,7 @@ def test_use_graph_decode_passes_the_experts_choice():
     assert isinstance(model.generate, GraphDecodeGenerate) and model.generate.experts == "mxfp4"
     wrapper = model.generate
     assert model.generate.max_batch is None  # the whole generation batch in one call
-    fast_paths.use_graph_decode(model, "model", print, max_batch=32)  # idempotent: the same wrapper, the latest choice
+    assert model.generate.lora == "peft"  # the adapter in the trainer's order (DECODE_LORA's default)
+    fast_paths.use_graph_decode(model, "model", print, max_batch=32, lora="merged")  # idempotent: the latest choices
     assert model.generate is wrapper and model.generate.experts == "model" and model.generate.max_batch == 32
+    assert model.generate.lora == "merged"
