@@ -1,7 +1,32 @@
-"""The helpers the top-level scripts import: the TES plant and its exact Q-values (tes_env), settings (script_config),
-file writing (fileio), model loading (model_loading), library workarounds (workarounds), the tiny gpt-oss
-(tiny_model), MXFP4 (mxfp4), static-cache CUDA-graph decoding (graph_decode), the LLM as the plant's operator
-(llm_policy), several processes (processes), the tokenizer (gpt_oss_tokenizer) and gpt-oss-20b shapes (gpt_oss_shapes).
+"""The helpers the top-level scripts import; nothing here is run directly (the scripts at the repo's top level are).
 
-Nothing here is run directly; the scripts at the repo's top level are.
+The task and its data:
+- tes_env: the TES plant, its exact Q-values (QSolver), rule policies, the closed loop (simulate_batch), prompts
+- harmony: gpt-oss's Harmony format: the tokenizer, rendering prompts, reasoning effort, token ids, parse_action
+
+Settings, files and runs:
+- script_config: --NAME=value overrides resolved once into one Settings object; the settings table's choices
+- fileio: the one CSV reader, atomic writes, input errors that name file, row, column and value
+- run_folder: checkpoints, resume (torn files included), log trimming
+- callbacks: metrics.jsonl, one progress line per step, zero-padded checkpoint names
+- processes: rank-aware helpers for accelerate launch
+- trackers: where the metrics go besides metrics.jsonl (REPORT_TO)
+
+Models:
+- model_loading: device, dtype, attention, the experts' form, the tokenizer; adapters and the runs they come from
+- mxfp4: the MXFP4 codec and checkpoint writer
+- mxfp4_experts: the frozen experts resident as MXFP4, for training and sampling (EXPERTS)
+- tiny_model: the tiny MXFP4 gpt-oss the CPU runs and tests use
+- gpt_oss_shapes: gpt-oss-20b's and -120b's shapes with random weights (benchmarks)
+- llm_policy: base + adapter as the plant's operator: load, sample Harmony completions, read actions
+
+Training on a GPU:
+- memory_plan: completions a training pass and sequences a generate call from the GPU's memory; the batch layout
+- fast_paths: which sampler and kernels a run takes, decided once, and the library workarounds installed
+- graph_decode: sampling with a static KV cache and CUDA-graph decode steps, in the trainer's arithmetic
+- mxfp4_decode: the MoE experts read as MXFP4 while decoding (Triton)
+- fused_experts: the MoE experts' elementwise work fused for the training forward and backward
+- lm_head: TRL's fused LM head, which never builds a micro-batch's logits
+- sampling_fidelity: the sampler-trainer gap measured every step, and IMPORTANCE_SAMPLING
+- workarounds: library workarounds, each with the version it serves and why
 """

@@ -5,13 +5,12 @@ one check of the model), and the benchmark times it against transformers':
 
     python benchmarks/bench_generate.py --NUM_SEQS=64 --NEW_TOKENS=128 --VARIANTS=grouped_mm,graphs   # GPU machine
 
-Why: on an H100 a decode step of the 20B model at 64 sequences took ~69 ms through transformers' generate, of which
-the GPU was busy ~15 ms; the rest was Python and ~2,400 kernel launches a step (BENCHMARKS.md, "Where a decode step
+Why: on an H100 a decode step of the 20B model at 64 sequences through transformers' generate kept the GPU busy for
+a fraction of it; the rest was Python and thousands of kernel launches a step (BENCHMARKS.md, "Where a decode step
 goes"). A CUDA graph replays all of a step's kernels with one launch, but only if the step has fixed shapes, fixed
 buffers and never waits for the GPU. transformers' own route there (static cache + torch.compile) compiled the 20B
 forward for over seven minutes and is switched off inside TRL, so this module writes the decode step itself
-(measured 2026-11-23 on one H100, 64 completions after ~1,310-token prompts: ~28 ms a step, 1,435 tok/s at 128 new
-tokens and 2,138 at 1,024, prefill included):
+(BENCHMARKS.md, "The decode step captured by the project itself", times it):
 
 - prefill: the model's own forward (flex attention on GPUs, transformers' DynamicCache), then the keys and values
   are copied into static buffers: one of prompt + max_new_tokens slots per full-attention layer, a ring of
@@ -22,7 +21,7 @@ tokens and 2,138 at 1,024, prefill included):
   at rho 1e-3, counting real tokens left a mean |log p| gap to the trainer of 0.106 on left-padded rows against
   0.015 on unpadded ones). Two changes to what goes in, neither of which changes a real token's inputs:
   - shared prompts (SHARE_PROMPTS): GRPO samples a group of completions per prompt, and TRL passes them as identical
-    rows (4 prompts x 16 at the reference recipe). Prefilling 64 rows took ~2.4 s; each distinct row is prefilled
+    rows (4 prompts x 16 at the reference recipe), each prefilled in full before; each distinct row is prefilled
     once (their count rounded up to a power of two, see below) and its keys, values and logits are copied to every
     row of its group. Sampling draws nothing during prefill, so the random numbers drawn are generate()'s;
   - bucketed prompt length (PREFILL_BUCKET_TOKENS): transformers compiles flex attention for the shapes it sees, and
@@ -51,8 +50,8 @@ tokens and 2,138 at 1,024, prefill included):
   benchmarks/bench_generate.py's COMPARE_SEQS measures the gap there. `generate(..., logprobs=True)` returns the
   sampled tokens' log-probabilities, which sampling_fidelity.py compares with the trainer's every step;
 - experts="mxfp4" (train_grpo's DECODE_EXPERTS=auto on a GPU): each layer's MLP is computed by mxfp4_decode.py
-  from an MXFP4 copy of its frozen experts (3.7x fewer bytes a step than bf16; 28.1 -> 19.3 ms a step at 64
-  sequences on an H100), bit-equal to the model's MLP; layers that cannot be packed keep their own;
+  from the MXFP4 form of its frozen experts (3.7x fewer bytes a step than bf16; the resident blocks themselves when
+  mxfp4_experts.py keeps them), bit-equal to the model's MLP; layers that cannot be packed keep their own;
 - on CUDA, `DecodeGraphs` captures decode_step once per cache-length bucket (BUCKET_TOKENS) and replays it; on CPU
   the same step runs eagerly (that is what the CPU tests compare with transformers);
 - sampling follows transformers' generate for the options TRL sets (temperature, top-k, top-p, min-p with
@@ -327,8 +326,8 @@ class LowRank:
     ranks] (the zero blocks add exact zeros); scale: the scaling, multiplied after b as PEFT does, or None when it is
     a power of two and folded into b (exact in any float dtype: the same numbers as multiplying after); splits: the
     output features of each projection. Why batched: unbatched, each LoRA projection adds ~5 small kernels to a
-    decode step, 480 in all for gpt-oss's 24 x 4 projections: 2.6 ms of a 21.9 ms step at 64 sequences on an H100
-    (BENCHMARKS.md); batched, q, k and v share two products and no cast kernels are left.
+    decode step, 480 in all for gpt-oss's 24 x 4 projections (BENCHMARKS.md times them); batched, q, k and v share
+    two products and no cast kernels are left.
     """
 
     a: torch.Tensor
@@ -515,11 +514,9 @@ def attention_function(like: torch.Tensor):
     training forward's; elsewhere one_query_attention, eagerly.
 
     Why: one_query_attention's scores for 64 sequences x 64 heads x the cache length go through memory several times
-    (float32, + mask, the sink column, max, softmax, bf16), ~3.5 ms of a decode step at a 3,300-token cache eagerly
-    and still 1.4-2.2x flex attention's time when compiled; flex attention's decoding kernel reads the cache once
-    and keeps the scores on chip. Measured on an H100 at 64 sequences, 1,316-token prompts, 2,560 new
-    tokens: 20.9 ms a decode step compiled, 18.5 ms through flex attention with the sink step compiled in
-    (BENCHMARKS.md; the eager sink step adds ~6 small kernels a layer). CPUs run it eagerly:
+    (float32, + mask, the sink column, max, softmax, bf16), eagerly and still when compiled; flex attention's
+    decoding kernel reads the cache once and keeps the scores on chip (BENCHMARKS.md, "Speed at the recipe, fourth
+    session", times both; the eager sink step adds ~6 small kernels a layer). CPUs run it eagerly:
     torch 2.13's inductor compiles flex attention on CPUs for inference only, without the log-sum-exp the sink needs
     (and the CPU trains with eager attention, which one_query_attention mirrors). Both follow the training forward's
     attention of their device: flex attention's float32 scores on GPUs, eager attention on CPUs.

@@ -1,4 +1,4 @@
-"""gpt-oss's MoE experts computed from MXFP4 weights while decoding (issue 12). Library module, not a script.
+"""gpt-oss's MoE experts computed from MXFP4 weights while decoding. Library module, not a script.
 
 graph_decode.py calls `moe_forward` in place of the model's MLP when DECODE_EXPERTS resolves to mxfp4; the benchmark
 times it against the bf16 experts:
@@ -6,11 +6,11 @@ times it against the bf16 experts:
     python benchmarks/bench_mxfp4_decode.py      # GPU machine: kernel check, timings, decode speed
 
 Why: at 64 sequences x top-4 of 32 experts nearly every expert is hit at every decode step, so a step reads all the
-expert weights: 38 GB in bf16, ~15 ms of an H100's bandwidth, over half of a ~28 ms decode step. gpt-oss ships them
-as MXFP4 (4.25 bits a value): 10.2 GB, ~3.7x fewer bytes. When training holds bf16 experts (the checkpoint loaded
-dequantized), this module packs a second, MXFP4 copy of the frozen experts for sampling only (+10.2 GB on the GPU
-for the 20B model); when they are resident as MXFP4 (mxfp4_experts.py), a layer's blocks and scales go to the
-kernel as they are, with no copy.
+expert weights: 38 GB in bf16, the larger part of a decode step's memory traffic. gpt-oss ships them as MXFP4 (4.25
+bits a value): 10.2 GB, ~3.7x fewer bytes (BENCHMARKS.md, "Speed at the recipe, second session", times both). When
+training holds bf16 experts (the checkpoint loaded dequantized), this module packs a second, MXFP4 copy of the
+frozen experts for sampling only (+10.2 GB on the GPU for the 20B model); when they are resident as MXFP4
+(mxfp4_experts.py), a layer's blocks and scales go to the kernel as they are, with no copy.
 
 It is the same policy, not an approximation: a layer is packed only when the round trip gives the bf16 weights back
 bit for bit (`pack_experts` checks every expert; true for weights loaded from an MXFP4 checkpoint, since MXFP4

@@ -61,3 +61,11 @@ def test_readme_reads_in_one_sitting():
 def test_no_issue_numbers(page):
     found = [match.group(0) for match in ISSUE.finditer(page.read_text(encoding="utf-8"))]
     assert not found, f"{page.name} cites issue numbers {found}; name the BENCHMARKS.md section instead"
+
+
+def test_the_package_docstring_lists_every_module():
+    import tes_grpo
+
+    modules = sorted(p.stem for p in (REPO / "tes_grpo").glob("*.py") if p.stem != "__init__")
+    listed = sorted(set(re.findall(r"^- (\w+):", tes_grpo.__doc__, flags=re.MULTILINE)))
+    assert listed == modules
