@@ -7,12 +7,14 @@
     .venv/bin/accelerate launch --config_file configs/accelerate/ddp.yaml train_grpo.py    # several GPUs, one host
     .venv/bin/accelerate launch --config_file configs/accelerate/fsdp2.yaml train_grpo.py  # weights sharded (FSDP2)
 
-The recipe (README "The recipe" says where each value comes from): the MXFP4 checkpoint is loaded dequantized to
-bf16, PEFT adds LoRA to every Linear layer (the attention projections), `StepStream` draws the prompts, TRL's
-`GRPOTrainer` samples NUM_GENERATIONS completions per prompt and scores each with `data_reward.reward_fn`. One
-optimizer step = PROMPTS_PER_STEP x NUM_GENERATIONS x GRADIENT_ACCUMULATION_STEPS completions (64), generated as one
-batch, trained TRAIN_BATCH_SIZE at a time ("auto": as many as fit TRAIN_TOKENS_PER_PASS tokens when every
-completion is at MAX_COMPLETION_LEN). Under `accelerate launch` with N processes these are per process.
+The recipe (README "The recipe" says where each value comes from): the MXFP4 checkpoint's frozen experts stay
+resident as MXFP4 and the rest loads in bf16 (EXPERTS), PEFT adds LoRA to every Linear layer (the attention
+projections), `StepStream` draws the prompts, TRL's `GRPOTrainer` samples NUM_GENERATIONS completions per prompt
+and scores each with `data_reward.reward_fn`. One optimizer step = PROMPTS_PER_STEP x NUM_GENERATIONS x
+GRADIENT_ACCUMULATION_STEPS completions (64), generated as one batch, trained TRAIN_BATCH_SIZE at a time ("auto":
+as many as the GPU's memory holds when every completion is at MAX_COMPLETION_LEN, at most TRAIN_TOKENS_PER_PASS
+tokens; memory_plan.py). Every step logs the sampler-trainer gap (sampling_fidelity.py). Under `accelerate
+launch` with N processes these are per process.
 
 Environment (the seed's interface, read once here): GRPO_LOG_COMPLETIONS=0 turns the completion log off,
 GRPO_COMPLETION_LOG_PATH=file.csv writes it elsewhere, GRPO_STEPS_PER_GENERATION=k generates every k micro-steps
@@ -48,8 +50,8 @@ MAX_COMPLETION_LEN = 4000  # tokens generated per completion; one cut here score
 NUM_GENERATIONS = 16  # completions sampled per prompt (the GRPO group)
 PROMPTS_PER_STEP = 1  # distinct prompts per micro-step (per gradient-accumulation slot)
 GRADIENT_ACCUMULATION_STEPS = 4  # micro-steps per optimizer step (one generation batch feeds them all)
-TRAIN_BATCH_SIZE = "auto"  # completions per forward/backward: a number, or auto = most that fit TRAIN_TOKENS_PER_PASS
-TRAIN_TOKENS_PER_PASS = 40000  # auto micro-batch budget: completions x (longest prompt + MAX_COMPLETION_LEN) tokens
+TRAIN_BATCH_SIZE = "auto"  # completions per forward/backward: a number, or auto = most that memory and the cap allow
+TRAIN_TOKENS_PER_PASS = 40000  # auto's cap: completions x (longest prompt + MAX_COMPLETION_LEN) tokens a pass
 MEMORY_BUDGET_GB = 0.0  # GiB the run may hold on the GPU, weights included (24 = a 24 GB card); 0 = all it has free
 TOTAL_STEPS = 200  # optimizer steps (the stream is endless, so this sets the run length)
 SAVE_STEPS = 20  # optimizer steps between checkpoints
@@ -145,6 +147,7 @@ def check_settings(s) -> None:
     _need(math.isfinite(s.ROUTER_AUX_LOSS_COEF) and s.ROUTER_AUX_LOSS_COEF >= 0, "ROUTER_AUX_LOSS_COEF",
           s.ROUTER_AUX_LOSS_COEF, "must be a finite number >= 0")
     _need(not math.isinf(s.INVALID_REWARD), "INVALID_REWARD", s.INVALID_REWARD, "must be a finite number or nan")
+    _need(s.MEMORY_BUDGET_GB >= 0, "MEMORY_BUDGET_GB", s.MEMORY_BUDGET_GB, "must be >= 0 (0 = the GPU's free memory)")
     _need(0 < s.VLLM_GPU_MEMORY_UTILIZATION <= 1, "VLLM_GPU_MEMORY_UTILIZATION", s.VLLM_GPU_MEMORY_UTILIZATION,
           "must be in (0, 1]")
     _need(str(s.OUT_DIR).strip() != "", "OUT_DIR", s.OUT_DIR, "must name a folder")

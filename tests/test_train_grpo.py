@@ -96,6 +96,10 @@ BAD_SETTINGS = [
     ({"OUT_DIR": "  "}, "OUT_DIR='  '"),
     ({"INVALID_REWARD": INF}, "INVALID_REWARD=inf"),  # nan is allowed (TRL's masking), inf is not
     ({"VLLM_GPU_MEMORY_UTILIZATION": 1.5}, "VLLM_GPU_MEMORY_UTILIZATION=1.5"),
+    ({"MEMORY_BUDGET_GB": -24.0}, "MEMORY_BUDGET_GB=-24.0"),  # a budget is GiB, not a margin
+    ({"EXPERTS": "int4"}, "EXPERTS='int4'"),  # the experts' forms: auto, mxfp4, bf16
+    ({"DECODE_LORA": "fused"}, "DECODE_LORA='fused'"),
+    ({"IMPORTANCE_SAMPLING": "token"}, "IMPORTANCE_SAMPLING='token'"),
     ({"USE_VLLM": True, "DECODE_GRAPHS": "on"}, "both choose how completions are generated"),
     ({"DECODE_EXPERTS": "mxfp4", "DECODE_GRAPHS": "off"}, "DECODE_EXPERTS=mxfp4 is graph_decode's"),
     ({"DECODE_EXPERTS": "mxfp4", "USE_VLLM": True}, "DECODE_EXPERTS=mxfp4 is graph_decode's"),
