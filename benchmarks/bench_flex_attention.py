@@ -25,6 +25,7 @@ _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))
 import math
 import sys
 
+from benchmarks.timing import timed_ms
 from tes_grpo.script_config import resolve
 
 ROWS = 16  # sequences in the micro-batch (TRAIN_BATCH_SIZE=auto picks 16 at 1,024-token completions)
@@ -65,20 +66,6 @@ def joined(options: list[dict | None]) -> str:
     """kernel_options back in KERNEL_OPTIONS' text form."""
     pairs = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for o in options if o for k, v in o.items()]
     return " ".join(pairs) or "{}"
-
-
-def cuda_ms(fn, reps: int) -> float:
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,9 +135,9 @@ def main(argv: list[str] | None = None) -> int:
             fwd_nograd = float("nan")
             if s.TIME_NO_GRAD:
                 with torch.no_grad():
-                    fwd_nograd = cuda_ms(forward, s.REPS)
-            fwd = cuda_ms(forward, s.REPS)
-            both = cuda_ms(forward_backward, s.REPS)
+                    fwd_nograd = timed_ms(forward, s.REPS)
+            fwd = timed_ms(forward, s.REPS)
+            both = timed_ms(forward_backward, s.REPS)
             rows.append((options, name, fwd_nograd, fwd, both))
         except Exception as err:  # a kernel option the compiler refuses is a result, not a crash
             rows.append((options, name, float("nan"), float("nan"), float("nan")))
@@ -174,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
 
     with torch.no_grad():
-        sdpa_fwd = cuda_ms(sdpa, s.REPS)
-    sdpa_both = cuda_ms(lambda: sdpa().backward(grad.transpose(1, 2)), s.REPS)
+        sdpa_fwd = timed_ms(sdpa, s.REPS)
+    sdpa_both = timed_ms(lambda: sdpa().backward(grad.transpose(1, 2)), s.REPS)
     causal_tflop = 4 * s.ROWS * heads * s.LENGTH ** 2 * dim / 2 / 1e12
     print(f"\n{s.ROWS} rows x {s.LENGTH} tokens, {heads} query / {kv_heads} key-value heads of {dim}; a causal forward "
           f"is {causal_tflop:.2f} TFLOP; {s.WARM_LENGTHS} other lengths first, DYNAMIC={s.DYNAMIC}, "

@@ -38,6 +38,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from benchmarks.timing import timed_ms
 from tes_grpo.script_config import resolve
 
 MODEL_SIZE = "20b"  # gpt-oss shapes: 20b or 120b (gpt_oss_shapes.py)
@@ -180,26 +181,6 @@ def load_in_child(s, experts: str, argv: list[str]) -> dict:
           f"{result['host_rise_gib']:.1f}), GPU {result['gpu_gib']:.2f} GiB (peak {result['gpu_peak_gib']:.2f})",
           flush=True)
     return result
-
-
-def timed_ms(fn, reps: int) -> float:
-    """Milliseconds per call of fn() after one untimed call (CUDA events on a GPU, the wall clock elsewhere)."""
-    import torch
-
-    fn()
-    synchronize()
-    if not torch.cuda.is_available():
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return 1000 * (time.perf_counter() - start) / reps
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def bits_equal(a, b) -> bool:

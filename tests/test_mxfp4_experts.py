@@ -132,16 +132,26 @@ def test_training_pass_is_bit_exact(tiny, dtype, checkpointing, fused, expert_la
         assert torch.equal(grads_a[name], grads_b[name]), name
 
 
+def resident_lora_model(path, checkpointing: bool):
+    """The tiny model with resident experts and the recipe's LoRA, in train mode, and a batch of ids for it."""
+    from peft import get_peft_model
+
+    from train_grpo import build_lora_config
+
+    model = get_peft_model(load(path, "mxfp4"), build_lora_config(4, 8))
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    model.train()
+    return model, torch.randint(0, 201088, (2, 9), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+
+
 @pytest.mark.parametrize("checkpointing, calls", [
     (False, 4),  # forward, then the backward's own dequantization: 2 layers x 2 projections x 2
     (True, 6),  # + checkpointing's recomputed forward
 ])
 def test_dequantized_weights_live_only_while_their_layer_runs(tiny, checkpointing, calls, monkeypatch):
     """Between forward and backward no dequantized weight is alive (autograd keeps a handle, not the weight)."""
-    from peft import get_peft_model
-
-    from train_grpo import build_lora_config
-
     made = []
     real = mx.ResidentMxfp4Experts.dequantize
 
@@ -151,12 +161,7 @@ def test_dequantized_weights_live_only_while_their_layer_runs(tiny, checkpointin
         return weight
 
     monkeypatch.setattr(mx.ResidentMxfp4Experts, "dequantize", dequantize)
-    model = get_peft_model(load(tiny, "mxfp4"), build_lora_config(4, 8))
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
-    model.train()
-    ids = torch.randint(0, 201088, (2, 9), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    model, ids = resident_lora_model(tiny, checkpointing)
     loss = model(input_ids=ids, labels=ids).loss
     gc.collect()
     assert len(made) == 2 * 2 and not any(ref() is not None for ref in made)
@@ -170,16 +175,7 @@ def test_a_training_pass_leaves_no_tensor_in_a_reference_cycle(tiny, checkpointi
     """Refcounting alone must free a pass's activations: Python's cyclic collector runs by object counts, not GPU
     memory, so a tensor held in a cycle (a call's hooks hold checkpointing's, which hold the layer's frame) stays on
     the GPU for an unknown time; on an H100 such a cycle ran GRPO out of memory at its second step."""
-    from peft import get_peft_model
-
-    from train_grpo import build_lora_config
-
-    model = get_peft_model(load(tiny, "mxfp4"), build_lora_config(4, 8))
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
-    model.train()
-    ids = torch.randint(0, 201088, (2, 9), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    model, ids = resident_lora_model(tiny, checkpointing)
     gc.collect()
     gc.disable()
     try:
