@@ -21,6 +21,8 @@ from typing import Sequence
 
 from tes_grpo import tes_env
 from tes_grpo.fileio import InputError, csv_files, read_csv_table
+from tes_grpo.harmony import GENERATION_PROMPT as _GENERATION_PROMPT
+from tes_grpo.harmony import START as _HARMONY_START
 
 PATHS: list = ["data"]  # files or folders to check (positional arguments)
 SUM_TOLERANCE = 1e-6  # allowed |sum of rewards - 1| (0..0.01)
@@ -32,8 +34,6 @@ _N_ACTIONS = tes_env.N_ACTIONS
 _Q_COLUMNS = list(tes_env.Q_COLUMNS)
 _REWARD_COLUMNS = list(tes_env.REWARD_COLUMNS)
 _REQUIRED_COLUMNS = ["timestep", "timestamp", "prompt", "optimal_action", *_Q_COLUMNS, *_REWARD_COLUMNS]
-_HARMONY_START = "<|start|>"
-_GENERATION_PROMPT = "<|start|>assistant"
 
 
 def problem(path, message: str, row: int | None = None, column: str | None = None) -> str:

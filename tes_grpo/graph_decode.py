@@ -884,12 +884,12 @@ class GraphDecodeGenerate:
             attention_mask = torch.ones_like(input_ids)
         size = self.max_batch or input_ids.shape[0]
         parts = [generate(self.model, input_ids[i:i + size], attention_mask[i:i + size], config, experts=self.experts,
-                          say=self.say, lora=self.lora, autocast=self.autocast, logprobs=True)
+                          say=self.say, lora=self.lora, autocast=self.autocast, logprobs=bool(recorders))
                  for i in range(0, input_ids.shape[0], size)]
         pad = config.pad_token_id if config.pad_token_id is not None else first_end_token(config)
-        ids, logprobs = joined_rows([p[0] for p in parts], pad), joined_rows([p[1] for p in parts], 0.0)
         if not recorders:
-            return ids
+            return joined_rows(parts, pad)
+        logprobs = joined_rows([p[1] for p in parts], 0.0)
         for recorder in recorders:
             recorder.record(logprobs)
-        return ids
+        return joined_rows([p[0] for p in parts], pad)
