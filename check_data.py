@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import Sequence
 
 from tes_grpo import tes_env
-from tes_grpo.fileio import InputError, csv_files, read_csv_table
-from tes_grpo.harmony import GENERATION_PROMPT as _GENERATION_PROMPT
-from tes_grpo.harmony import START as _HARMONY_START
+from tes_grpo.fileio import InputError, csv_files, parse_finite, parse_whole, read_csv_table
+from tes_grpo.harmony import prompt_problem
 
 PATHS: list = ["data"]  # files or folders to check (positional arguments)
 SUM_TOLERANCE = 1e-6  # allowed |sum of rewards - 1| (0..0.01)
@@ -36,58 +35,36 @@ _REWARD_COLUMNS = list(tes_env.REWARD_COLUMNS)
 _REQUIRED_COLUMNS = ["timestep", "timestamp", "prompt", "optimal_action", *_Q_COLUMNS, *_REWARD_COLUMNS]
 
 
-def problem(path, message: str, row: int | None = None, column: str | None = None) -> str:
-    where = str(path)
-    if row is not None:
-        where += f", row {row}"
-    if column is not None:
-        where += f", column {column!r}"
-    return f"{where}: {message}"
+def problem(path, message: str, row: int | None = None, column: str | None = None, value=None) -> str:
+    return str(InputError(path, message, row=row, column=column, value=value))
 
 
-def finite_cell(path, row: int, column: str, text: str, problems: list[str]) -> float | None:
-    if text.strip() == "":
-        problems.append(problem(path, "missing value", row, column))
-        return None
+def cell(parse, problems: list[str], *args, **kwargs):
+    """parse(*args, **kwargs) (fileio's parse_finite / parse_whole), or None with its problem listed."""
     try:
-        value = float(text)
-    except ValueError:
-        problems.append(problem(path, f"not a number: {text!r}", row, column))
+        return parse(*args, **kwargs)
+    except InputError as err:
+        problems.append(str(err))
         return None
-    if not math.isfinite(value):
-        problems.append(problem(path, f"not finite: {text!r}", row, column))
-        return None
-    return value
 
 
 def check_row(path, row: int, cells: dict, problems: list[str], sum_tolerance: float = SUM_TOLERANCE,
               argmax_tolerance: float = ARGMAX_TOLERANCE) -> None:
-    prompt = cells["prompt"]
-    if not prompt.strip():
-        problems.append(problem(path, "empty prompt", row, "prompt"))
-    elif not prompt.startswith(_HARMONY_START):
-        problems.append(problem(path, "prompt is not in Harmony format (does not start with <|start|>)", row,
-                                "prompt"))
-    elif not prompt.endswith(_GENERATION_PROMPT):
-        problems.append(problem(path, "prompt does not end with the generation prompt <|start|>assistant", row,
-                                "prompt"))
-    try:
-        int(cells["timestep"])
-    except ValueError:
-        problems.append(problem(path, f"not an integer: {cells['timestep']!r}", row, "timestep"))
-    q = [finite_cell(path, row, c, cells[c], problems) for c in _Q_COLUMNS]
-    rewards = [finite_cell(path, row, c, cells[c], problems) for c in _REWARD_COLUMNS]
+    prompt_is_not = prompt_problem(cells["prompt"])  # the rule training and evaluation apply
+    if prompt_is_not:
+        problems.append(problem(path, prompt_is_not, row, "prompt"))
+    cell(parse_whole, problems, path, row, "timestep", cells["timestep"], what="timestep")
+    q = [cell(parse_finite, problems, path, row, c, cells[c], what="Q-value") for c in _Q_COLUMNS]
+    rewards = [cell(parse_finite, problems, path, row, c, cells[c], what="reward") for c in _REWARD_COLUMNS]
     for column, value in zip(_REWARD_COLUMNS, rewards, strict=True):
         if value is not None and not 0.0 <= value <= 1.0:
             problems.append(problem(path, f"reward {value!r} is outside [0, 1]", row, column))
     if all(value is not None for value in rewards) and abs(math.fsum(rewards) - 1.0) > sum_tolerance:
         problems.append(problem(path, f"rewards sum to {math.fsum(rewards)!r}, not 1", row, "reward_action_0..3"))
-    action_text = cells["optimal_action"].strip()
-    if action_text not in {str(a) for a in range(_N_ACTIONS)}:
-        problems.append(problem(path, f"not an action 0..{_N_ACTIONS - 1}: {action_text!r}", row, "optimal_action"))
-    elif all(value is not None for value in q) and q[int(action_text)] < max(q) - argmax_tolerance:
-        problems.append(problem(path, f"action {action_text} is not an argmax of the Q-values", row,
-                                "optimal_action"))
+    action = cell(parse_whole, problems, path, row, "optimal_action", cells["optimal_action"], 0, _N_ACTIONS - 1,
+                  what="optimal_action")
+    if action is not None and all(value is not None for value in q) and q[action] < max(q) - argmax_tolerance:
+        problems.append(problem(path, f"action {action} is not an argmax of the Q-values", row, "optimal_action"))
 
 
 def check_file(path: Path, sum_tolerance: float = SUM_TOLERANCE,

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from tes_grpo.fileio import InputError, read_csv_table
+from tes_grpo.fileio import InputError, parse_finite, parse_whole, read_csv_table
 from tes_grpo.harmony import (
     HARMONY_GLOB,
     harmony_csv_files,
@@ -59,6 +59,9 @@ LOG_COLUMNS = ["step", "micro_step", "prompt", "completion", "action", "reward",
 # Loading and checking the training CSVs
 # ---------------------------------------------------------------------------------------------------------------
 
+_REWARD_HINT = " (calculate_reward.py computes the rewards from the Q-values)"
+
+
 def check_frame(frame: pd.DataFrame, path: str | os.PathLike) -> pd.DataFrame:
     """Checks one training CSV's columns and values; returns the checked columns with parsed dtypes.
 
@@ -79,23 +82,12 @@ def check_frame(frame: pd.DataFrame, path: str | os.PathLike) -> pd.DataFrame:
                              value=value[:80] if isinstance(value, str) else value)
         prompts.append(value)
     checked["prompt"] = prompts
-    actions = []
-    for row, value in enumerate(frame["optimal_action"], start=1):
-        number = pd.to_numeric(value, errors="coerce")
-        if pd.isna(number) or number != int(number) or not 0 <= int(number) < NUM_ACTIONS:
-            raise InputError(path, f"optimal_action must be an integer 0..{NUM_ACTIONS - 1}", row=row,
-                             column="optimal_action", value=value)
-        actions.append(int(number))
+    actions = [parse_whole(path, row, "optimal_action", value, 0, NUM_ACTIONS - 1, what="optimal_action")
+               for row, value in enumerate(frame["optimal_action"], start=1)]
     checked["optimal_action"] = actions
     for column in REWARD_COLUMNS:
-        values = []
-        for row, value in enumerate(frame[column], start=1):
-            number = pd.to_numeric(value, errors="coerce")
-            if pd.isna(number) or not math.isfinite(float(number)):
-                raise InputError(path, "reward must be a finite number (run calculate_reward.py first)", row=row,
-                                 column=column, value=value)
-            values.append(float(number))
-        checked[column] = values
+        checked[column] = [parse_finite(path, row, column, value, what="reward", hint=_REWARD_HINT)
+                           for row, value in enumerate(frame[column], start=1)]
     result = pd.DataFrame(checked)
     result["source"] = [f"{Path(path).name}:{row}" for row in range(1, len(result) + 1)]
     return result

@@ -62,23 +62,13 @@ _SUMMARY_COLUMNS = ("model", "completions", "prompts", "valid_rate", "optimal_sh
 
 def check_q_columns(raw, path) -> dict[str, list[float]]:
     """The q_action_0..3 columns as floats; InputError naming file, row (first data row = 1), column and value."""
-    import pandas as pd
-
-    from tes_grpo.fileio import InputError
+    from tes_grpo.fileio import InputError, parse_finite
 
     missing = [c for c in _Q_COLUMNS if c not in raw.columns]
     if missing:
         raise InputError(path, f"missing column(s) {', '.join(missing)} (the exact Q-values of make_q_dataset.py)")
-    columns = {}
-    for column in _Q_COLUMNS:
-        values = []
-        for row, value in enumerate(raw[column], start=1):
-            number = pd.to_numeric(value, errors="coerce")
-            if pd.isna(number) or not math.isfinite(float(number)):
-                raise InputError(path, "Q-value must be a finite number", row=row, column=column, value=value)
-            values.append(float(number))
-        columns[column] = values
-    return columns
+    return {column: [parse_finite(path, row, column, value, what="Q-value")
+                     for row, value in enumerate(raw[column], start=1)] for column in _Q_COLUMNS}
 
 
 def evenly_spaced(count: int, limit: int) -> list[int]:

@@ -49,19 +49,39 @@ class OutputError(InputError):
     """
 
 
-def parse_finite(path, row: int, column: str, text, what: str = "") -> float:
-    """A CSV cell as a finite float, or an InputError naming file, row, column and value ("what" prefixes it)."""
+def parse_finite(path, row: int, column: str, text, what: str = "", hint: str = "") -> float:
+    """A CSV cell as a finite float, or an InputError naming file, row, column and value ("what" prefixes it; "hint"
+    ends the message, e.g. which script writes the column)."""
     prefix = f"{what} " if what else ""
     if text is None or (isinstance(text, str) and text.strip() == ""):
-        raise InputError(path, f"missing {what or 'value'}", row=row, column=column)
+        raise InputError(path, f"missing {what or 'value'}{hint}", row=row, column=column)
     try:
         value = float(text)
-    except ValueError:
-        raise InputError(path, f"{prefix}is not a number" if what else "not a number", row=row, column=column,
-                         value=text) from None
+    except (TypeError, ValueError):
+        raise InputError(path, (f"{prefix}is not a number" if what else "not a number") + hint, row=row,
+                         column=column, value=text) from None
     if not math.isfinite(value):
-        raise InputError(path, f"{prefix}is not finite" if what else "not finite", row=row, column=column, value=text)
+        raise InputError(path, (f"{prefix}is not finite" if what else "not finite") + hint, row=row, column=column,
+                         value=text)
     return value
+
+
+def parse_whole(path, row: int, column: str, text, low: int | None = None, high: int | None = None,
+                what: str = "") -> int:
+    """A CSV cell as a whole number written as one ("2", never "2.0" or "2e0"), within low..high where given, or an
+    InputError naming file, row, column and value ("what" names it in the message)."""
+    name = what or "value"
+    if text is None or (isinstance(text, str) and text.strip() == ""):
+        raise InputError(path, f"missing {name}", row=row, column=column)
+    digits = text.strip() if isinstance(text, str) else None
+    if isinstance(text, bool) or not (isinstance(text, int) or hasattr(text, "__index__")
+                                      or digits is not None and digits.lstrip("+-").isdigit()):
+        raise InputError(path, f"{name} is not a whole number", row=row, column=column, value=text)
+    number = int(digits) if digits is not None else int(text)
+    if (low is not None and number < low) or (high is not None and number > high):
+        span = f"{'' if low is None else low}..{'' if high is None else high}"
+        raise InputError(path, f"{name} must be in {span}", row=row, column=column, value=text)
+    return number
 
 
 # ---------------------------------------------------------------------------------------------------------------

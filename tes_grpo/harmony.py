@@ -108,7 +108,8 @@ def prompt_problem(text) -> str | None:
     """Why `text` is not a rendered Harmony prompt ready for generation (None: it is one)."""
     if not isinstance(text, str) or not text.strip():
         return "empty prompt"
-    if not text.startswith(START) or not text.rstrip().endswith(GENERATION_PROMPT):
+    # exactly the generation prompt at the end: a trailing newline would be one more token the model never saw there
+    if not text.startswith(START) or not text.endswith(GENERATION_PROMPT):
         return (f"not a Harmony prompt with the generation prompt appended (should start with '{START}' and end "
                 f"with '{GENERATION_PROMPT}'); render it with convert_to_harmony.py first")
     return None

@@ -34,17 +34,20 @@ def write(frame: pd.DataFrame, path: Path) -> Path:
 
 # ---- one bad cell in data row 2: (column, text, expected problem) -------------------------------------------
 BAD_CELL_CASES = [
-    ("prompt", "system:\nx\n\nuser:\ny", "row 2, column 'prompt': prompt is not in Harmony format"),  # legacy
+    ("prompt", "system:\nx\n\nuser:\ny", "row 2, column 'prompt': not a Harmony prompt"),  # legacy
     ("prompt", "", "row 2, column 'prompt': empty prompt"),  # missing prompt
-    ("prompt", "<|start|>user<|message|>y<|end|>", "row 2, column 'prompt': prompt does not end with the generation"),
-    ("q_action_2", "nan", "row 2, column 'q_action_2': not finite"),  # NaN Q
-    ("q_action_0", "", "row 2, column 'q_action_0': missing value"),  # missing Q
-    ("reward_action_3", "abc", "row 2, column 'reward_action_3': not a number"),  # non-numeric reward
+    ("prompt", "<|start|>user<|message|>y<|end|>", "row 2, column 'prompt': not a Harmony prompt with the generation"),
+    ("prompt", "<|start|>user<|message|>y<|end|><|start|>assistant\n", "row 2, column 'prompt': not a Harmony"),
+    ("q_action_2", "nan", "row 2, column 'q_action_2', value 'nan': Q-value is not finite"),  # NaN Q
+    ("q_action_0", "", "row 2, column 'q_action_0': missing Q-value"),  # missing Q
+    ("reward_action_3", "abc", "row 2, column 'reward_action_3', value 'abc': reward is not a number"),  # text
     ("reward_action_1", "0.7", "row 2, column 'reward_action_0..3': rewards sum to"),  # sum 1.1
     ("reward_action_3", "-0.0001", "row 2, column 'reward_action_3': reward -0.0001 is outside [0, 1]"),
-    ("optimal_action", "4", "row 2, column 'optimal_action': not an action 0..3"),  # out of range
+    ("optimal_action", "4", "row 2, column 'optimal_action', value '4': optimal_action must be in 0..3"),  # range
+    ("optimal_action", "1.0", "row 2, column 'optimal_action', value '1.0': optimal_action is not a whole"),  # float
+    ("optimal_action", "1e0", "row 2, column 'optimal_action', value '1e0': optimal_action is not a whole"),
     ("optimal_action", "0", "row 2, column 'optimal_action': action 0 is not an argmax"),  # inconsistent
-    ("timestep", "8.5", "row 2, column 'timestep': not an integer"),
+    ("timestep", "8.5", "row 2, column 'timestep', value '8.5': timestep is not a whole number"),
 ]
 
 
@@ -70,7 +73,7 @@ def test_every_problem_is_listed_across_files(tmp_path):
     _, _, problems = check_data.check_paths([tmp_path])
     assert sorted(p.split(": ")[0] for p in problems) == sorted([
         f"{tmp_path / 'eval' / 'b_harmony.csv'}",
-        f"{tmp_path / 'train' / 'a_harmony.csv'}, row 1, column 'q_action_1'",
+        f"{tmp_path / 'train' / 'a_harmony.csv'}, row 1, column 'q_action_1', value 'inf'",
         f"{tmp_path / 'train' / 'a_harmony.csv'}, row 3, column 'prompt'",
     ])
     assert any("b_harmony.csv: missing column(s) reward_action_2" in p for p in problems)

@@ -65,7 +65,11 @@ BAD_CELLS = [
     ("reward_action_3", 2, "", ["row 2", "'reward_action_3'"]),  # empty cell
     ("optimal_action", 2, "4", ["row 2", "'optimal_action'", "0..3"]),  # out of range
     ("optimal_action", 1, "1.5", ["row 1", "'optimal_action'", "1.5"]),  # not an integer
+    ("optimal_action", 1, "1.0", ["row 1", "'optimal_action'", "'1.0'", "whole number"]),  # check_data refuses it too
+    ("optimal_action", 2, "1e0", ["row 2", "'optimal_action'", "'1e0'", "whole number"]),  # so does check_data
+    ("reward_action_3", 1, "", ["row 1", "'reward_action_3'", "missing reward", "calculate_reward.py"]),  # not yet run
     ("prompt", 2, "system:\nlegacy\n\nuser:\nx", ["row 2", "'prompt'", "Harmony"]),  # legacy text, not Harmony
+    ("prompt", 1, "<|start|>user<|message|>x<|end|><|start|>assistant\n", ["row 1", "'prompt'", "Harmony"]),  # one more
     ("reward_action_1", None, DROP, ["missing column", "reward_action_1"]),  # column missing
 ]
 

@@ -131,6 +131,12 @@ def test_metrics_and_progress_written_once(run):
 
 
 @pytest.mark.slow
+def test_the_processes_train_with_the_experts_resident(run):
+    """EXPERTS=auto keeps the tiny checkpoint's experts resident as MXFP4 under DDP too (one copy per process)."""
+    assert "with its experts resident as MXFP4" in run["first"]["console"]
+
+
+@pytest.mark.slow
 def test_checkpoint_holds_every_rank_and_resume_continues(run):
     out = run["out"]
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-000002", "checkpoint-000003"]

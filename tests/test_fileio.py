@@ -248,3 +248,51 @@ def test_a_failed_rollback_keeps_the_earlier_file_and_says_where(tmp_path, monke
         write_files_atomic([(tmp_path / "a.txt", text_writer("new a")), (tmp_path / "b.txt", text_writer("new b"))])
     backup = Path(str(info.value).split("the earlier file is ")[1].rstrip(")"))
     assert backup.read_text() == "old a" and (tmp_path / "b.txt").read_text() == "old b"
+
+
+# ---- one CSV cell as a number: (text, low, high, expected value or the error's end) ------------------------
+WHOLE_CASES = [
+    ("2", 0, 3, 2),  # as written by pandas and the data scripts
+    (" 3 ", 0, 3, 3),  # spaces around it
+    (2, 0, 3, 2),  # already a number (a frame built in code)
+    ("-1", None, None, -1),  # no range
+    ("4", 0, 3, "value '4': action must be in 0..3"),  # out of range
+    ("-1", 0, None, "value '-1': action must be in 0.."),  # below the floor
+    ("1.0", 0, 3, "value '1.0': action is not a whole number"),  # a float's spelling, refused
+    ("1e0", 0, 3, "value '1e0': action is not a whole number"),  # so is an exponent
+    (1.0, 0, 3, "value 1.0: action is not a whole number"),  # a float value too
+    (True, 0, 3, "value True: action is not a whole number"),  # bool is no count
+    ("", 0, 3, "column 'c': missing action"),  # empty cell
+    ("two", 0, 3, "value 'two': action is not a whole number"),  # text
+]
+
+
+@pytest.mark.parametrize("text, low, high, expected", WHOLE_CASES)
+def test_parse_whole(text, low, high, expected):
+    if isinstance(expected, int):
+        assert fileio.parse_whole("f.csv", 5, "c", text, low, high, what="action") == expected
+    else:
+        with pytest.raises(fileio.InputError) as err:
+            fileio.parse_whole("f.csv", 5, "c", text, low, high, what="action")
+        assert str(err.value).startswith("f.csv, row 5, column 'c'") and str(err.value).endswith(expected)
+
+
+FINITE_CASES = [
+    ("0.25", "", 0.25),  # a number
+    ("1e-3", "", 0.001),  # exponents are fine for floats
+    ("nan", "", "value 'nan': reward is not finite"),  # NaN
+    ("-inf", "", "value '-inf': reward is not finite"),  # infinite
+    ("x", " (hint)", "value 'x': reward is not a number (hint)"),  # the hint ends the message
+    ("", " (hint)", "column 'c': missing reward (hint)"),  # empty, with the hint
+    (None, "", "column 'c': missing reward"),  # no cell at all
+]
+
+
+@pytest.mark.parametrize("text, hint, expected", FINITE_CASES)
+def test_parse_finite(text, hint, expected):
+    if isinstance(expected, float):
+        assert fileio.parse_finite("f.csv", 5, "c", text, what="reward", hint=hint) == expected
+    else:
+        with pytest.raises(fileio.InputError) as err:
+            fileio.parse_finite("f.csv", 5, "c", text, what="reward", hint=hint)
+        assert str(err.value).startswith("f.csv, row 5, column 'c'") and str(err.value).endswith(expected)

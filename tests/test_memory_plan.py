@@ -255,3 +255,72 @@ def test_recipe_facts(monkeypatch, loaded, resident, decode_copy, extras):
               "generation": got.generation_fixed_bytes}
     assert {k: round(v / GIB, 1) for k, v in values.items()} == extras
     assert got.trainable_params == memory_plan.lora_params(M20B, 4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# train_grpo.train with the plan: checked before loading, said and used after (a made-up GPU)
+# ---------------------------------------------------------------------------------------------------------------
+
+class _Stop(Exception):
+    pass
+
+
+def _train_on_a_made_up_gpu(monkeypatch, tmp_path, tokenizer, free_gib: float, overrides: list[str]):
+    """train_grpo.main on the tiny model as if on a GPU with free_gib free and nothing allocated; loading and the
+    trainer are stand-ins that record what reaches them (the trainer stops the run)."""
+    from grpo_fixtures import write_fixture_data
+
+    from tes_grpo import model_loading
+
+    seen = {"loaded": False, "plans": []}
+    plan_run = memory_plan.plan_run
+
+    def record_plan(*args, **kwargs):
+        seen["plans"].append(plan_run(*args, **kwargs))
+        return seen["plans"][-1]
+
+    def load(*args, **kwargs):
+        seen["loaded"] = True
+        return object()
+
+    def build_trainer(s, model, tokenizer, dataset, layout, *args, **kwargs):
+        seen["layout"] = layout
+        raise _Stop
+
+    monkeypatch.setattr(model_loading, "cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(free_gib * GIB), 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(memory_plan, "plan_run", record_plan)
+    monkeypatch.setattr(model_loading, "load_training_model", load)
+    monkeypatch.setattr(train_grpo, "build_trainer", build_trainer)
+    data = write_fixture_data(tmp_path, tokenizer)
+    argv = ["--MODEL_ID=tiny", f"--DATA_DIR={data}", f"--EVAL_DIR={data / 'eval'}", f"--OUT_DIR={tmp_path / 'run'}",
+            *overrides]
+    try:
+        code = train_grpo.main(argv)
+    except _Stop:
+        code = None
+    return code, seen
+
+
+def test_a_run_that_cannot_fit_stops_before_loading(monkeypatch, tmp_path, tokenizer, capsys):
+    code, seen = _train_on_a_made_up_gpu(monkeypatch, tmp_path, tokenizer, 0.25, [])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 1 and not seen["loaded"] and "layout" not in seen
+    assert last.startswith("error: ") and "MAX_COMPLETION_LEN" in last  # says which setting to lower
+
+
+def test_the_plan_is_said_and_sizes_the_passes_and_generate_calls(monkeypatch, tmp_path, tokenizer, capsys):
+    # no token cap and a tight budget: memory alone decides, and it decides less than the whole step
+    code, seen = _train_on_a_made_up_gpu(monkeypatch, tmp_path, tokenizer, 40,
+                                         ["--MEMORY_BUDGET_GB=1", "--TRAIN_TOKENS_PER_PASS=1000000",
+                                          "--MAX_COMPLETION_LEN=4000"])
+    out = capsys.readouterr().out
+    assert code is None and seen["loaded"]
+    before, after = seen["plans"]
+    assert after is not None and "memory: " in out and after.describe() in out and "budget 1.0 GiB" in out
+    layout = seen["layout"]
+    assert layout["train_batch_size"] == after.train_batch_size < layout["completions_per_step"]
+    assert layout["generation_sequences"] == after.generation_sequences

@@ -408,40 +408,67 @@ def test_120b_shaped_model_builds_resident_and_trains_one_step():
 
 @pytest.mark.slow
 def test_grpo_step_is_bit_exact(tiny, tmp_path, tokenizer):
-    """train_grpo.build_trainer(...).train() for one step, both ways: same completions, loss, trained adapter."""
+    """train_grpo.build_trainer(...).train() for one step, both ways: same completions, the training forward's
+    per-token log-probabilities, loss, LoRA gradients and trained adapter, bit for bit. The completions are long enough
+    for the tiny model's answers (valid ones score differently, so the advantages and the gradients are not zero)."""
     from grpo_fixtures import write_fixture_data
+    from transformers import TrainerCallback
 
     import train_grpo
+
+    class Gradients(TrainerCallback):
+        def __init__(self):
+            self.seen = []
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            self.seen.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if "lora_" in n})
 
     data = write_fixture_data(tmp_path, tokenizer)
     results = {}
     for experts in ("bf16", "mxfp4"):
         settings = train_grpo.default_settings(
             MODEL_ID="tiny", DATA_DIR=str(data), EVAL_DIR=str(data / "eval"), OUT_DIR=str(tmp_path / experts),
-            TOTAL_STEPS=1, NUM_GENERATIONS=4, GRADIENT_ACCUMULATION_STEPS=1, MAX_COMPLETION_LEN=8,
+            TOTAL_STEPS=1, NUM_GENERATIONS=4, GRADIENT_ACCUMULATION_STEPS=1, MAX_COMPLETION_LEN=48,
             GRADIENT_CHECKPOINTING=True, TRAIN_EXPERTS="fused")
         frame = train_grpo.load_training_data(settings, tokenizer)
         layout = memory_plan.batch_layout(settings, int(frame["prompt_tokens"].max()))
         model = load(tiny, experts)
         assert mx.resident_layers(model) == ([0, 1] if experts == "mxfp4" else [])
         torch.manual_seed(0)
+        gradients = Gradients()
         trainer = train_grpo.build_trainer(settings, model, tokenizer,
-                                           train_grpo.build_stream(frame, settings).to_iterable_dataset(), layout)
-        seen = []
-        compute_loss = trainer.compute_loss
+                                           train_grpo.build_stream(frame, settings).to_iterable_dataset(), layout,
+                                           callbacks=[gradients])
+        seen, logps = [], []
+        compute_loss, per_token_logps = trainer.compute_loss, trainer._get_per_token_logps_and_entropies
 
         def record(model, inputs, *args, compute_loss=compute_loss, seen=seen, **kwargs):
             loss = compute_loss(model, inputs, *args, **kwargs)
-            seen.append((inputs["completion_ids"].clone(), loss.detach().clone()))
+            seen.append((inputs["completion_ids"].clone(), inputs["advantages"].clone(), loss.detach().clone()))
             return loss
 
+        def record_logps(*args, per_token_logps=per_token_logps, logps=logps, **kwargs):
+            out = per_token_logps(*args, **kwargs)
+            logps.append(out[0].detach().clone())
+            return out
+
         trainer.compute_loss = record
+        trainer._get_per_token_logps_and_entropies = record_logps
         trainer.train()
         lora = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
-        results[experts] = (seen, lora)
-    (seen_a, lora_a), (seen_b, lora_b) = results["bf16"], results["mxfp4"]
+        results[experts] = (seen, logps, gradients.seen, lora)
+    (seen_a, logps_a, grads_a, lora_a), (seen_b, logps_b, grads_b, lora_b) = results["bf16"], results["mxfp4"]
     assert len(seen_a) == len(seen_b) == 1
-    assert torch.equal(seen_a[0][0], seen_b[0][0]) and torch.equal(seen_a[0][1], seen_b[0][1])
+    for a, b in zip(seen_a[0], seen_b[0], strict=True):  # completions, advantages, loss
+        assert torch.equal(a, b)
+    assert seen_a[0][1].abs().max() > 0  # rewards differed within the group: the step has something to learn
+    assert logps_a and len(logps_a) == len(logps_b)
+    for a, b in zip(logps_a, logps_b, strict=True):
+        assert torch.equal(a, b)
+    assert len(grads_a) == len(grads_b) == 1 and grads_a[0].keys() == lora_a.keys()
+    assert any(g.abs().max() > 0 for g in grads_a[0].values())
+    for name in grads_a[0]:
+        assert torch.equal(grads_a[0][name], grads_b[0][name]), name
     assert lora_a.keys() == lora_b.keys() and lora_a
     for name in lora_a:
         assert torch.equal(lora_a[name], lora_b[name]), name

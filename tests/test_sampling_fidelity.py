@@ -322,13 +322,27 @@ def bases(model) -> dict:
     return {name: p.detach().clone() for name, p in model.named_parameters() if "base_layer" in name}
 
 
+def vllm_trainer(model, generation):
+    """What sampling_fidelity.install reads of a GRPOTrainer that generates with vLLM (TRL 1.16's names)."""
+    def unused(*args, **kwargs):
+        raise AssertionError("not called here")
+
+    return SimpleNamespace(vllm_generation=generation, model=model, use_vllm=True,
+                           vllm_importance_sampling_correction=False, accelerator=SimpleNamespace(mixed_precision="no"),
+                           _generate_single_turn=unused, _compute_loss=unused,
+                           _get_per_token_logps_and_entropies=unused, _metrics={})
+
+
 @pytest.mark.parametrize("kept", [False, True])
 def test_vllm_sync_leaves_the_base_bit_identical(kept):
+    """With the trainer's hooks installed (train_grpo's build_trainer calls sampling_fidelity.install), each sync
+    still sends vLLM the merged weights and the trainer's base stays bit for bit; without them it drifts."""
     model = bf16_lora_model()
     generation, received = mocked_vllm_generation(model)
-    trainer = SimpleNamespace(vllm_generation=generation, model=model)
+    trainer = vllm_trainer(model, generation)
     if kept:
-        assert workarounds.keep_base_weights_across_vllm_sync(trainer, say=lambda text: None)
+        sampling_fidelity.install(trainer, say=lambda text: None)
+        assert isinstance(generation.sync_weights, workarounds.BaseWeightsKept)
     before = bases(model)
     g = torch.Generator().manual_seed(0)
     for _ in range(200):  # a sync per optimizer step; the adapter trains in between
