@@ -14,7 +14,6 @@ Exit status: 0 no problem, 1 problems (listed on stdout), 2 bad setting.
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -24,7 +23,7 @@ from tes_grpo.fileio import InputError, csv_files, parse_finite, parse_whole, re
 from tes_grpo.harmony import prompt_problem
 
 PATHS: list = ["data"]  # files or folders to check (positional arguments)
-SUM_TOLERANCE = 1e-6  # allowed |sum of rewards - 1| (0..0.01)
+SUM_TOLERANCE = tes_env.REWARD_SUM_TOLERANCE  # allowed |sum of rewards - 1| (0..0.01); training's too
 ARGMAX_TOLERANCE = 1e-6  # optimal_action's Q may be this far below the row's max Q (6-decimal rounding; 0..0.1)
 
 _MAX_SUM_TOLERANCE = 0.01  # looser and the sum check no longer tells a softmax from arbitrary numbers
@@ -56,11 +55,10 @@ def check_row(path, row: int, cells: dict, problems: list[str], sum_tolerance: f
     cell(parse_whole, problems, path, row, "timestep", cells["timestep"], what="timestep")
     q = [cell(parse_finite, problems, path, row, c, cells[c], what="Q-value") for c in _Q_COLUMNS]
     rewards = [cell(parse_finite, problems, path, row, c, cells[c], what="reward") for c in _REWARD_COLUMNS]
-    for column, value in zip(_REWARD_COLUMNS, rewards, strict=True):
-        if value is not None and not 0.0 <= value <= 1.0:
-            problems.append(problem(path, f"reward {value!r} is outside [0, 1]", row, column))
-    if all(value is not None for value in rewards) and abs(math.fsum(rewards) - 1.0) > sum_tolerance:
-        problems.append(problem(path, f"rewards sum to {math.fsum(rewards)!r}, not 1", row, "reward_action_0..3"))
+    if all(value is not None for value in rewards):
+        for action, why in tes_env.reward_problems(rewards, sum_tolerance):
+            column = "reward_action_0..3" if action is None else _REWARD_COLUMNS[action]
+            problems.append(problem(path, why, row, column))
     action = cell(parse_whole, problems, path, row, "optimal_action", cells["optimal_action"], 0, _N_ACTIONS - 1,
                   what="optimal_action")
     if action is not None and all(value is not None for value in q) and q[action] < max(q) - argmax_tolerance:

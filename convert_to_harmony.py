@@ -152,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     from tes_grpo.script_config import resolve
 
     settings = resolve(globals(), argv, positional="PATHS")
+    if not settings.PATHS:
+        print("error: no input: name the legacy-prompt CSV files or folders to convert "
+              "(python convert_to_harmony.py data/my_q_dataset.csv)", file=sys.stderr)
+        return 2
     try:
         check_reasoning_effort(settings.REASONING_EFFORT)
         check_date(settings.DATE)

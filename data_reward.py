@@ -47,7 +47,7 @@ from tes_grpo.harmony import (
 )
 from tes_grpo.processes import gather_on_main, process_rank, say
 from tes_grpo.tes_env import N_ACTIONS as NUM_ACTIONS  # the plant decides how many actions there are
-from tes_grpo.tes_env import REWARD_COLUMNS
+from tes_grpo.tes_env import REWARD_COLUMNS, reward_problems
 
 # The columns training reads from a dataset row, which StepStream hands to TRL; TRL passes every column but `prompt`
 # to reward_fn as a keyword list.
@@ -88,6 +88,13 @@ def check_frame(frame: pd.DataFrame, path: str | os.PathLike) -> pd.DataFrame:
     for column in REWARD_COLUMNS:
         checked[column] = [parse_finite(path, row, column, value, what="reward", hint=_REWARD_HINT)
                            for row, value in enumerate(frame[column], start=1)]
+    for row, rewards in enumerate(zip(*(checked[column] for column in REWARD_COLUMNS), strict=True), start=1):
+        problems = reward_problems(rewards)  # check_data.py's rule
+        if problems:
+            action, why = problems[0]
+            column = "reward_action_0..3" if action is None else REWARD_COLUMNS[action]
+            raise InputError(path, why + _REWARD_HINT, row=row, column=column,
+                             value=None if action is None else frame[column].iloc[row - 1])
     result = pd.DataFrame(checked)
     result["source"] = [f"{Path(path).name}:{row}" for row in range(1, len(result) + 1)]
     return result

@@ -122,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     from tes_grpo.script_config import resolve
 
     settings = resolve(globals(), argv)
+    if settings.STEPS < 1:
+        print(f"error: STEPS={settings.STEPS}: must be at least 1 (optimizer steps to print)", file=sys.stderr)
+        return 2
     try:
         print("\n".join(preview(settings)))
     except (InputError, ValueError) as err:

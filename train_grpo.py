@@ -343,20 +343,29 @@ def train(s, environ=None, callbacks=()) -> Path:
     log_path = Path(env["completion_log_path"]) if env["completion_log_path"] else out / "completions.csv"
     # Settings, folder, resume: all from files, before anything slow.
     checkpoint, step = prepare_resume(out, s.RESUME, log_path, process_count(), say, trim=is_main_process())
+    if checkpoint is not None and step >= s.TOTAL_STEPS:  # the trainer would run one step past max_steps
+        adapter = "" if (out / "adapter_model.safetensors").is_file() else f"; its adapter is in {checkpoint}"
+        say(f"nothing to train: {checkpoint} is at step {step} of TOTAL_STEPS={s.TOTAL_STEPS} (raise TOTAL_STEPS to "
+            f"train on){adapter}")
+        return out
     check_machine(s.USE_VLLM, say)
     start_process_group()
     for name, (default, value) in s.preset.items():
         say(f"MODEL_ID={s.MODEL_ID}: preset {name}={value} (default {default})")
 
-    # Data
+    # Data (the model's tokenizer and config first: a MODEL_ID that cannot be reached stops here)
     model_path = resolve_model_path(s.MODEL_ID)
-    tokenizer = load_tokenizer_for(model_path, say=say)
+    try:
+        tokenizer = load_tokenizer_for(model_path, say=say)
+        config = AutoConfig.from_pretrained(model_path)
+    except OSError as err:  # not a folder, not on the Hub, or no network: transformers says which
+        raise SettingsError(f"MODEL_ID={s.MODEL_ID}: cannot load it: {' '.join(str(err).split())}") from None
     frame = load_training_data(s, tokenizer)
     longest = int(frame["prompt_tokens"].max())
+    batch_layout(s, longest, env["steps_per_generation"])  # settings that cannot work together stop before loading
     dataset = build_stream(frame, s).to_iterable_dataset()
 
     # Model, the memory it leaves (checked before loading too: a run that cannot fit stops before it), trainer
-    config = AutoConfig.from_pretrained(model_path)
     resident = resolve_experts(s.EXPERTS, model_path, expert_layers(s))[0] == "mxfp4"
     plan_run(s, config, longest, env["steps_per_generation"], resident, loaded=False)
     model = load_training_model(model_path, s.ATTN_IMPLEMENTATION, say=say, experts=s.EXPERTS,

@@ -47,22 +47,29 @@ class ProgressLineCallback(TrainerCallback):
     between sampler and trainer, seconds per step."""
 
     def __init__(self):
-        self.started = None
-        self.first_step = 0
+        self.started = self.last = None
+        self.first_step = self.last_step = 0
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.started = time.time()
-        self.first_step = state.global_step
+        self.started = self.last = time.time()
+        self.first_step = self.last_step = state.global_step
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs or "reward" not in logs:
             return
-        done = max(1, state.global_step - self.first_step)
-        per_step = (time.time() - self.started) / done
+        print("  ".join(self.progress_parts(state, logs, time.time())), flush=True)
+
+    def progress_parts(self, state, logs: dict, now: float) -> list[str]:
+        """The line's parts; the seconds are those of the steps since the last line, then the run's average (the
+        first step compiles and captures, so the two differ most there)."""
+        since = max(1, state.global_step - self.last_step)
+        average = (now - self.started) / max(1, state.global_step - self.first_step)
+        latest = (now - self.last) / since
+        self.last, self.last_step = now, state.global_step
         parts = [f"step {state.global_step}/{state.max_steps}"]
         parts += [f"{label} {format_metric(logs[key])}" for key, label in PROGRESS_FIELDS if key in logs]
-        parts.append(f"{per_step:.1f} s/step")
-        print("  ".join(parts), flush=True)
+        parts.append(f"{latest:.1f} s/step (average {average:.1f})")
+        return parts
 
 
 class ZeroPaddedCheckpointNames(TrainerCallback):

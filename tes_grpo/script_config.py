@@ -177,7 +177,8 @@ def parse_overrides(argv: list[str], defaults: dict, annotations: dict | None = 
                 else:
                     result[name] = True
                 continue
-            if i >= len(argv):
+            # a following `--NAME...` word is the next setting, never this one's value (a forgotten value)
+            if i >= len(argv) or argv[i].startswith("--"):
                 raise ConfigError(f"--{key} needs a value (--{name}=value)")
             text = argv[i]
             i += 1

@@ -25,6 +25,7 @@ rounding (~1e-12), with no grid and no interpolation.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 import random
 from datetime import datetime, timedelta
@@ -60,6 +61,18 @@ ENERGY_KEY_DECIMALS = 9  # float energies equal to 1e-9 kWh share one memo entry
 TIE_TOLERANCE = 1e-9  # Q-values this close count as a tie; the lowest action wins
 Q_COLUMNS = tuple(f"q_action_{a}" for a in range(N_ACTIONS))
 REWARD_COLUMNS = tuple(f"reward_action_{a}" for a in range(N_ACTIONS))
+REWARD_SUM_TOLERANCE = 1e-6  # a row's rewards (a softmax written with repr) sum to 1 within this
+
+
+def reward_problems(rewards, sum_tolerance: float = REWARD_SUM_TOLERANCE) -> list[tuple[int | None, str]]:
+    """What is wrong with one row's rewards (finite floats, actions 0..3): (the action whose reward is wrong, or None
+    for the row, and why). calculate_reward.py writes a softmax of the Q-values: each in [0, 1], summing to 1."""
+    problems: list[tuple[int | None, str]] = [(a, f"reward {r!r} is outside [0, 1]") for a, r in enumerate(rewards)
+                                              if not 0.0 <= r <= 1.0]
+    total = math.fsum(rewards)
+    if abs(total - 1.0) > sum_tolerance:
+        problems.append((None, f"rewards sum to {total!r}, not 1"))
+    return problems
 # columns of <series>_q_dataset.csv as make_q_dataset.py writes them (calculate_reward.py adds REWARD_COLUMNS
 # after q_action_3)
 DATASET_COLUMNS = ("timestep", "timestamp", "prompt", "optimal_action", *Q_COLUMNS, "series", "tes_energy_kwh",

@@ -236,6 +236,7 @@ TRACEBACK_CASES = [
     ("convert_to_harmony", ["q", "--TOKENIZER=/no/such/folder"], 2, ["--TOKENIZER='/no/such/folder'",
                                                                     "folder does not exist"]),
     ("convert_to_harmony", ["q", "--TOKENIZER=q/a_q_dataset.csv"], 2, ["--TOKENIZER=", "is a file"]),
+    ("convert_to_harmony", [], 2, ["no input", "name the legacy-prompt CSV files or folders"]),  # nothing named
 ]
 
 

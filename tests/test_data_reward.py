@@ -68,6 +68,9 @@ BAD_CELLS = [
     ("optimal_action", 1, "1.0", ["row 1", "'optimal_action'", "'1.0'", "whole number"]),  # check_data refuses it too
     ("optimal_action", 2, "1e0", ["row 2", "'optimal_action'", "'1e0'", "whole number"]),  # so does check_data
     ("reward_action_3", 1, "", ["row 1", "'reward_action_3'", "missing reward", "calculate_reward.py"]),  # not yet run
+    ("reward_action_1", 2, "1.5", ["row 2", "'reward_action_1'", "'1.5'", "outside [0, 1]"]),  # check_data's rule
+    ("reward_action_0", 1, "-0.5", ["row 1", "'reward_action_0'", "'-0.5'", "outside [0, 1]"]),  # negative
+    ("reward_action_2", 2, "0.0", ["row 2", "'reward_action_0..3'", "sum to", "not 1"]),  # no longer a softmax
     ("prompt", 2, "system:\nlegacy\n\nuser:\nx", ["row 2", "'prompt'", "Harmony"]),  # legacy text, not Harmony
     ("prompt", 1, "<|start|>user<|message|>x<|end|><|start|>assistant\n", ["row 1", "'prompt'", "Harmony"]),  # one more
     ("reward_action_1", None, DROP, ["missing column", "reward_action_1"]),  # column missing

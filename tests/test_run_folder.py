@@ -161,3 +161,21 @@ def test_zero_padded_checkpoint_rename(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-000030"]
     rename_checkpoint(tmp_path, 30)  # already padded: nothing to do
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-000030"]
+
+
+# (seconds since training began, global step of the line, what the line ends with): logged every step, then every 2
+PROGRESS_TIMES = [
+    (30.0, 1, "step 1/6  reward 0.5  30.0 s/step (average 30.0)"),  # the first step (compiles) alone
+    (40.0, 2, "step 2/6  reward 0.5  10.0 s/step (average 20.0)"),  # the latest step, then the average
+    (60.0, 4, "step 4/6  reward 0.5  10.0 s/step (average 15.0)"),  # two steps since the last line
+]
+
+
+def test_progress_line_gives_the_latest_steps_seconds_then_the_average():
+    from tes_grpo.callbacks import ProgressLineCallback
+
+    line = ProgressLineCallback()
+    line.started = line.last = 100.0
+    for seconds, step, expected in PROGRESS_TIMES:
+        state = SimpleNamespace(global_step=step, max_steps=6)
+        assert "  ".join(line.progress_parts(state, {"reward": 0.5}, 100.0 + seconds)) == expected

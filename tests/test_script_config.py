@@ -69,6 +69,8 @@ BAD = [
     (["--LIMIT=1.5"], "PATHS", ["not a valid int"]),  # annotation int | None
     (["--SIZES=1,x"], "PATHS", ["not a valid int"]),  # list item of the wrong type
     (["--STEPS"], "PATHS", ["--STEPS needs a value"]),  # non-bool without a value
+    (["--STEPS", "--LR=0.1"], "PATHS", ["--STEPS needs a value"]),  # the next setting is not its value
+    (["--NAME", "--LR=0.1"], "PATHS", ["--NAME needs a value"]),  # not even for a text setting
     (["stray.csv"], None, ["unexpected argument 'stray.csv'", "Valid names:"]),  # positional word, none expected
     (["--LR=nan"], "PATHS", ["--LR='nan'", "must be a finite number"]),  # NaN would switch comparisons off
     (["--LR=inf"], "PATHS", ["--LR='inf'", "must be a finite number"]),

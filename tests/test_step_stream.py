@@ -143,3 +143,11 @@ def test_preview_prints_each_micro_step_of_the_first_steps(capsys):
     assert [line.split(":")[0] for line in lines] == [f"step {s} micro-step {m}" for s in (1, 2) for m in range(3)]
     sources = [line.split(": ", 1)[1] for line in lines[:3]]
     assert len(set(sources)) == 3  # the prompts of one optimizer step are distinct
+
+
+@pytest.mark.parametrize("steps", [0, -1])
+def test_preview_of_no_steps_is_an_error(capsys, steps):
+    import step_stream
+
+    assert step_stream.main([f"--STEPS={steps}"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: STEPS={steps}: must be at least 1")

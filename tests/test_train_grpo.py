@@ -374,7 +374,16 @@ def run(tmp_path_factory, tokenizer):
         mp.delenv("GRPO_COMPLETION_LOG_PATH", raising=False)
         assert train_grpo.main(argv + [f"--TOTAL_STEPS={RESUMED_TO}",
                                        f"--RESUME={out / f'checkpoint-{SAVE_STEPS:06d}'}"]) == 0
-    return {"out": out, "first": first, "watcher": watcher, "tokenizer": tokenizer}
+        finished = folder_contents(out)
+        assert train_grpo.main(argv + [f"--TOTAL_STEPS={RESUMED_TO}", "--RESUME=1"]) == 0  # a finished run again
+        again = folder_contents(out)
+    return {"out": out, "first": first, "watcher": watcher, "tokenizer": tokenizer, "finished": finished,
+            "again": again}
+
+
+def folder_contents(folder: Path) -> dict:
+    """Every file below folder with its bytes (the run folder of the tiny model is small)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 @pytest.mark.slow
@@ -505,6 +514,39 @@ def test_resume_continues_at_the_right_step(run):
     assert kept.astype(str).equals(before[before["step"] <= SAVE_STEPS].reset_index(drop=True).astype(str))
     for step in range(SAVE_STEPS + 1, RESUMED_TO + 1):  # the stream picks up where the checkpoint left it
         assert set(log[log["step"] == step]["prompt"]) == set(before[before["step"] == step]["prompt"])
+
+
+@pytest.mark.slow
+def test_resuming_a_finished_run_changes_nothing(run):
+    """RESUME=1 at TOTAL_STEPS: nothing to train (the trainer would run a step past max_steps and overwrite the
+    adapter)."""
+    assert run["again"].keys() == run["finished"].keys() and "adapter_model.safetensors" in run["again"]
+    changed = [name for name in run["again"] if run["again"][name] != run["finished"][name]]
+    assert not changed
+
+
+def test_settings_that_conflict_stop_before_the_model_loads(tmp_path, tokenizer, capsys, monkeypatch):
+    from tes_grpo import model_loading
+
+    monkeypatch.setattr(model_loading, "load_training_model", lambda *args, **kwargs: pytest.fail("model loaded"))
+    data = write_fixture_data(tmp_path, tokenizer)
+    code = train_grpo.main(["--MODEL_ID=tiny", "--TRAIN_BATCH_SIZE=5", f"--DATA_DIR={data}",
+                            f"--EVAL_DIR={data / 'eval'}", f"--OUT_DIR={tmp_path / 'run'}"])
+    assert code == 1 and "error: TRAIN_BATCH_SIZE=5 must divide the 16 completions" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model_id, words", [
+    ("{tmp}/no-such-model", "Repo id must be"),  # a folder that does not exist
+    ("openai/gpt-oss-20b", "couldn't connect to 'https://huggingface.co'"),  # the Hub, offline (no network)
+])
+def test_a_model_that_cannot_be_loaded_is_one_error_line(tmp_path, capsys, monkeypatch, model_id, words):
+    import huggingface_hub.constants
+
+    # offline mode as HF_HUB_OFFLINE=1 sets it at import: the same answer as no network, without its retries
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    code = train_grpo.main([f"--MODEL_ID={model_id.format(tmp=tmp_path)}", f"--OUT_DIR={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and err[0].startswith("error: MODEL_ID=") and words in err[0]
 
 
 def test_bad_setting_exits_with_error(tmp_path, capsys):
