@@ -23,7 +23,7 @@ from tes_grpo.fileio import InputError, csv_files, parse_finite, parse_whole, re
 from tes_grpo.harmony import prompt_problem
 
 PATHS: list = ["data"]  # files or folders to check (positional arguments)
-SUM_TOLERANCE = tes_env.REWARD_SUM_TOLERANCE  # allowed |sum of rewards - 1| (0..0.01); training's too
+SUM_TOLERANCE = tes_env.REWARD_SUM_TOLERANCE  # allowed |sum of rewards - 1| (0..0.01); training uses this default
 ARGMAX_TOLERANCE = 1e-6  # optimal_action's Q may be this far below the row's max Q (6-decimal rounding; 0..0.1)
 
 _MAX_SUM_TOLERANCE = 0.01  # looser and the sum check no longer tells a softmax from arbitrary numbers

@@ -19,6 +19,7 @@ import csv
 import io
 import math
 import os
+import re
 import secrets
 import shutil
 import sys
@@ -75,7 +76,7 @@ def parse_whole(path, row: int, column: str, text, low: int | None = None, high:
         raise InputError(path, f"missing {name}", row=row, column=column)
     digits = text.strip() if isinstance(text, str) else None
     if isinstance(text, bool) or not (isinstance(text, int) or hasattr(text, "__index__")
-                                      or digits is not None and digits.lstrip("+-").isdigit()):
+                                      or digits is not None and re.fullmatch(r"[+-]?[0-9]+", digits)):
         raise InputError(path, f"{name} is not a whole number", row=row, column=column, value=text)
     number = int(digits) if digits is not None else int(text)
     if (low is not None and number < low) or (high is not None and number > high):

@@ -109,6 +109,8 @@ def prompt_problem(text) -> str | None:
     if not isinstance(text, str) or not text.strip():
         return "empty prompt"
     # exactly the generation prompt at the end: a trailing newline would be one more token the model never saw there
+    if text.startswith(START) and not text.endswith(GENERATION_PROMPT) and text.rstrip().endswith(GENERATION_PROMPT):
+        return f"whitespace after the generation prompt '{GENERATION_PROMPT}' at the end: remove it"
     if not text.startswith(START) or not text.endswith(GENERATION_PROMPT):
         return (f"not a Harmony prompt with the generation prompt appended (should start with '{START}' and end "
                 f"with '{GENERATION_PROMPT}'); render it with convert_to_harmony.py first")

@@ -37,7 +37,7 @@ BAD_CELL_CASES = [
     ("prompt", "system:\nx\n\nuser:\ny", "row 2, column 'prompt': not a Harmony prompt"),  # legacy
     ("prompt", "", "row 2, column 'prompt': empty prompt"),  # missing prompt
     ("prompt", "<|start|>user<|message|>y<|end|>", "row 2, column 'prompt': not a Harmony prompt with the generation"),
-    ("prompt", "<|start|>user<|message|>y<|end|><|start|>assistant\n", "row 2, column 'prompt': not a Harmony"),
+    ("prompt", "<|start|>user<|message|>y<|end|><|start|>assistant\n", "row 2, column 'prompt': whitespace after"),
     ("q_action_2", "nan", "row 2, column 'q_action_2', value 'nan': Q-value is not finite"),  # NaN Q
     ("q_action_0", "", "row 2, column 'q_action_0': missing Q-value"),  # missing Q
     ("reward_action_3", "abc", "row 2, column 'reward_action_3', value 'abc': reward is not a number"),  # text

@@ -72,7 +72,7 @@ BAD_CELLS = [
     ("reward_action_0", 1, "-0.5", ["row 1", "'reward_action_0'", "'-0.5'", "outside [0, 1]"]),  # negative
     ("reward_action_2", 2, "0.0", ["row 2", "'reward_action_0..3'", "sum to", "not 1"]),  # no longer a softmax
     ("prompt", 2, "system:\nlegacy\n\nuser:\nx", ["row 2", "'prompt'", "Harmony"]),  # legacy text, not Harmony
-    ("prompt", 1, "<|start|>user<|message|>x<|end|><|start|>assistant\n", ["row 1", "'prompt'", "Harmony"]),  # one more
+    ("prompt", 1, "<|start|>user<|message|>x<|end|><|start|>assistant\n", ["row 1", "'prompt'", "whitespace after"]),
     ("reward_action_1", None, DROP, ["missing column", "reward_action_1"]),  # column missing
 ]
 

@@ -264,6 +264,10 @@ WHOLE_CASES = [
     (True, 0, 3, "value True: action is not a whole number"),  # bool is no count
     ("", 0, 3, "column 'c': missing action"),  # empty cell
     ("two", 0, 3, "value 'two': action is not a whole number"),  # text
+    ("--1", 0, 3, "value '--1': action is not a whole number"),  # two signs
+    ("\u00b2", 0, 3, "value '\u00b2': action is not a whole number"),  # a superscript two (str.isdigit says yes)
+    ("\u0663", 0, 3, "value '\u0663': action is not a whole number"),  # an Arabic-Indic three: ASCII digits only
+    ("+1", 0, 3, 1),  # a plus sign is a sign
 ]
 
 

@@ -377,8 +377,11 @@ def run(tmp_path_factory, tokenizer):
         finished = folder_contents(out)
         assert train_grpo.main(argv + [f"--TOTAL_STEPS={RESUMED_TO}", "--RESUME=1"]) == 0  # a finished run again
         again = folder_contents(out)
+        assert train_grpo.main(argv + [f"--TOTAL_STEPS={SAVE_STEPS}",  # an earlier checkpoint, already at the end
+                                       f"--RESUME={out / f'checkpoint-{SAVE_STEPS:06d}'}"]) == 0
+        earlier = folder_contents(out)
     return {"out": out, "first": first, "watcher": watcher, "tokenizer": tokenizer, "finished": finished,
-            "again": again}
+            "again": again, "earlier": earlier}
 
 
 def folder_contents(folder: Path) -> dict:
@@ -520,9 +523,10 @@ def test_resume_continues_at_the_right_step(run):
 def test_resuming_a_finished_run_changes_nothing(run):
     """RESUME=1 at TOTAL_STEPS: nothing to train (the trainer would run a step past max_steps and overwrite the
     adapter)."""
-    assert run["again"].keys() == run["finished"].keys() and "adapter_model.safetensors" in run["again"]
-    changed = [name for name in run["again"] if run["again"][name] != run["finished"][name]]
-    assert not changed
+    for later in ("again", "earlier"):  # RESUME=1, and a checkpoint at its TOTAL_STEPS: no log row is dropped either
+        assert run[later].keys() == run["finished"].keys() and "adapter_model.safetensors" in run[later]
+        changed = [name for name in run[later] if run[later][name] != run["finished"][name]]
+        assert not changed, (later, changed)
 
 
 def test_settings_that_conflict_stop_before_the_model_loads(tmp_path, tokenizer, capsys, monkeypatch):
@@ -537,13 +541,16 @@ def test_settings_that_conflict_stop_before_the_model_loads(tmp_path, tokenizer,
 
 @pytest.mark.parametrize("model_id, words", [
     ("{tmp}/no-such-model", "Repo id must be"),  # a folder that does not exist
-    ("openai/gpt-oss-20b", "couldn't connect to 'https://huggingface.co'"),  # the Hub, offline (no network)
+    ("no-such-org/no-such-model", "couldn't connect to 'https://huggingface.co'"),  # a Hub id, offline (no network)
 ])
 def test_a_model_that_cannot_be_loaded_is_one_error_line(tmp_path, capsys, monkeypatch, model_id, words):
     import huggingface_hub.constants
 
+    from tes_grpo import model_loading
+
     # offline mode as HF_HUB_OFFLINE=1 sets it at import: the same answer as no network, without its retries
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(model_loading, "load_training_model", lambda *args, **kwargs: pytest.fail("model loaded"))
     code = train_grpo.main([f"--MODEL_ID={model_id.format(tmp=tmp_path)}", f"--OUT_DIR={tmp_path / 'run'}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(err) == 1 and err[0].startswith("error: MODEL_ID=") and words in err[0]
