@@ -5,6 +5,8 @@ Run on the GPU machine (the tokenizer folder must be reachable: GPT_OSS_TOKENIZE
     python benchmarks/bench_grpo.py --STEPS=2 --MAX_COMPLETION_LEN=512 --DECODE_EXPERTS=auto
     python benchmarks/bench_grpo.py --STEPS=2 --MAX_COMPLETION_LEN=512 --DECODE_GRAPHS=off  # transformers' generate
     python benchmarks/bench_grpo.py --STEPS=3 --MAX_COMPLETION_LEN=1024 --LORA_RHO=1e-3     # gap at a trained adapter
+    python benchmarks/bench_grpo.py --STEPS=3 --MAX_COMPLETION_LEN=4000 --PROMPT_TOKENS=0 --EXPERTS=mxfp4 \
+        --LORA_RHO=1e-3 --DECODE_LORA=merged   # or --SAMPLING_METRICS=0: the cost of exact LoRA / of the metrics
     python benchmarks/bench_grpo.py --STEPS=2 --MAX_COMPLETION_LEN=512 --EXPERTS=mxfp4      # resident MXFP4 experts
     python benchmarks/bench_grpo.py --STEPS=2 --MAX_COMPLETION_LEN=512 --MODEL_SIZE=120b    # gpt-oss-120b (H200)
     accelerate launch --config_file configs/accelerate/ddp.yaml benchmarks/bench_grpo.py --STEPS=2     # several GPUs
@@ -68,6 +70,8 @@ PRESETS = {"MODEL_SIZE": {"120b": {"TRAIN_GFLOP_PER_TOKEN": 31.0, "EXPERTS": "mx
 PROFILE_TRAIN = False  # after the steps, profile one forward/backward of the last micro-batch (torch.profiler)
 LORA_RHO = 0.0  # >0: the adapter starts with B drawn so rms(delta) / rms(W) = this (a trained adapter; 0: PEFT's zeros)
 IMPORTANCE_SAMPLING = "off"  # train_grpo's IMPORTANCE_SAMPLING: off, token_truncate, ... (cap: train_grpo's default)
+DECODE_LORA = "peft"  # train_grpo's DECODE_LORA: peft (the trainer's order) or merged (folded into a weight copy)
+SAMPLING_METRICS = True  # False: the trainer without sampling_fidelity's measurement, to time what it costs
 
 
 _FILLER = " Serve the cooling load first; among the ways to serve it, prefer the one with the least CO2."
@@ -162,7 +166,10 @@ def main(argv: list[str] | None = None) -> None:
         DECODE_EXPERTS=bench.DECODE_EXPERTS, DECODE_GRAPHS=bench.DECODE_GRAPHS, TRAIN_EXPERTS=bench.TRAIN_EXPERTS,
         TRAIN_BATCH_SIZE=bench.TRAIN_BATCH_SIZE,
         TRAIN_TOKENS_PER_PASS=bench.TRAIN_TOKENS_PER_PASS, IMPORTANCE_SAMPLING=bench.IMPORTANCE_SAMPLING,
-        MEMORY_BUDGET_GB=bench.MEMORY_BUDGET_GB)
+        MEMORY_BUDGET_GB=bench.MEMORY_BUDGET_GB, DECODE_LORA=bench.DECODE_LORA)
+    if not bench.SAMPLING_METRICS and bench.IMPORTANCE_SAMPLING != "off":
+        raise SystemExit("error: SAMPLING_METRICS=0 times the trainer without the measurement; IMPORTANCE_SAMPLING "
+                         "needs it (set it off)")
     train_grpo.check_settings(settings)
     tokenizer = load_tokenizer()
     frame = train_grpo.load_training_data(settings, tokenizer)
@@ -191,7 +198,11 @@ def main(argv: list[str] | None = None) -> None:
     dataset = train_grpo.build_stream(frame, settings).to_iterable_dataset()
     trainer = train_grpo.build_trainer(settings, model, tokenizer, dataset, layout, callbacks=[step_timer])
     step_timer.timer = GenerationTimer(model)  # outermost, around whichever generate() build_trainer installed
-    step_timer.fidelity = trainer.sampling_fidelity
+    if bench.SAMPLING_METRICS:
+        step_timer.fidelity = trainer.sampling_fidelity
+    else:
+        trainer.sampling_fidelity.detach()
+        say("sampling metrics: off (SAMPLING_METRICS=0), to time what they cost")
     if bench.LORA_RHO:
         from benchmarks.decode_compare import draw_lora_b
 
@@ -205,7 +216,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{stack_versions()}, {process_count()} process(es), sharding {step_timer.rows[0]['sharding']}")
     print(f"gpt-oss-{bench.MODEL_SIZE} shapes, EXPERTS={bench.EXPERTS}, DECODE_EXPERTS={bench.DECODE_EXPERTS}, "
           f"DECODE_GRAPHS={bench.DECODE_GRAPHS}, TRAIN_EXPERTS={bench.TRAIN_EXPERTS}, LORA_RHO={bench.LORA_RHO}, "
-          f"IMPORTANCE_SAMPLING={bench.IMPORTANCE_SAMPLING}, MAX_COMPLETION_LEN="
+          f"IMPORTANCE_SAMPLING={bench.IMPORTANCE_SAMPLING}, DECODE_LORA={bench.DECODE_LORA}, "
+          f"SAMPLING_METRICS={bench.SAMPLING_METRICS}, MAX_COMPLETION_LEN="
           f"{bench.MAX_COMPLETION_LEN}, prompt {prompt_tokens} tokens, {settings.NUM_GENERATIONS} generations x "
           f"{settings.GRADIENT_ACCUMULATION_STEPS} accumulation, {layout['train_batch_size']} completions a pass")
     print(f"{'step':>4}{'step s':>8}{'gen s':>8}{'train s':>8}{'gen %':>7}{'tok/s':>8}{'of limit':>9}"

@@ -282,6 +282,17 @@ class FidelityHook:
         self.trainer._compute_loss = self.compute_loss
         self.trainer._get_per_token_logps_and_entropies = self.per_token_logps
 
+    def detach(self) -> None:
+        """Undoes `install`'s measurement (benchmarks time a step without it): the trainer's three methods and the
+        model's generate() as they were. The vLLM base-weight guard stays: it is a fix, not a measurement."""
+        self.trainer._generate_single_turn = self._generate_single_turn
+        self.trainer._compute_loss = self._compute_loss
+        self.trainer._get_per_token_logps_and_entropies = self._per_token_logps
+        if self.recording is not None:
+            self.recording.model.generate = self.recording.generate
+            self.recording = None
+        self.trainer.__dict__.pop("sampling_fidelity", None)
+
     def generate_single_turn(self, *args, **kwargs):
         """TRL's _generate_single_turn, returning the sampled tokens' log-probabilities where TRL returns None
         (transformers' generate, graph_decode), cut to each completion as TRL cut its ids."""

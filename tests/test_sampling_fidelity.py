@@ -423,3 +423,23 @@ def test_gap_summary_for_the_completion_log():
     assert line.startswith("sampler vs trainer over 2 logged steps: mean |log p| gap 0.03 (last step 0.04)")
     assert "largest 1.5" in line and "gen KL 0.002 on average, 0.003 at most" in line
     assert sampling_fidelity.gap_summary([{"step": 1, "reward": 0.1}]) is None  # a run without the metrics
+
+
+def test_detach_gives_back_what_install_wrapped():
+    """bench_grpo's SAMPLING_METRICS=0 times a step without the measurement: detach restores the trainer's methods
+    and the model's generate()."""
+    from tes_grpo.graph_decode import causal_lm
+
+    model = bf16_lora_model()
+    trainer = vllm_trainer(model, None)
+    trainer.use_vllm = False
+    inner = causal_lm(model)
+    before = {name: getattr(trainer, name) for name in
+              ("_generate_single_turn", "_compute_loss", "_get_per_token_logps_and_entropies")}
+    generate = inner.generate
+    hook = sampling_fidelity.install(trainer, say=lambda text: None)
+    assert isinstance(inner.generate, sampling_fidelity.RecordingGenerate) and trainer.sampling_fidelity is hook
+    assert all(getattr(trainer, name) is not method for name, method in before.items())
+    hook.detach()
+    assert inner.generate == generate and not hasattr(trainer, "sampling_fidelity")
+    assert all(getattr(trainer, name) is method for name, method in before.items())
