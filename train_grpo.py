@@ -396,12 +396,16 @@ def train(s, environ=None, callbacks=()) -> Path:
 
 def main(argv: list[str] | None = None, callbacks=()) -> int:
     """Command-line entry: resolves --NAME=value overrides (and the tiny preset), trains; returns the exit status."""
+    from tes_grpo.workarounds import leave_process_group
+
     settings = resolve(globals(), argv, presets=PRESETS, allow_nan={"INVALID_REWARD"}, choices=CHOICES)
     try:
         train(settings, callbacks=callbacks)
     except (InputError, SettingsError) as err:
         print(f"error: {err}", file=sys.stderr)
+        leave_process_group(wait=False)
         return 1
+    leave_process_group(wait=True)
     return 0
 
 

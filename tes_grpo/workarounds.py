@@ -321,3 +321,20 @@ def keep_base_weights_across_vllm_sync(trainer, say=_say) -> bool:
     say("vLLM: the base weights are copied before each weight sync and restored after it (TRL merges the adapter "
         "into them in place; workarounds.py)")
     return True
+
+
+def leave_process_group(wait: bool) -> bool:
+    """torch 2.11-2.13: destroys the process group before Python exits. Left to the interpreter's finalization, gloo's
+    worker threads can release tensors after the interpreter is gone and abort the process with SIGABRT ("terminate
+    called without an active exception"; seen here once in the DDP resume test, on the CPU, after its last step; an
+    upstream change to register this at exit was abandoned in 2026). wait: meet every process first, so none leaves
+    while another still needs it (only on success: after an error one process may never arrive). Returns whether
+    there was a group to leave."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    if wait:
+        dist.barrier()
+    dist.destroy_process_group()
+    return True

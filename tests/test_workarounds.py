@@ -155,3 +155,15 @@ def test_flex_mask_wrapper_installs_once_and_passes_holes_through(monkeypatch):
     assert calls[0] is None  # bounds: transformers gets no per-position mask
     assert torch.equal(calls[1], torch.tensor([[1, 0, 1], [1, 1, 1]]))  # a hole: passed through
     assert torch.equal(calls[2], torch.ones(2, 3, dtype=torch.long))  # no padding: transformers skips it itself
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_leave_process_group_destroys_the_group_once(wait):
+    import torch.distributed as dist
+
+    from tes_grpo.workarounds import leave_process_group
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    assert leave_process_group(wait) and not dist.is_initialized()
+    assert not leave_process_group(wait)  # nothing left to leave
