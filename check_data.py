@@ -34,8 +34,8 @@ _REWARD_COLUMNS = list(tes_env.REWARD_COLUMNS)
 _REQUIRED_COLUMNS = ["timestep", "timestamp", "prompt", "optimal_action", *_Q_COLUMNS, *_REWARD_COLUMNS]
 
 
-def problem(path, message: str, row: int | None = None, column: str | None = None, value=None) -> str:
-    return str(InputError(path, message, row=row, column=column, value=value))
+def problem(path, message: str, row: int | None = None, column: str | None = None) -> str:
+    return str(InputError(path, message, row=row, column=column))
 
 
 def cell(parse, problems: list[str], *args, **kwargs):

@@ -335,20 +335,19 @@ def train(s, environ=None, callbacks=()) -> Path:
         resolve_model_path,
     )
     from tes_grpo.processes import start_process_group
-    from tes_grpo.run_folder import drop_log_rows_after, prepare_resume, run_summary
+    from tes_grpo.run_folder import prepare_resume, run_summary
 
     check_settings(s)
     env = read_environment(os.environ if environ is None else environ)
     out = Path(s.OUT_DIR)
     log_path = Path(env["completion_log_path"]) if env["completion_log_path"] else out / "completions.csv"
     # Settings, folder, resume: all from files, before anything slow.
-    checkpoint, step = prepare_resume(out, s.RESUME, log_path, process_count(), say, trim=False)
+    checkpoint, step = prepare_resume(out, s.RESUME, log_path, process_count(), say, trim=is_main_process(),
+                                      total_steps=s.TOTAL_STEPS)
     if checkpoint is not None and step >= s.TOTAL_STEPS:  # the trainer would run one step past max_steps
         say(f"nothing to train: {checkpoint} is at step {step} of TOTAL_STEPS={s.TOTAL_STEPS}, and its adapter is "
             "there (raise TOTAL_STEPS to train on); the run folder is left as it is")
         return out
-    if checkpoint is not None and is_main_process():
-        drop_log_rows_after(out, step, log_path, say)  # the steps after the checkpoint are trained again
     check_machine(s.USE_VLLM, say)
     start_process_group()
     for name, (default, value) in s.preset.items():

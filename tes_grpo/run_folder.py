@@ -207,16 +207,18 @@ def drop_log_rows_after(out: Path, step: int, completion_log: Path | None, say=p
                 say(f"resume: dropped {len(rows) - len(kept_rows)} completion-log row(s) after step {step}")
 
 
-def prepare_resume(out: Path, resume: str, completion_log: Path | None, processes: int, say=print, trim: bool = True):
+def prepare_resume(out: Path, resume: str, completion_log: Path | None, processes: int, say=print, trim: bool = True,
+                   total_steps: int | None = None):
     """Everything resume needs that reads only files, done before the model load: the checkpoint (or None for a
-    new run), its process count checked, its step, and (trim: the main process only) the logs trimmed to it.
+    new run), its process count checked, its step, and (trim: the main process only) the logs trimmed to it, unless
+    the checkpoint is already at total_steps: then nothing will be trained again and the run folder stays as it is.
     Returns (checkpoint, step)."""
     checkpoint = resume_checkpoint(out, resume, say)
     if checkpoint is None:
         return None, 0
     check_resume_processes(checkpoint, processes)
     step = checkpoint_step(checkpoint)
-    if trim:
+    if trim and (total_steps is None or step < total_steps):
         drop_log_rows_after(out, step, completion_log, say)
     return checkpoint, step
 

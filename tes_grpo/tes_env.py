@@ -62,6 +62,10 @@ TIE_TOLERANCE = 1e-9  # Q-values this close count as a tie; the lowest action wi
 Q_COLUMNS = tuple(f"q_action_{a}" for a in range(N_ACTIONS))
 REWARD_COLUMNS = tuple(f"reward_action_{a}" for a in range(N_ACTIONS))
 REWARD_SUM_TOLERANCE = 1e-6  # a row's rewards (a softmax written with repr) sum to 1 within this
+# columns of <series>_q_dataset.csv as make_q_dataset.py writes them (calculate_reward.py adds REWARD_COLUMNS
+# after q_action_3)
+DATASET_COLUMNS = ("timestep", "timestamp", "prompt", "optimal_action", *Q_COLUMNS, "series", "tes_energy_kwh",
+                   "on_trajectory")
 
 
 def reward_problems(rewards, sum_tolerance: float = REWARD_SUM_TOLERANCE) -> list[tuple[int | None, str]]:
@@ -73,10 +77,6 @@ def reward_problems(rewards, sum_tolerance: float = REWARD_SUM_TOLERANCE) -> lis
     if abs(total - 1.0) > sum_tolerance:
         problems.append((None, f"rewards sum to {total!r}, not 1"))
     return problems
-# columns of <series>_q_dataset.csv as make_q_dataset.py writes them (calculate_reward.py adds REWARD_COLUMNS
-# after q_action_3)
-DATASET_COLUMNS = ("timestep", "timestamp", "prompt", "optimal_action", *Q_COLUMNS, "series", "tes_energy_kwh",
-                   "on_trajectory")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -144,12 +144,19 @@ def test_bad_row_in_the_middle_is_an_error_naming_it(tmp_path):
         drop_log_rows_after(tmp_path, 2, path)
 
 
-def test_prepare_resume_trims_before_any_model_load(tmp_path):
+@pytest.mark.parametrize("total_steps, trimmed", [
+    (None, True),  # no end given: the steps after the checkpoint will be redone, their rows go
+    (3, True),  # the run goes on past the checkpoint: the same
+    (1, False),  # the checkpoint is already at the end: nothing is redone, the folder stays as it is
+])
+def test_prepare_resume_trims_before_any_model_load(tmp_path, total_steps, trimmed):
     make_checkpoint(tmp_path, 1)
-    (tmp_path / "metrics.jsonl").write_text(metrics_lines([1, 2]) + '{"st')
-    checkpoint, step = prepare_resume(tmp_path, "1", tmp_path / "completions.csv", processes=1, say=lambda _: None)
+    written = metrics_lines([1, 2]) + '{"st'
+    (tmp_path / "metrics.jsonl").write_text(written)
+    checkpoint, step = prepare_resume(tmp_path, "1", tmp_path / "completions.csv", processes=1, say=lambda _: None,
+                                      total_steps=total_steps)
     assert (checkpoint.name, step) == ("checkpoint-000001", 1)
-    assert (tmp_path / "metrics.jsonl").read_text() == metrics_lines([1])
+    assert (tmp_path / "metrics.jsonl").read_text() == (metrics_lines([1]) if trimmed else written)
 
 
 def test_zero_padded_checkpoint_rename(tmp_path):
