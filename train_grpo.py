@@ -31,8 +31,7 @@ import os
 import sys
 from pathlib import Path
 
-from tes_grpo import fast_paths, sampling_fidelity
-from tes_grpo.fast_paths import CHOICES as FAST_PATH_CHOICES
+from tes_grpo.choices import FAST_PATHS, IS_MODES
 from tes_grpo.fileio import InputError
 from tes_grpo.harmony import REASONING_EFFORTS as _EFFORTS
 from tes_grpo.model_loading import EXPERTS_CHOICES as _EXPERTS_CHOICES
@@ -103,9 +102,9 @@ CHOICES = {
     "SCALE_REWARDS": ("none", "group", "batch"),
     "PROMPT_TOO_LONG": ("error", "skip"),
     "REASONING_EFFORT": ("", *_EFFORTS),
-    "IMPORTANCE_SAMPLING": sampling_fidelity.IS_MODES,
+    "IMPORTANCE_SAMPLING": IS_MODES,
     "EXPERTS": _EXPERTS_CHOICES,
-    **FAST_PATH_CHOICES,
+    **FAST_PATHS,
 }
 
 
@@ -130,6 +129,9 @@ def _need(ok: bool, name: str, value, rule: str) -> None:
 
 def check_settings(s) -> None:
     """Raises SettingsError naming the setting and value for settings that cannot work (before anything slow)."""
+    from tes_grpo import fast_paths, sampling_fidelity
+    from tes_grpo.trackers import report_to_problem
+
     for name in ("MAX_PROMPT_LEN", "MAX_COMPLETION_LEN", "TOTAL_STEPS", "SAVE_STEPS", "LORA_R", "LOGGING_STEPS",
                  "PROMPTS_PER_STEP", "GRADIENT_ACCUMULATION_STEPS", "TRAIN_TOKENS_PER_PASS"):
         _need(s[name] >= 1, name, s[name], "must be at least 1")
@@ -159,8 +161,6 @@ def check_settings(s) -> None:
           "TRAIN_BATCH_SIZE", s.TRAIN_BATCH_SIZE, "must be auto or a whole number >= 1")
     fast_paths.check_settings(s)
     expert_layers(s)
-    from tes_grpo.trackers import report_to_problem
-
     for problem in (sampling_fidelity.correction_problem(s.IMPORTANCE_SAMPLING, s.IMPORTANCE_SAMPLING_CAP,
                                                          s.LOSS_TYPE), report_to_problem(s.REPORT_TO)):
         if problem:
@@ -242,6 +242,11 @@ def build_grpo_config(s, layout: dict, cuda: bool):
         vllm = {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": s.VLLM_GPU_MEMORY_UTILIZATION,
                 "vllm_max_model_length": s.MAX_PROMPT_LEN + s.MAX_COMPLETION_LEN,
                 "vllm_importance_sampling_correction": False}  # sampling_fidelity measures and corrects every path
+    # transformers 5.24 renamed gradient_checkpointing* to activation_checkpointing* (the old names warn); 5.17 has
+    # only the old ones
+    name = "activation" if "activation_checkpointing" in GRPOConfig.__dataclass_fields__ else "gradient"
+    checkpointing = {f"{name}_checkpointing": s.GRADIENT_CHECKPOINTING,
+                     f"{name}_checkpointing_kwargs": {"use_reentrant": False} if s.GRADIENT_CHECKPOINTING else None}
     return GRPOConfig(
         output_dir=str(s.OUT_DIR), max_steps=s.TOTAL_STEPS,  # max_steps is required: the stream has no length
         per_device_train_batch_size=layout["train_batch_size"],
@@ -257,8 +262,7 @@ def build_grpo_config(s, layout: dict, cuda: bool):
         loss_type=s.LOSS_TYPE, scale_rewards=s.SCALE_REWARDS, beta=s.BETA, router_aux_loss_coef=s.ROUTER_AUX_LOSS_COEF,
         seed=s.SEED, bf16=cuda,
         use_cpu=not cuda,  # on a machine without a GPU, several processes (accelerate launch) then use gloo
-        gradient_checkpointing=s.GRADIENT_CHECKPOINTING,
-        gradient_checkpointing_kwargs={"use_reentrant": False} if s.GRADIENT_CHECKPOINTING else None,
+        **checkpointing,
         logging_steps=s.LOGGING_STEPS, report_to=report_to(s.REPORT_TO) or "none",
         save_strategy="steps", save_steps=s.SAVE_STEPS, save_total_limit=s.KEEP_CHECKPOINTS or None,
         disable_tqdm=True,  # ProgressLineCallback prints one line per step instead
@@ -269,7 +273,8 @@ def build_grpo_config(s, layout: dict, cuda: bool):
 
 def build_trainer(s, model, tokenizer, train_dataset, layout: dict, completion_log=None, callbacks=(),
                   resume_step: int | None = None):
-    """GRPOTrainer wired with the bound reward, LoRA, the stream, the run folder's callbacks and the fast paths.
+    """GRPOTrainer wired with the bound reward, LoRA, the stream and the run folder's callbacks, then the library
+    fixes, the fast paths and the sampler, in that order.
 
     `model` is a loaded (not yet PEFT-wrapped) gpt-oss; the trainer adds the LoRA adapter. Model loading stays
     outside, so a benchmark can pass any gpt-oss-shaped model.
@@ -278,9 +283,12 @@ def build_trainer(s, model, tokenizer, train_dataset, layout: dict, completion_l
     from trl import GRPOTrainer
 
     from data_reward import bind_reward
+    from tes_grpo import fast_paths, sampler
     from tes_grpo.callbacks import JsonlMetricsCallback, ProgressLineCallback, ZeroPaddedCheckpointNames
     from tes_grpo.model_loading import cuda_available
-    from tes_grpo.workarounds import point_tensorboard
+    from tes_grpo.patches import fixes
+    from tes_grpo.patches.transformers_patches import point_tensorboard
+    from tes_grpo.sampling_fidelity import Correction
 
     out, cuda = Path(s.OUT_DIR), cuda_available()
     out.mkdir(parents=True, exist_ok=True)
@@ -292,11 +300,10 @@ def build_trainer(s, model, tokenizer, train_dataset, layout: dict, completion_l
                    *callbacks])
     trainer.remove_callback(PrinterCallback)  # ProgressLineCallback prints a compact line instead of the raw dict
     point_tensorboard(trainer, out / "tensorboard", resume_step)
-    for line in fast_paths.install(trainer, s, cuda, process_count(), layout["generation_sequences"]):
+    paths = fast_paths.choose(s, trainer, cuda, layout["generation_sequences"])
+    for line in fixes.install(trainer) + fast_paths.install(trainer, paths):
         say(line)
-    # last: it wraps the generate() that fast_paths chose, to read the sampler's log-probs
-    sampling_fidelity.install(trainer, sampling_fidelity.Correction(s.IMPORTANCE_SAMPLING, s.IMPORTANCE_SAMPLING_CAP),
-                              say=say)
+    sampler.install(trainer, paths.sampler, Correction(s.IMPORTANCE_SAMPLING, s.IMPORTANCE_SAMPLING_CAP), say=say)
     return trainer
 
 
@@ -395,9 +402,9 @@ def train(s, environ=None, callbacks=()) -> Path:
 
 def main(argv: list[str] | None = None, callbacks=()) -> int:
     """Command-line entry: resolves --NAME=value overrides (and the tiny preset), trains; returns the exit status."""
-    from tes_grpo.workarounds import leave_process_group
-
     settings = resolve(globals(), argv, presets=PRESETS, allow_nan={"INVALID_REWARD"}, choices=CHOICES)
+    from tes_grpo.patches.torch_patches import leave_process_group  # after resolve: --help needs no torch
+
     try:
         train(settings, callbacks=callbacks)
     except (InputError, SettingsError) as err:

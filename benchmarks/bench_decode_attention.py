@@ -4,7 +4,7 @@ from the exact (float64) result. Run on the GPU machine (the numbers go to BENCH
     python benchmarks/bench_decode_attention.py
     python benchmarks/bench_decode_attention.py --LENGTHS=1536,5376 --ROWS=128
 
-Implementations: graph_decode.one_query_attention eagerly and compiled, and graph_decode.flex_one_query_attention
+Implementations: decode_math.one_query_attention eagerly and compiled, and decode_math.flex_one_query_attention
 compiled (what attention_function gives a GPU). The keys, values and mask are a cache-length view of a longer
 buffer, as StaticCache.write returns them, the length marked dynamic as decode_step marks it; the last line counts
 the graphs torch.compile built over all lengths (1 = one kernel set for every bucket).
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch._dynamo.utils import counters
 
     from benchmarks.bench_flex_attention import cuda_ms
-    from tes_grpo import graph_decode
+    from tes_grpo import decode_math
     from tes_grpo.gpt_oss_shapes import stack_versions
 
     print(stack_versions())
@@ -43,10 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     buffers = [torch.randn(s.ROWS, kv_heads, total, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
     sinks = torch.randn(heads, device="cuda", dtype=torch.bfloat16)
     implementations = {
-        "one_query eager": graph_decode.one_query_attention,
-        "one_query compiled": torch.compile(graph_decode.one_query_attention, fullgraph=True,
+        "one_query eager": decode_math.one_query_attention,
+        "one_query compiled": torch.compile(decode_math.one_query_attention, fullgraph=True,
                                             options={"emulate_precision_casts": True}),
-        "flex compiled": torch.compile(graph_decode.flex_one_query_attention, fullgraph=True),
+        "flex compiled": torch.compile(decode_math.flex_one_query_attention, fullgraph=True),
     }
     graphs = dict.fromkeys(implementations, 0)
     rows = []
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         for t, d in ((keys, 2), (values, 2), (mask, 1)):
             torch._dynamo.maybe_mark_dynamic(t, d)
         args = (query, keys, values, mask, sinks)
-        exact = graph_decode.one_query_attention(*(t.double() for t in args), dim ** -0.5)
+        exact = decode_math.one_query_attention(*(t.double() for t in args), dim ** -0.5)
         for name, fn in implementations.items():
             before = counters["stats"]["unique_graphs"]
             out = fn(*args, dim ** -0.5)

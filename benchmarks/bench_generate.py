@@ -12,7 +12,7 @@ Run on the GPU machine (the numbers go to BENCHMARKS.md):
 It builds the 20B architecture in bf16 straight on the GPU (no download), then times generation (prefill
 included) for each variant in VARIANTS. `default` is transformers' generate as shipped, which switches `grouped_mm`
 experts to `batched_mm` while decoding; `grouped_mm` keeps grouped GEMM throughout (see
-`workarounds.grouped_mm_experts_for_decode`); `static` is graph_decode.py's decode loop without CUDA
+`patches.transformers_patches.grouped_mm_experts_for_decode`); `static` is graph_decode.py's decode loop without CUDA
 graphs and `graphs` the same with each decode step replayed as a CUDA graph (train_grpo's DECODE_GRAPHS); both
 prefill each distinct prompt once, `static_unshared` / `graphs_unshared` prefill every row; `graphs_mxfp4` /
 `static_mxfp4` compute the experts from their MXFP4 copy (mxfp4_decode.py, train_grpo's DECODE_EXPERTS=mxfp4); a
@@ -51,7 +51,6 @@ import time
 
 from tes_grpo.gpt_oss_shapes import build_random_model, stack_versions
 from tes_grpo.script_config import resolve
-from tes_grpo.workarounds import grouped_mm_experts_for_decode
 
 NUM_SEQS = 64  # sequences decoded together
 NUM_PROMPTS = 0  # distinct prompts among them, each repeated NUM_SEQS/NUM_PROMPTS times in a row (TRL); 0 = all
@@ -250,7 +249,7 @@ def count_prefill_compiles(model, settings) -> list[tuple]:
     from torch._dynamo.utils import counters
 
     from benchmarks.decode_compare import prefill_shapes
-    from tes_grpo import graph_decode
+    from tes_grpo import decode_cache, lm_head
 
     torch._logging.set_logs(recompiles=True)
     span = min(300, settings.PROMPT_LEN // 2)
@@ -264,7 +263,7 @@ def count_prefill_compiles(model, settings) -> list[tuple]:
                 ids, mask = grpo_prompts(settings.NUM_SEQS, settings.NUM_PROMPTS, length, settings.PROMPT_LEN_SPREAD,
                                          model, settings.SEED + 1 + i)
                 with torch.no_grad():
-                    graph_decode.prefill(graph_decode.causal_lm(model), ids, mask, 1, token_ids(model)[1],
+                    decode_cache.prefill(lm_head.causal_lm(model), ids, mask, 1, token_ids(model)[1],
                                          bucket=settings.PREFILL_BUCKET, autocast=autocast_dtype(settings.AUTOCAST))
             torch.cuda.synchronize()
     finally:
@@ -293,6 +292,8 @@ def grpo_state(model, rank: int, b_std: float = 0.0, rho: float = 0.0):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tes_grpo.patches.transformers_patches import grouped_mm_experts_for_decode
+
     settings = resolve(globals(), argv)
     unknown = [v for v in settings.VARIANTS if v not in _TRANSFORMERS_VARIANTS and not is_graph_decode(v)]
     if unknown:

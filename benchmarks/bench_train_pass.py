@@ -31,7 +31,8 @@ LAYERS = 4  # decoder layers built (alternating sliding / full attention, as gpt
 ROWS = 16  # sequences in the micro-batch (TRAIN_BATCH_SIZE=auto picks 16 at 1,024-token completions)
 LENGTH = 2335  # tokens per sequence (1,311-token prompt + 1,024 completion)
 LEFT_PAD = 40  # every other row's prompt is this many tokens shorter (left padding, masked)
-# what to time: TRAIN_EXPERTS (transformers | fused), "+bounds" = flex masks from padding bounds (workarounds.py)
+# what to time: TRAIN_EXPERTS (transformers | fused), "+bounds" = flex masks from padding bounds
+# (patches/transformers_patches.py)
 VARIANTS = ("transformers", "fused", "fused+bounds")
 REPS = 3  # timed forward + backward passes per variant, after one untimed (compilation)
 CHECKPOINTING = True  # gradient checkpointing, as train_grpo's GRADIENT_CHECKPOINTING default
@@ -67,7 +68,7 @@ def set_variant(model, variant: str) -> None:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     from tes_grpo.fused_experts import use_fused_experts, uses_fused_experts
-    from tes_grpo.workarounds import flex_masks_with_padding_bounds
+    from tes_grpo.patches.transformers_patches import flex_masks_with_padding_bounds
 
     experts, _, mask = variant.partition("+")
     for module in model.modules():
@@ -135,8 +136,8 @@ def capture_attention(model, ids, mask, s, variant: str) -> dict:
 def probe_attention(model, ids, mask, s) -> list[tuple]:
     """Times transformers' flex_attention_forward outside the model on the inputs of the model's own calls: as
     captured, with q/k/v made contiguous, with the block mask transformers builds from a bool attention mask (TRL's
-    is int64), from padding bounds (workarounds.flex_masks_with_padding_bounds), rebuilt as bench_flex_attention.py
-    builds it, and without autocast."""
+    is int64), from padding bounds (patches.transformers_patches.flex_masks_with_padding_bounds), rebuilt as
+    bench_flex_attention.py builds it, and without autocast."""
     import torch
     from torch.nn.attention.flex_attention import create_block_mask
     from transformers.integrations.flex_attention import flex_attention_forward

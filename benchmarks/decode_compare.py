@@ -15,7 +15,7 @@ import contextlib
 
 import torch
 
-from tes_grpo import graph_decode
+from tes_grpo import decode_cache, decode_math, lm_head
 
 
 @torch.no_grad()
@@ -24,14 +24,14 @@ def decode_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
                     experts: str = "model", lora: str = "peft", autocast: torch.dtype | None = None) -> torch.Tensor:
     """Log-probabilities [B, n] graph_decode's prefill and decode steps give the tokens of completion_ids [B, n] (fed
     in as if sampled; no warpers)."""
-    lm = graph_decode.causal_lm(model)
+    lm = lm_head.causal_lm(model)
     device = input_ids.device
     batch, prompt_len = input_ids.shape
     steps = completion_ids.shape[1]
-    weights = graph_decode.decode_weights(lm, experts, lora, autocast)
-    logits, cache = graph_decode.prefill(lm, input_ids, attention_mask, steps, share_prompts=share_prompts,
+    weights = decode_math.decode_weights(lm, experts, lora, autocast)
+    logits, cache = decode_cache.prefill(lm, input_ids, attention_mask, steps, share_prompts=share_prompts,
                                          bucket=prefill_bucket, autocast=autocast)
-    step = graph_decode.decode_steps(lm, cache, batch, device, graphs, weights)
+    step = decode_cache.decode_steps(lm, cache, batch, device, graphs, weights)
     out = []
     for n in range(steps):
         token = completion_ids[:, n]
@@ -62,7 +62,7 @@ def trainer_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     labels on the completion, under `autocast` (the accelerator's mixed precision: bf16 on GPUs)."""
     from trl.trainer.utils import add_fused_lm_head
 
-    lm = graph_decode.causal_lm(model)
+    lm = lm_head.causal_lm(model)
     if not getattr(lm, "_decode_compare_fused_head", False):
         add_fused_lm_head(lm, outputs=("log_probs",))
         lm._decode_compare_fused_head = True
@@ -71,7 +71,7 @@ def trainer_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     n = completion_ids.shape[1]
     labels = full_ids.masked_fill(full_mask == 0, -100)
     labels[:, :-n] = -100
-    with graph_decode.autocast_context(input_ids.device, autocast):
+    with decode_math.autocast_context(input_ids.device, autocast):
         out = model(input_ids=full_ids, attention_mask=full_mask, labels=labels, fused_lm_head=True)
     return out.log_probs[:, -n:].float()
 
@@ -102,7 +102,7 @@ def prefill_shapes(model):
         if cached and ids is not None and ids.shape[1] > 1:
             seen.append(tuple(ids.shape))
 
-    handle = graph_decode.causal_lm(model).model.register_forward_pre_hook(record, with_kwargs=True)
+    handle = lm_head.causal_lm(model).model.register_forward_pre_hook(record, with_kwargs=True)
     try:
         yield seen
     finally:

@@ -1,7 +1,9 @@
-"""Which fast paths a GRPO run takes, decided once, and installed on the trainer: the one place that chooses kernels.
+"""Which fast paths a GRPO run takes, decided once: the one place that chooses kernels.
 
 train_grpo.py calls `check_settings(s)` with its other setting checks (before anything slow) and, once the trainer
-has wrapped the model in LoRA, `install(trainer, s, cuda)`, which returns the lines the log prints. The choices:
+has wrapped the model in LoRA, `choose(s, trainer, cuda)`, which returns the decisions with their reasons
+(FastPaths); `install(trainer, paths)` applies the training side of them and sampler.install builds the sampler
+`paths.sampler` names. The settings:
 
 - DECODE_GRAPHS (auto | on | off): sample with graph_decode.py (static KV cache, each decode step replayed as a
   CUDA graph) instead of transformers' generate. auto = on when graph_decode.auto_decode_graphs finds nothing in
@@ -15,27 +17,25 @@ has wrapped the model in LoRA, `install(trainer, s, cuda)`, which returns the li
 - DECODE_LORA (peft | merged): how graph_decode applies the adapter. peft = the base product, then the LoRA output
   added, as the trainer's PEFT forward computes it (the sampler samples the policy being trained); merged = the
   adapter folded into a bf16 copy of the attention weights, fewer kernels a step but rounding of its own
-  (BENCHMARKS.md, "MXFP4-resident experts, sampler fidelity and gpt-oss-120b", measures both).
+  (BENCHMARKS.md measures both).
 
-The library workarounds the run needs are installed here too, each from tes_grpo/workarounds.py, in this order:
-experts kept for decoding, CPU scoring of completion positions only, flex attention masks from padding bounds,
-quiet all-rewards-None warnings, generate() kept in step across FSDP processes, then the sampler, the training
-experts, and real storage for trainable weights left on the meta device.
+Besides these, `install` writes flex attention's padded masks as each row's bounds, keeps transformers from
+switching the experts for decoding, and on a CPU has TRL score completion positions only: library patches
+(tes_grpo/patches/) that only buy speed, so they are chosen here too.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 
-from tes_grpo import workarounds
+from tes_grpo import graph_decode
+from tes_grpo.fused_experts import use_fused_experts
+from tes_grpo.lm_head import causal_lm
+from tes_grpo.patches import transformers_patches, trl_patches
+from tes_grpo.processes import process_count, uses_fsdp
+from tes_grpo.sampler import SamplerSpec, training_autocast
 from tes_grpo.script_config import SettingsError
-
-CHOICES = {
-    "DECODE_GRAPHS": ("auto", "on", "off"),
-    "DECODE_EXPERTS": ("auto", "mxfp4", "grouped_mm", "transformers"),
-    "TRAIN_EXPERTS": ("auto", "fused", "transformers"),
-    "DECODE_LORA": ("peft", "merged"),
-}
 
 
 def check_settings(s) -> None:
@@ -53,8 +53,6 @@ def _triton() -> bool:
 def decode_graphs_choice(s, model, cuda: bool, sharded: bool) -> tuple[bool, str]:
     """(sample with graph_decode?, why) for DECODE_GRAPHS, the model already wrapped in LoRA. Every blocker is
     checked here, once; on with a blocker is a SettingsError naming it."""
-    from tes_grpo import graph_decode
-
     if s.DECODE_GRAPHS == "off":
         return False, "DECODE_GRAPHS=off"
     if s.DECODE_GRAPHS == "auto":
@@ -97,42 +95,28 @@ def train_experts_choice(s, cuda: bool) -> tuple[bool, str]:
     return True, "TRAIN_EXPERTS=auto: GPU with Triton"
 
 
-def use_graph_decode(model, experts: str, say, max_batch: int | None = None, lora: str = "peft") -> None:
-    """Routes the model's generate() through graph_decode.GraphDecodeGenerate (idempotent; the latest choices win):
-    experts as decode_experts_choice chose, at most max_batch rows a call (None: the whole batch at once), the
-    adapter applied as `lora` says (DECODE_LORA)."""
-    from tes_grpo.graph_decode import GraphDecodeGenerate, causal_lm
+@dataclass(frozen=True)
+class FastPaths:
+    """A run's choices (see `choose`): the sampler to build, whether the training experts are fused, the speed
+    patches to apply, and the log lines saying what was chosen and why."""
 
-    inner = causal_lm(model)
-    if not isinstance(inner.generate, GraphDecodeGenerate):
-        inner.generate = GraphDecodeGenerate(inner, inner.generate, say=say)
-    inner.generate.experts = experts
-    inner.generate.max_batch = max_batch
-    inner.generate.lora = lora
+    sampler: SamplerSpec
+    fused_training_experts: bool
+    training_experts_why: str
+    keep_grouped_mm_for_decode: bool
+    flex_masks_from_bounds: bool
+    cpu_completion_scoring: bool
+    reasons: tuple[str, ...]
 
 
-def install(trainer, s, cuda: bool, processes: int = 1, generation_sequences: int | None = None) -> list[str]:
-    """Installs the run's workarounds and fast paths on a GRPOTrainer (its model already LoRA-wrapped); returns the
-    log lines saying what was chosen and why. generation_sequences: the most sequences a generate call may take
-    (memory_plan's plan; None = the whole generation batch); only graph_decode can split a batch."""
-    from tes_grpo.processes import say, uses_fsdp
-
-    lines: list[str] = []
-    model = trainer.model
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if s.DECODE_EXPERTS != "transformers" and workarounds.keep_grouped_mm_experts_for_decode(model, lines.append):
-        lines.append("decoding experts: grouped_mm kept for decoding (DECODE_EXPERTS)")
-    if not cuda:
-        workarounds.score_only_completion_tokens_on_cpu(lines.append)
-    if inner.config._attn_implementation == "flex_attention" and workarounds.flex_masks_with_padding_bounds(
-            lines.append):
-        lines.append("flex attention: padded masks written as each row's bounds (workarounds.py)")
-    workarounds.quiet_all_rewards_none_warning()
-    sharded = trainer.is_fsdp_enabled
+def choose(s, trainer, cuda: bool, generation_sequences: int | None = None) -> FastPaths:
+    """The fast paths of a run on a GRPOTrainer (its model already LoRA-wrapped, FSDP decided), each decided once.
+    generation_sequences: the most sequences a generate call may take (memory_plan's plan; None = the whole
+    generation batch); only graph_decode can split a batch, so a split without it is a SettingsError."""
+    model, sharded = trainer.model, trainer.is_fsdp_enabled
+    reasons = []
     if uses_fsdp() and not sharded:
-        lines.append("note: the FSDP config has no effect without GPUs; accelerate runs plain data parallelism here")
-    workarounds.sync_generation_across_processes(model, sharded, processes, lines.append)
-
+        reasons.append("note: the FSDP config has no effect without GPUs; accelerate runs plain data parallelism here")
     graphs, why = decode_graphs_choice(s, model, cuda, sharded)
     experts, experts_why = decode_experts_choice(s, cuda) if graphs else ("model", "")
     batch = trainer.args.per_device_train_batch_size * trainer.args.steps_per_generation
@@ -141,20 +125,38 @@ def install(trainer, s, cuda: bool, processes: int = 1, generation_sequences: in
         raise SettingsError(f"memory: a generate call fits {generation_sequences} of the {batch} sequences of a "
                             f"generation batch, and only graph_decode splits a batch ({why}); use DECODE_GRAPHS=auto "
                             "or lower MAX_COMPLETION_LEN")
-    if graphs:
-        use_graph_decode(model, experts, say, generation_sequences if split else None, s.DECODE_LORA)
-    lines.append(f"decoding: {'graph_decode.py, static KV cache' if graphs else 'transformers generate'} ({why}"
-                 + (f"; experts: {experts_why}; LoRA: DECODE_LORA={s.DECODE_LORA}" if graphs else "")
-                 + (f"; {generation_sequences} of the {batch} sequences a call, as memory allows" if split else "")
-                 + ")")
-    fused, why = train_experts_choice(s, cuda)
-    if fused:
-        from tes_grpo.fused_experts import use_fused_experts
+    backend = "vllm" if s.USE_VLLM else "graph_decode" if graphs else "generate"
+    spec = SamplerSpec(backend, experts=experts, lora=s.DECODE_LORA, max_batch=generation_sequences if split else None,
+                       autocast=training_autocast(trainer), synced=sharded and process_count() > 1)
+    reasons.append(f"decoding: {'graph_decode.py, static KV cache' if graphs else 'transformers generate'} ({why}"
+                   + (f"; experts: {experts_why}; LoRA: DECODE_LORA={s.DECODE_LORA}" if graphs else "")
+                   + (f"; {generation_sequences} of the {batch} sequences a call, as memory allows" if split else "")
+                   + ")")
+    fused, fused_why = train_experts_choice(s, cuda)
+    inner = causal_lm(model)
+    if not fused:
+        reasons.append(f"training experts: transformers' {inner.config._experts_implementation} ({fused_why})")
+    return FastPaths(sampler=spec, fused_training_experts=fused, training_experts_why=fused_why,
+                     keep_grouped_mm_for_decode=s.DECODE_EXPERTS != "transformers",
+                     flex_masks_from_bounds=inner.config._attn_implementation == "flex_attention",
+                     cpu_completion_scoring=not cuda, reasons=tuple(reasons))
 
+
+def install(trainer, paths: FastPaths) -> list[str]:
+    """Applies `paths`' training-side choices and speed patches to a GRPOTrainer (the sampler is sampler.install's);
+    returns the log lines: the choices' reasons, then what each install did."""
+    lines = list(paths.reasons)
+    model = trainer.model
+    if paths.keep_grouped_mm_for_decode and transformers_patches.keep_grouped_mm_experts_for_decode(model,
+                                                                                                   lines.append):
+        lines.append("decoding experts: grouped_mm kept for decoding (DECODE_EXPERTS)")
+    if paths.cpu_completion_scoring:
+        trl_patches.score_only_completion_tokens_on_cpu(lines.append)
+    if paths.flex_masks_from_bounds and transformers_patches.flex_masks_with_padding_bounds(lines.append):
+        lines.append("flex attention: padded masks written as each row's bounds (patches/transformers_patches.py)")
+    if paths.fused_training_experts:
         layers = use_fused_experts(model, say=lines.append)
-        lines.append(f"training experts: {layers} layer(s) fused ({why}; fused_experts.py: bias + SwiGLU and bias + "
-                     "routing weight + top-k sum as one compiled kernel each, forward and backward)")
-    else:
-        lines.append(f"training experts: transformers' {inner.config._experts_implementation} ({why})")
-    workarounds.give_trainable_weights_storage(model)
+        lines.append(f"training experts: {layers} layer(s) fused ({paths.training_experts_why}; fused_experts.py: "
+                     "bias + SwiGLU and bias + routing weight + top-k sum as one compiled kernel each, forward and "
+                     "backward)")
     return lines

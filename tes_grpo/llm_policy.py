@@ -154,7 +154,7 @@ def adapter_switch(policy: PolicyModel, use_adapter: bool):
 def decode_experts_context(policy: PolicyModel, batch_len: int):
     """Keeps grouped_mm experts while decoding for large GPU batches (see GROUPED_MM_MIN_BATCH); else no change."""
     if policy.device == "cuda" and batch_len >= GROUPED_MM_MIN_BATCH:
-        from tes_grpo.workarounds import grouped_mm_experts_for_decode
+        from tes_grpo.patches.transformers_patches import grouped_mm_experts_for_decode
 
         return grouped_mm_experts_for_decode(policy.model, say=print)
     return contextlib.nullcontext()

@@ -13,7 +13,7 @@ in site-packages/trl/):
   `_use_triton(device)` (line 1642: CUDA or XPU with Triton), passes only the completion positions'
   hidden states (`hidden_states[mask]`) to `ChunkedLogProbFunction` with a vocabulary chunk of
   `_CHUNKED_LOGPROB_CHUNK_SIZE` = 32,768 (line 1506). Without Triton (the CPU) it passes every position, still
-  tiled; workarounds.score_only_completion_tokens_on_cpu makes the CPU score completion positions too.
+  tiled; patches.trl_patches.score_only_completion_tokens_on_cpu makes the CPU score completion positions too.
 - kernels/chunked_logprob.py 299-465, `ChunkedLogProbFunction`: the projection runs into one
   [min(N, TOKEN_CHUNK_SIZE = 4,096), 32,768] buffer in the compute dtype (256 MiB in bf16), folded into running
   log-sum-exp, entropy and target-logit statistics (a Triton kernel; torch ops on the CPU); the backward recomputes

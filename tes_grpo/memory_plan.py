@@ -84,7 +84,7 @@ MARGIN_FRACTION = 0.10  # of the room: the caching allocator's fragmentation (re
 MARGIN_GIB = 0.5  # GiB: CUDA/cuBLAS workspaces and small tensors the formula leaves out
 ACTIVATION_SCALE = 1.0  # measured / derived training bytes per token (benchmarks/bench_memory.py prints it)
 DECODE_VOCAB_BUFFERS = 4  # float32 [sequences, V] tensors alive while a token is sampled: logits, warped, probs, head
-PREFILL_BUCKET_TOKENS = 256  # graph_decode.PREFILL_BUCKET_TOKENS (prompts are prefilled left-padded to a multiple)
+PREFILL_BUCKET_TOKENS = 256  # decode_cache.PREFILL_BUCKET_TOKENS (prompts are prefilled left-padded to a multiple)
 OPTIMIZER_BYTES_PER_PARAM = 16  # float32 LoRA weight (PEFT upcasts adapters), its gradient, AdamW's two moments
 TRL_FUSED_HEAD_TILE = (4096, 32768)  # TRL 1.16: kernels/chunked_logprob.TOKEN_CHUNK_SIZE x the head's vocab chunk
 

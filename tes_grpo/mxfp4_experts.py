@@ -28,7 +28,7 @@ How:
   dequantized weights as a small handle, and dequantize again when the backward unpacks it. Every other saved tensor
   goes to the hooks that were active when the call began (gradient checkpointing's, which would otherwise be
   shadowed: torch applies only the innermost hooks), so activation checkpointing works as before; torch exposes
-  those outer hooks only privately (workarounds.saved_tensors_hooks_now; make_resident refuses without it).
+  those outer hooks only privately (patches.torch_patches.saved_tensors_hooks_now; make_resident refuses without it).
 
 Why this is bit-exact: the property returns the same values (the dequantization equals transformers' own, checked
 for every byte and scale value in the tests), with the same shape, strides, dtype and device as the parameter of the
@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tes_grpo.mxfp4 import BLOCK_SIZE, dequantize_mxfp4, quantize_mxfp4
-from tes_grpo.workarounds import saved_tensors_hooks_now, saved_tensors_hooks_readable
+from tes_grpo.patches.torch_patches import saved_tensors_hooks_now, saved_tensors_hooks_readable
 
 PROJECTIONS = ("gate_up_proj", "down_proj")
 # the Triton kernel's tile: rows (outputs) x columns (inputs) per program, warps; benchmarks/bench_mxfp4_load.py times

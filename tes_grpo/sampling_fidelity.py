@@ -1,5 +1,5 @@
 """How closely the completions were sampled from the policy being trained, measured every step, and an optional
-correction (IMPORTANCE_SAMPLING). Library module: train_grpo's build_trainer calls `install` once.
+correction (IMPORTANCE_SAMPLING). Library module: sampler.install hooks it into the trainer (`hook_trainer`).
 
 Why: GRPO's gradient assumes the completions were drawn from the policy the trainer computes. The sampler computes
 its own forward (graph_decode's decode steps, transformers' generate, or vLLM), with other kernels and other
@@ -24,7 +24,7 @@ TensorBoard and REPORT_TO's trackers; the progress line shows the first), under 
   drawn from pi_sampler, E[r - 1 - log r] = KL(pi_sampler || pi_train), per token, never negative. NeMo-RL's
   gpt-oss-20b release check requires it below 0.002.
 
-Where the log-probabilities come from (hooks on the GRPOTrainer instance, TRL 1.16: `install` checks the private
+Where the log-probabilities come from (hooks on the GRPOTrainer instance, TRL 1.16: `hook_trainer` checks the private
 methods exist and says when the TRL version differs):
 - the sampler's: vLLM returns them (TRL asks for them, after processing); graph_decode's sampling loop computes them
   (generate(logprobs=True)); transformers' generate gets SampledLogprobs as its last custom logits processor. The
@@ -44,22 +44,19 @@ loss by w = exp(delta) truncated at IMPORTANCE_SAMPLING_CAP (token_truncate), or
 same with delta summed over the sequence (sequence_truncate, sequence_mask), as TRL 1.16 corrects vLLM's samples.
 Applied by scaling the micro-batch's advantages per token (TRL 1.16's _compute_loss takes [B, T] advantages): every
 loss type but vespo is linear in a positive per-token weight, so that is TRL's per_token_loss * w.
-
-torch and transformers are imported where they are used, so train_grpo's settings check (correction_problem) stays
-fast.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import torch
+import torch
+import trl
+
+from tes_grpo.choices import IS_MODES
 
 TRL_SERVED = "1.16"  # the TRL version whose private GRPOTrainer methods these hooks replace
-IS_MODES = ("off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 LOGP_MEAN = "sampling/sampling_logp_difference/mean"
 LOGP_MAX = "sampling/sampling_logp_difference/max"
 RATIO_MIN = "sampling/importance_sampling_ratio/min"
@@ -67,9 +64,6 @@ RATIO_MEAN = "sampling/importance_sampling_ratio/mean"
 RATIO_MAX = "sampling/importance_sampling_ratio/max"
 GEN_KL = "sampling/gen_kl_error"
 METRICS = (LOGP_MEAN, LOGP_MAX, RATIO_MIN, RATIO_MEAN, RATIO_MAX, GEN_KL)
-# what generate() warps that SampledLogprobs does not repeat (graph_decode.logits_warpers covers the rest)
-_UNMIRRORED = {"typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None,
-               "watermarking_config": None, "num_beams": 1}
 
 
 @dataclass(frozen=True)
@@ -103,8 +97,6 @@ def correction_problem(mode: str, cap: float, loss_type: str) -> str | None:
 def importance_weights(delta: torch.Tensor, mask: torch.Tensor, correction: Correction) -> torch.Tensor:
     """TRL 1.16's vLLM importance-sampling weights from delta = old - sampler log-probs [B, T]: [B, T] (token modes)
     or [B, 1] (sequence modes). Masked and NaN positions count as delta 0 (ratio 1), as TRL's do."""
-    import torch
-
     diff = torch.nan_to_num(delta * mask, nan=0.0)
     if correction.sequence_level:
         diff = diff.sum(dim=-1, keepdim=True)
@@ -121,8 +113,6 @@ class GapWindow:
         self.parts: list[torch.Tensor] = []
 
     def add(self, delta: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor | None, sequence_level: bool):
-        import torch
-
         if delta.numel() == 0:
             return
         valid = mask.bool() & ~torch.isnan(delta)
@@ -143,8 +133,6 @@ class GapWindow:
     def totals(self, accelerator) -> dict | None:
         """The step's metrics over every process (a collective: every process calls it at the same step), or None
         when nothing was added. Empties the window."""
-        import torch
-
         if not self.parts:
             return None
         parts, self.parts = torch.stack(self.parts), []
@@ -159,115 +147,14 @@ class GapWindow:
                 RATIO_MAX: highs[1] if ratio_count else 0.0, GEN_KL: kl_sum / tokens}
 
 
-class SampledLogprobs:
-    """Records the log-probability of each token a generate() call samples, under the distribution it samples from.
-
-    transformers' generate: passed as the last custom logits processor, it sees each step's scores after the other
-    processors but before the sampling warpers (generate appends those after custom processors), so it applies the
-    warpers itself (`warpers`: graph_decode.logits_warpers of the call's config, the same classes in the same order;
-    each returns a new tensor, so generate's own pass is untouched); the token chosen from a step is read at the next
-    step (the last column of input_ids) and the last one from the returned sequences (`result`). graph_decode's
-    GraphDecodeGenerate hands it the log-probabilities its sampling loop computed (`record`).
-    """
-
-    def __init__(self, warpers=None):
-        self.warpers = warpers
-        self.steps: list[torch.Tensor] = []
-        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.given: torch.Tensor | None = None
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self._close(input_ids[:, -1])
-        warped = self.warpers(input_ids, scores) if self.warpers else scores
-        self.pending = (warped, warped.float().logsumexp(dim=-1))
-        return scores
-
-    def _close(self, chosen: torch.Tensor) -> None:
-        if self.pending is not None:
-            warped, total = self.pending
-            self.steps.append(warped.gather(1, chosen[:, None]).squeeze(1).float() - total)
-            self.pending = None
-
-    def record(self, logprobs: torch.Tensor) -> None:
-        """graph_decode: the sampled tokens' log-probabilities [B, n], as its sampling loop computed them."""
-        self.given = logprobs
-
-    def result(self, sequences: torch.Tensor, prompt_len: int) -> torch.Tensor:
-        """[B, n] float32 log-probabilities of sequences[:, prompt_len:] (n new tokens)."""
-        import torch
-
-        if self.given is not None:
-            return self.given
-        self._close(sequences[:, -1])
-        new = sequences.shape[1] - prompt_len
-        if len(self.steps) != new:
-            raise RuntimeError(f"SampledLogprobs: generate called it {len(self.steps)} times for {new} new tokens")
-        return torch.stack(self.steps, dim=1) if self.steps else sequences.new_zeros((sequences.shape[0], 0),
-                                                                                       dtype=torch.float32)
-
-
-def recording_blockers(config) -> list[str]:
-    """Options of a generate() call under which SampledLogprobs would not see the distribution sampled from."""
-    return [f"{name}={getattr(config, name, None)!r}" for name, neutral in _UNMIRRORED.items()
-            if getattr(config, name, neutral) not in (neutral, None)]
-
-
-class RecordingGenerate:
-    """Wraps a model's generate() (transformers', GraphDecodeGenerate, or another wrapper) to keep the sampled
-    tokens' log-probabilities of its latest call (`take`), through a SampledLogprobs logits processor. Returns what
-    the wrapped generate returns."""
-
-    def __init__(self, model, generate, say=print):
-        self.model, self.generate, self.say = model, generate, say
-        self.latest: torch.Tensor | None = None
-        self.reported: set[str] = set()
-
-    def __call__(self, *args, **kwargs):
-        import torch
-        from transformers import LogitsProcessorList
-
-        from tes_grpo.graph_decode import logits_warpers
-
-        self.latest = None
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
-        config = kwargs.get("generation_config") or self.model.generation_config
-        blockers = recording_blockers(config) + ([] if input_ids is not None else ["no input_ids"])
-        if blockers:
-            text = ", ".join(blockers)
-            if text not in self.reported:
-                self.reported.add(text)
-                self.say(f"sampling metrics: not recorded for this generate call ({text})")
-            return self.generate(*args, **kwargs)
-        recorder = SampledLogprobs(logits_warpers(config))
-        processors = LogitsProcessorList(kwargs.pop("logits_processor", None) or [])
-        processors.append(recorder)
-        out = self.generate(*args, logits_processor=processors, **kwargs)
-        sequences = out if isinstance(out, torch.Tensor) else out.sequences
-        self.latest = recorder.result(sequences, input_ids.shape[1])
-        return out
-
-    def take(self) -> torch.Tensor | None:
-        """The latest call's log-probabilities [B, n] (None if it recorded none), handed out once."""
-        latest, self.latest = self.latest, None
-        return latest
-
-
-def _generate_chain(generate):
-    """generate() and the callables it wraps, outermost first (this repo's wrappers keep the next as .generate,
-    .original or .inner)."""
-    while generate is not None:
-        yield generate
-        generate = next((getattr(generate, name) for name in ("generate", "original", "inner")
-                         if callable(getattr(generate, name, None))), None)
-
-
 class FidelityHook:
-    """The hooks `install` puts on one GRPOTrainer (TRL 1.16): see the module docstring. `latest`: the metrics of
-    the latest optimizer step (benchmarks read it); `recording`: the RecordingGenerate (None under vLLM)."""
+    """The hooks `hook_trainer` puts on one GRPOTrainer (TRL 1.16): see the module docstring. `latest`: the metrics
+    of the latest optimizer step (benchmarks read it); `recording`: the sampler's recorder (sampler.RecordingGenerate,
+    whose `take()` hands out a generate call's sampled log-probabilities [B, n]; None under vLLM, which returns them
+    itself)."""
 
-    def __init__(self, trainer, correction: Correction, say=print):
-        self.trainer, self.correction, self.say = trainer, correction, say
-        self.recording: RecordingGenerate | None = None
+    def __init__(self, trainer, correction: Correction, recording=None, say=print):
+        self.trainer, self.correction, self.recording, self.say = trainer, correction, recording, say
         self.windows = {"train": GapWindow(), "eval": GapWindow()}
         self.latest: dict = {}
         self.batch: dict | None = None
@@ -283,7 +170,7 @@ class FidelityHook:
         self.trainer._get_per_token_logps_and_entropies = self.per_token_logps
 
     def detach(self) -> None:
-        """Undoes `install`'s measurement (benchmarks time a step without it): the trainer's three methods and the
+        """Undoes sampler.install's measurement (benchmarks time a step without it): the trainer's three methods and the
         model's generate() as they were. The vLLM base-weight guard stays: it is a fix, not a measurement."""
         self.trainer._generate_single_turn = self._generate_single_turn
         self.trainer._compute_loss = self._compute_loss
@@ -294,7 +181,7 @@ class FidelityHook:
         self.trainer.__dict__.pop("sampling_fidelity", None)
 
     def generate_single_turn(self, *args, **kwargs):
-        """TRL's _generate_single_turn, returning the sampled tokens' log-probabilities where TRL returns None
+        """TRL 1.16's _generate_single_turn, returning the sampled tokens' log-probabilities where TRL returns None
         (transformers' generate, graph_decode), cut to each completion as TRL cut its ids."""
         if self.recording is not None:
             self.recording.latest = None
@@ -315,7 +202,7 @@ class FidelityHook:
         return completion_ids, [rows[i, :len(ids)].tolist() for i, ids in enumerate(completion_ids)]
 
     def compute_loss(self, model, inputs):
-        """TRL's _compute_loss on a copy of the micro-batch (per_token_logps may scale its advantages)."""
+        """TRL 1.16's _compute_loss on a copy of the micro-batch (per_token_logps may scale its advantages)."""
         self.batch = dict(inputs)
         try:
             return self._compute_loss(model, self.batch)
@@ -323,7 +210,7 @@ class FidelityHook:
             self.batch = None
 
     def per_token_logps(self, *args, **kwargs):
-        """TRL's _get_per_token_logps_and_entropies; inside _compute_loss, measures (and corrects) the gap."""
+        """TRL 1.16's _get_per_token_logps_and_entropies; inside _compute_loss, measures (and corrects) the gap."""
         logps, entropies, aux_loss = self._per_token_logps(*args, **kwargs)
         batch, self.batch = self.batch, None  # only _compute_loss's own call, once
         if batch is not None and batch.get("sampling_per_token_logps") is not None:
@@ -351,25 +238,11 @@ class FidelityHook:
                     self.trainer._metrics[mode][name].append(value)
 
 
-def training_autocast(trainer) -> torch.dtype | None:
-    """The dtype the trainer's forward runs under autocast in (accelerate's mixed precision), or None."""
-    import torch
-
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(trainer.accelerator.mixed_precision))
-
-
-def install(trainer, correction: Correction = Correction(), say=print) -> FidelityHook:
-    """Measures the sampler-trainer gap on `trainer` every step (and applies `correction`): wraps the policy model's
-    generate() with RecordingGenerate (not under vLLM, which returns the log-probabilities itself), makes
-    graph_decode decode under the trainer's autocast, keeps the base weights across vLLM's weight syncs
-    (workarounds.keep_base_weights_across_vllm_sync), and hooks TRL 1.16's _generate_single_turn, _compute_loss and
-    _get_per_token_logps_and_entropies on this instance. Call it last in building the trainer (after the generate
-    wrappers: it wraps them all). The hook is also kept as trainer.sampling_fidelity."""
-    import trl
-
-    from tes_grpo import workarounds
-    from tes_grpo.graph_decode import GraphDecodeGenerate, causal_lm
-
+def hook_trainer(trainer, correction: Correction, recording=None, say=print) -> FidelityHook:
+    """Measures the sampler-trainer gap on `trainer` every step (and applies `correction`): hooks TRL 1.16's
+    _generate_single_turn, _compute_loss and _get_per_token_logps_and_entropies on this instance, reading the
+    sampler's log-probabilities from `recording` (sampler.install builds it; None under vLLM). The hook is also kept
+    as trainer.sampling_fidelity."""
     missing = [name for name in ("_generate_single_turn", "_compute_loss", "_get_per_token_logps_and_entropies",
                                  "_metrics") if not hasattr(trainer, name)]
     if missing:
@@ -378,28 +251,12 @@ def install(trainer, correction: Correction = Correction(), say=print) -> Fideli
     if not trl.__version__.startswith(TRL_SERVED + "."):
         say(f"note: sampling_fidelity hooks TRL {TRL_SERVED}'s private GRPOTrainer methods; this is TRL "
             f"{trl.__version__} (they exist, so the hooks are on: check that sampling/* are logged)")
-    use_vllm = bool(getattr(trainer, "use_vllm", False))
-    if use_vllm and getattr(trainer, "vllm_importance_sampling_correction", False):
+    if getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_importance_sampling_correction", False):
         raise ValueError("sampling_fidelity: TRL's own vLLM importance sampling is on; set "
                          "vllm_importance_sampling_correction=False (IMPORTANCE_SAMPLING corrects every path)")
-    hook = FidelityHook(trainer, correction, say)
-    autocast = training_autocast(trainer)
-    if use_vllm:
-        workarounds.keep_base_weights_across_vllm_sync(trainer, say=say)
-    graph_decode = []
-    if not use_vllm:
-        inner = causal_lm(trainer.model)
-        graph_decode = [g for g in _generate_chain(inner.generate) if isinstance(g, GraphDecodeGenerate)]
-        for generate in graph_decode:
-            generate.autocast = autocast
-        hook.recording = RecordingGenerate(inner, inner.generate, say=say)
-        inner.generate = hook.recording
+    hook = FidelityHook(trainer, correction, recording, say)
     hook.attach()
     trainer.sampling_fidelity = hook
-    say("sampling metrics: the sampler's log-probabilities against the trainer's every step (sampling/*, "
-        + ("vLLM's" if use_vllm else "recorded while generating") + f"); IMPORTANCE_SAMPLING={correction.mode}"
-        + (f" (cap {correction.cap})" if correction.on else "")
-        + (f"; graph_decode decodes under the trainer's autocast ({autocast})" if graph_decode and autocast else ""))
     return hook
 
 

@@ -3,13 +3,16 @@ random gpt-oss built on the spot, no checkpoint)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import GptOssConfig, GptOssForCausalLM
 
 import train_grpo
-from tes_grpo import fast_paths
+from tes_grpo import fast_paths, sampler
 from tes_grpo.graph_decode import GraphDecodeGenerate
+from tes_grpo.sampler import RecordingGenerate, SamplerSpec, SyncedGenerate
 from tes_grpo.script_config import SettingsError
 
 
@@ -100,17 +103,34 @@ def test_train_experts_choice(value, cuda, triton, fused, monkeypatch):
     assert chosen is fused and f"TRAIN_EXPERTS={value}" in why
 
 
-def test_use_graph_decode_passes_the_experts_choice():
+# (spec, the sampler's parts from the outside in, after the recorder)
+SAMPLERS = [
+    (SamplerSpec("generate"), []),  # transformers' generate, recorded
+    (SamplerSpec("generate", synced=True), [SyncedGenerate]),  # FSDP: processes step together
+    (SamplerSpec("graph_decode", experts="mxfp4", max_batch=32, lora="merged"), [GraphDecodeGenerate]),
+    (SamplerSpec("graph_decode", synced=True), [GraphDecodeGenerate, SyncedGenerate]),  # fallback stays in step
+]
+
+
+@pytest.mark.parametrize("spec, parts", SAMPLERS)
+def test_the_sampler_is_built_in_one_order_with_its_settings_given(spec, parts):
     class Model:
         def generate(self, **kwargs):
             return "transformers"
 
     model = Model()
-    fast_paths.use_graph_decode(model, "mxfp4", print)
-    assert isinstance(model.generate, GraphDecodeGenerate) and model.generate.experts == "mxfp4"
-    wrapper = model.generate
-    assert model.generate.max_batch is None  # the whole generation batch in one call
-    assert model.generate.lora == "peft"  # the adapter in the trainer's order (DECODE_LORA's default)
-    fast_paths.use_graph_decode(model, "model", print, max_batch=32, lora="merged")  # idempotent: the latest choices
-    assert model.generate is wrapper and model.generate.experts == "model" and model.generate.max_batch == 32
-    assert model.generate.lora == "merged"
+    own = model.generate
+    trainer = SimpleNamespace(model=model, use_vllm=False, _generate_single_turn=None, _compute_loss=None,
+                              _get_per_token_logps_and_entropies=None, _metrics={})
+    hook = sampler.install(trainer, spec, say=lambda text: None)
+    chain, part = [], model.generate
+    assert isinstance(part, RecordingGenerate) and hook.recording is part
+    part = part.generate
+    while part != own:
+        chain.append(part)
+        part = part.generate if isinstance(part, SyncedGenerate) else part.original
+    assert [type(p) for p in chain] == parts
+    for p in chain:
+        if isinstance(p, GraphDecodeGenerate):
+            assert (p.experts, p.lora, p.max_batch, p.autocast) == (spec.experts, spec.lora, spec.max_batch,
+                                                                  spec.autocast)

@@ -22,7 +22,7 @@ from benchmarks.decode_compare import (
     transformers_logprobs,
 )
 from data_reward import CompletionLog
-from tes_grpo import graph_decode, memory_plan
+from tes_grpo import decode_cache, decode_math, graph_decode, lm_head, memory_plan
 from tes_grpo.model_loading import load_training_model, resolve_model_path
 
 PAD, VOCAB = 5, 512
@@ -172,7 +172,7 @@ def test_shared_prompt_logprobs_equal_a_full_forward(model):
      ([0, 1], [0, 1, 0, 1])),  # same ids, different masks: different prompts
 ])
 def test_shared_prefill_rows(ids, mask, expected):
-    plan = graph_decode.shared_prefill_rows(torch.tensor(ids), torch.tensor(mask))
+    plan = decode_cache.shared_prefill_rows(torch.tensor(ids), torch.tensor(mask))
     if expected is None:
         assert plan is None
     else:
@@ -189,7 +189,7 @@ def test_shared_prefill_rows(ids, mask, expected):
     (1310, 1, 1310),  # 1: no rounding
 ])
 def test_prefill_length(prompt_len, bucket, expected):
-    assert graph_decode.prefill_length(prompt_len, bucket) == expected
+    assert decode_cache.prefill_length(prompt_len, bucket) == expected
 
 
 @pytest.mark.parametrize("bucket", [
@@ -213,8 +213,8 @@ def test_bucketed_and_shared_prefill_fill_the_same_cache(model):
     # are those of the rows as given (the extra slots were masked padding and are not kept)
     ids, mask = grouped_prompts(UNEVEN)
     with torch.no_grad():
-        plain_logits, plain = graph_decode.prefill(model, ids, mask, 4, share_prompts=False, bucket=1)
-        logits, cache = graph_decode.prefill(model, ids, mask, 4, share_prompts=True, bucket=16)
+        plain_logits, plain = decode_cache.prefill(model, ids, mask, 4, share_prompts=False, bucket=1)
+        logits, cache = decode_cache.prefill(model, ids, mask, 4, share_prompts=True, bucket=16)
     assert (cache.prompt_len, cache.total) == (plain.prompt_len, plain.total) == (13, 17)
     assert torch.equal(cache.valid, plain.valid)
     torch.testing.assert_close(logits, plain_logits, atol=1e-5, rtol=0)
@@ -227,7 +227,7 @@ def test_varied_prompt_lengths_give_few_prefill_shapes(model, monkeypatch):
     # transformers compiles flex attention per shape (GPU; recompile_limit 8, then an unfused fallback): 20 GRPO-like
     # batches with 20 different padded prompt lengths and 1-4 distinct prompts reach the model in 2 lengths x 3 row
     # counts
-    monkeypatch.setattr(graph_decode, "PREFILL_BUCKET_TOKENS", 16)
+    monkeypatch.setattr(decode_cache, "PREFILL_BUCKET_TOKENS", 16)
     generator = torch.Generator().manual_seed(5)
     with prefill_shapes(model) as shapes:
         for length in range(13, 33):
@@ -255,8 +255,8 @@ def test_logprobs_of_the_same_completions_equal_a_full_forward(model):
 
 def test_small_buckets_change_nothing(model, monkeypatch):
     # GPU prompts cross several 512-slot buckets per call; 4-slot buckets make these short prompts cross ~8
-    monkeypatch.setattr(graph_decode, "BUCKET_TOKENS", 4)
-    assert graph_decode.bucket_length(5, 100) == 8
+    monkeypatch.setattr(decode_cache, "BUCKET_TOKENS", 4)
+    assert decode_cache.bucket_length(5, 100) == 8
     ids, mask = left_padded_prompts()
     config = trl_config(do_sample=False)
     expected = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
@@ -322,7 +322,7 @@ MERGED_LINEAR_CASES = [
 def test_merged_linear(change, config, expected):
     model, layer = lora_linear(change, **config)
     base = layer.base_layer.weight.detach().clone()
-    merged = graph_decode.merged_linear(layer)
+    merged = decode_math.merged_linear(layer)
     if expected is None:
         assert merged is None
         return
@@ -337,13 +337,13 @@ def test_merged_linear(change, config, expected):
 
 def test_plain_linear_and_lora_model_projections():
     linear = torch.nn.Linear(4, 3)
-    weight, bias, lora = graph_decode.lora_parts(linear)
+    weight, bias, lora = decode_math.lora_parts(linear)
     assert weight is linear.weight and bias is linear.bias and lora is None
-    assert graph_decode.lora_parts(torch.nn.Identity()) is None
+    assert decode_math.lora_parts(torch.nn.Identity()) is None
     peft_model = lora_model()
-    lm = graph_decode.causal_lm(peft_model)
+    lm = lm_head.causal_lm(peft_model)
     for lora in ("peft", "merged"):
-        layers = graph_decode.attention_projections(lm, lora)
+        layers = decode_math.attention_projections(lm, lora)
         assert len(layers) == lm.config.num_hidden_layers
         for projections, modules in zip(layers, lm.model.layers, strict=True):
             attn = modules.self_attn
@@ -382,7 +382,7 @@ def test_decode_projections_are_the_trainers(rho):
     # the trainer's computation: PEFT's LoRA layers under the trainer's bf16 autocast (base product rounded, then the
     # bf16 LoRA output added); the decode step's must be the same numbers, the merged copy's are not
     peft_model = rho_lora_model(rho)
-    lm = graph_decode.causal_lm(peft_model)
+    lm = lm_head.causal_lm(peft_model)
     attn = lm.model.layers[1].self_attn
     g = torch.Generator().manual_seed(4)
     x, attended = (torch.randn(6, 1, 64, generator=g).to(BF16) for _ in range(2))
@@ -390,9 +390,9 @@ def test_decode_projections_are_the_trainers(rho):
         expected = [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), attn.o_proj(attended)]
         outputs = {}
         for lora in ("peft", "merged"):
-            projections = graph_decode.attention_projections(lm, lora, BF16)[1]
-            outputs[lora] = [*graph_decode.qkv_projections(attn, projections, x),
-                             graph_decode.output_projection(attn, projections, attended)]
+            projections = decode_math.attention_projections(lm, lora, BF16)[1]
+            outputs[lora] = [*decode_math.qkv_projections(attn, projections, x),
+                             decode_math.output_projection(attn, projections, attended)]
     assert all(torch.equal(ours, theirs) for ours, theirs in zip(outputs["peft"], expected, strict=True))
     assert not all(torch.equal(ours, theirs) for ours, theirs in zip(outputs["merged"], expected, strict=True))
 
@@ -486,17 +486,17 @@ class HostReads(TorchDispatchMode):
 
 
 def one_step(model, config, device="cpu", dtype=torch.float32, weights=None):
-    cache = graph_decode.StaticCache(config, torch.ones(2, 10, dtype=torch.long, device=device), 5, dtype)
+    cache = decode_cache.StaticCache(config, torch.ones(2, 10, dtype=torch.long, device=device), 5, dtype)
     tokens = torch.ones(2, 1, dtype=torch.long, device=device)
     with torch.no_grad():
-        return graph_decode.decode_step(graph_decode.causal_lm(model), cache, tokens, torch.tensor(10, device=device),
+        return decode_math.decode_step(lm_head.causal_lm(model), cache, tokens, torch.tensor(10, device=device),
                                         16, weights)
 
 
 def test_decode_step_with_lora_under_autocast_reads_nothing_on_the_host():
     # what a GPU run decodes with: LoRA added in PEFT's order, the trainer's bf16 autocast, the float32 head
     peft_model = rho_lora_model(1e-3)
-    weights = graph_decode.decode_weights(graph_decode.causal_lm(peft_model), autocast=BF16)
+    weights = decode_math.decode_weights(lm_head.causal_lm(peft_model), autocast=BF16)
     with HostReads() as watch:
         logits = one_step(peft_model, small_config(), dtype=BF16, weights=weights)
     assert watch.found == [] and logits.dtype == torch.float32
@@ -529,7 +529,7 @@ def test_decode_step_runs_on_the_meta_device():
 
     with torch.device("meta"):  # and through the LoRA projections (one low-rank product for q, k, v)
         peft_model = get_peft_model(model, train_grpo.build_lora_config(4, 8))
-    weights = graph_decode.decode_weights(graph_decode.causal_lm(peft_model), lora="peft")
+    weights = decode_math.decode_weights(lm_head.causal_lm(peft_model), lora="peft")
     assert weights.attention[0].qkv is not None
     logits = one_step(peft_model, config, device="meta", dtype=torch.bfloat16, weights=weights)
     assert logits.shape == (2, VOCAB) and logits.device.type == "meta"
@@ -558,7 +558,7 @@ def test_unsupported_options(changes, kwargs, reason):
     (1999, 2000, 2000),  # never past the cache
 ])
 def test_bucket_length(slot, total, expected):
-    assert graph_decode.bucket_length(slot, total) == expected
+    assert decode_cache.bucket_length(slot, total) == expected
 
 
 def test_wrapper_uses_transformers_for_unsupported_calls_and_says_so(model):
@@ -577,14 +577,13 @@ def test_wrapper_uses_transformers_for_unsupported_calls_and_says_so(model):
 def test_a_batch_split_by_the_memory_plan_gives_the_same_tokens_and_logprobs(model, max_batch):
     """Greedy decoding depends on no random draw, so rows generated in several calls equal rows generated at once;
     the calls end at different lengths and are padded as generate() pads a finished row."""
-    from tes_grpo.sampling_fidelity import SampledLogprobs
+    from tes_grpo.token_sampling import SampledLogprobs
 
     ids, mask = left_padded_prompts()
     config = trl_config(do_sample=False, eos_token_id=[int(ids[0, -1])])  # some row may end early
     runs = {}
     for size in (None, max_batch):
-        wrapper = graph_decode.GraphDecodeGenerate(model, lambda **kw: "transformers", say=print)
-        wrapper.max_batch = size
+        wrapper = graph_decode.GraphDecodeGenerate(model, lambda **kw: "transformers", max_batch=size, say=print)
         recorder = SampledLogprobs()
         out = wrapper(input_ids=ids, attention_mask=mask, generation_config=config, logits_processor=[recorder])
         runs[size] = (out, recorder.result(out, ids.shape[1]))
@@ -731,8 +730,8 @@ def flex_inputs(dtype, length, masked):
 @pytest.mark.parametrize("dtype, length, masked", FLEX_CASES)
 def test_flex_one_query_attention_matches_the_reference(dtype, length, masked):
     query, keys, values, mask, sinks = flex_inputs(dtype, length, masked)
-    exact = graph_decode.one_query_attention(*(t.double() for t in (query, keys, values, mask, sinks)), 0.25)
-    flex = graph_decode.flex_one_query_attention(query, keys, values, mask, sinks, 0.25)
+    exact = decode_math.one_query_attention(*(t.double() for t in (query, keys, values, mask, sinks)), 0.25)
+    flex = decode_math.flex_one_query_attention(query, keys, values, mask, sinks, 0.25)
     assert flex.shape == exact.shape == (3, 1, 8 * 16) and flex.dtype == dtype
     error = (flex.double() - exact).abs()
     if dtype == torch.float32:
@@ -763,7 +762,7 @@ def test_flex_sinks_are_applied_as_the_training_forward_applies_them():
     combined = torch.logsumexp(torch.cat([lse, sinks.view(1, -1, 1, 1).expand(3, 8, 1, 1)], dim=-1), dim=-1,
                                keepdim=True)
     expected = (out * torch.exp(lse - combined)).to(query.dtype).transpose(1, 2).reshape(3, 1, -1)
-    ours = graph_decode.flex_one_query_attention(query, keys, values, mask, sinks, 0.25)
+    ours = decode_math.flex_one_query_attention(query, keys, values, mask, sinks, 0.25)
     assert torch.equal(ours, expected)
     float_sinks = (out.float() * torch.sigmoid(aux.lse - sinks.float().view(1, -1, 1)).unsqueeze(-1)).to(query.dtype)
     assert not torch.equal(ours, float_sinks.transpose(1, 2).reshape(3, 1, -1))  # float32 sinks would round elsewhere

@@ -173,13 +173,13 @@ def test_graph_decode_samples_the_same_tokens_with_mxfp4_experts():
 @pytest.mark.slow
 def test_layers_that_cannot_be_packed_decode_with_their_own_experts():
     from benchmarks.decode_compare import decode_logprobs
-    from tes_grpo import graph_decode
+    from tes_grpo import decode_math
 
     model = small_bf16_model()
     with torch.no_grad():
         model.model.layers[1].mlp.experts.gate_up_proj[0, 0, 0] += 1e-3  # a bf16 checkpoint, not MXFP4
     said = []
-    packs = graph_decode.expert_packs(model, "mxfp4", say=said.append)
+    packs = decode_math.expert_packs(model, "mxfp4", say=said.append)
     assert isinstance(packs[0], md.PackedExperts) and packs[1] is None
     assert any("layers [1] decode with their bf16 experts" in line and "not exactly MXFP4" in line for line in said)
     ids = torch.randint(10, 512, (2, 9), generator=torch.Generator().manual_seed(3))

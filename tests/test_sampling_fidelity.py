@@ -1,6 +1,6 @@
 """sampling_fidelity.py: the sampler's log-probabilities reach TRL aligned with the completions, the gap metrics and
 the IMPORTANCE_SAMPLING loss are TRL's formulas on hand-made batches, a tiny GRPO run logs them; the vLLM weight sync
-leaves the base weights as they were (workarounds.py); REPORT_TO refuses what cannot work (trackers.py).
+leaves the base weights as they were (sampler.py); REPORT_TO refuses what cannot work (trackers.py).
 
 TRL's own _compute_loss runs on a stand-in trainer holding just the attributes it reads (TRL 1.16), so the loss is
 TRL's arithmetic, not a copy of it.
@@ -19,8 +19,9 @@ import torch
 from transformers import GenerationConfig, GptOssConfig, GptOssForCausalLM
 
 import train_grpo
-from tes_grpo import graph_decode, memory_plan, sampling_fidelity, trackers, workarounds
-from tes_grpo.sampling_fidelity import GEN_KL, LOGP_MAX, LOGP_MEAN, Correction, FidelityHook, RecordingGenerate
+from tes_grpo import graph_decode, memory_plan, sampler, sampling_fidelity, trackers
+from tes_grpo.sampler import RecordingGenerate, SamplerSpec
+from tes_grpo.sampling_fidelity import GEN_KL, LOGP_MAX, LOGP_MEAN, Correction, FidelityHook
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PAD = 5
@@ -323,7 +324,7 @@ def bases(model) -> dict:
 
 
 def vllm_trainer(model, generation):
-    """What sampling_fidelity.install reads of a GRPOTrainer that generates with vLLM (TRL 1.16's names)."""
+    """What sampler.install reads of a GRPOTrainer that generates with vLLM (TRL 1.16's names)."""
     def unused(*args, **kwargs):
         raise AssertionError("not called here")
 
@@ -335,14 +336,14 @@ def vllm_trainer(model, generation):
 
 @pytest.mark.parametrize("kept", [False, True])
 def test_vllm_sync_leaves_the_base_bit_identical(kept):
-    """With the trainer's hooks installed (train_grpo's build_trainer calls sampling_fidelity.install), each sync
+    """With the trainer's hooks installed (train_grpo's build_trainer calls sampler.install), each sync
     still sends vLLM the merged weights and the trainer's base stays bit for bit; without them it drifts."""
     model = bf16_lora_model()
     generation, received = mocked_vllm_generation(model)
     trainer = vllm_trainer(model, generation)
     if kept:
-        sampling_fidelity.install(trainer, say=lambda text: None)
-        assert isinstance(generation.sync_weights, workarounds.BaseWeightsKept)
+        sampler.install(trainer, SamplerSpec("vllm"), say=lambda text: None)
+        assert isinstance(generation.sync_weights, sampler.BaseWeightsKept)
     before = bases(model)
     g = torch.Generator().manual_seed(0)
     for _ in range(200):  # a sync per optimizer step; the adapter trains in between
@@ -428,7 +429,7 @@ def test_gap_summary_for_the_completion_log():
 def test_detach_gives_back_what_install_wrapped():
     """bench_grpo's SAMPLING_METRICS=0 times a step without the measurement: detach restores the trainer's methods
     and the model's generate()."""
-    from tes_grpo.graph_decode import causal_lm
+    from tes_grpo.lm_head import causal_lm
 
     model = bf16_lora_model()
     trainer = vllm_trainer(model, None)
@@ -437,8 +438,8 @@ def test_detach_gives_back_what_install_wrapped():
     before = {name: getattr(trainer, name) for name in
               ("_generate_single_turn", "_compute_loss", "_get_per_token_logps_and_entropies")}
     generate = inner.generate
-    hook = sampling_fidelity.install(trainer, say=lambda text: None)
-    assert isinstance(inner.generate, sampling_fidelity.RecordingGenerate) and trainer.sampling_fidelity is hook
+    hook = sampler.install(trainer, SamplerSpec("generate"), say=lambda text: None)
+    assert isinstance(inner.generate, RecordingGenerate) and trainer.sampling_fidelity is hook
     assert all(getattr(trainer, name) is not method for name, method in before.items())
     hook.detach()
     assert inner.generate == generate and not hasattr(trainer, "sampling_fidelity")

@@ -217,7 +217,7 @@ def test_lora_config(layers, expected):
 def test_cpu_scoring_patch_is_idempotent():
     import trl.trainer.utils as trl_utils
 
-    from tes_grpo.workarounds import score_only_completion_tokens_on_cpu
+    from tes_grpo.patches.trl_patches import score_only_completion_tokens_on_cpu
 
     assert score_only_completion_tokens_on_cpu()
     patched = trl_utils._use_triton
@@ -583,6 +583,6 @@ def test_all_rewards_none_filter(message, shown):
     import logging
 
     record = logging.LogRecord("x", logging.WARNING, __file__, 1, message, None, None)
-    from tes_grpo.workarounds import AllRewardsNoneFilter
+    from tes_grpo.patches.trl_patches import AllRewardsNoneFilter
 
     assert AllRewardsNoneFilter().filter(record) is shown

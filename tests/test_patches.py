@@ -1,7 +1,14 @@
-"""tes_grpo/workarounds.py: TensorBoard after a resume keeps one point per step, without a model."""
+"""tes_grpo/patches/: every library patch is registered with the versions it was checked on, and the installed
+libraries' patched functions still have a fingerprint it was checked on (a new release that changes one fails here,
+naming the patch to re-check); TensorBoard after a resume keeps one point per step; flex attention's masks from
+padding bounds are transformers' masks; the process group is left once."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
+import inspect
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -44,7 +51,7 @@ RESUMES = [
 
 @pytest.mark.parametrize("first, checkpoint, resumed", RESUMES)
 def test_resumed_run_leaves_one_tensorboard_point_per_step(tmp_path, first, checkpoint, resumed):
-    from tes_grpo.workarounds import point_tensorboard
+    from tes_grpo.patches.transformers_patches import point_tensorboard
 
     log_dir = tmp_path / "tensorboard"
     trainer = fake_trainer(log_dir)
@@ -58,7 +65,7 @@ def test_resumed_run_leaves_one_tensorboard_point_per_step(tmp_path, first, chec
 
 def test_without_purge_step_the_redone_steps_are_doubled(tmp_path):
     # what transformers does by itself (the behaviour the workaround exists for)
-    from tes_grpo.workarounds import point_tensorboard
+    from tes_grpo.patches.transformers_patches import point_tensorboard
 
     log_dir = tmp_path / "tensorboard"
     for steps in (range(1, 5), range(3, 5)):
@@ -88,7 +95,7 @@ BOUNDS = [
 def test_padding_bounds(row, expected):
     import torch
 
-    from tes_grpo.workarounds import padding_bounds
+    from tes_grpo.patches.transformers_patches import padding_bounds
 
     got = padding_bounds(torch.tensor([row, [1, 1, 1, 1]]))
     assert (got if got is None else (int(got[0][0]), int(got[1][0]))) == expected
@@ -101,11 +108,11 @@ def dense_flex_mask(monkeypatch, wrapped: bool, attention_mask, sliding: int | N
     import transformers.masking_utils as mu
     from torch.nn.attention.flex_attention import create_mask
 
-    from tes_grpo.workarounds import _flex_mask_with_padding_bounds
+    from tes_grpo.patches.transformers_patches import FlexMaskWithPaddingBounds
 
     monkeypatch.setattr(mu, "create_block_mask", lambda mask_mod, B, H, Q_LEN, KV_LEN, device, **kw: create_mask(
         mask_mod, B, 1, Q_LEN, KV_LEN, device=device))
-    function = _flex_mask_with_padding_bounds(mu.flex_attention_mask) if wrapped else mu.flex_attention_mask
+    function = FlexMaskWithPaddingBounds(mu.flex_attention_mask) if wrapped else mu.flex_attention_mask
     mask_function = mu.sliding_window_causal_mask_function(sliding) if sliding else mu.causal_mask_function
     kv_length = attention_mask.shape[1]
     return function(batch_size=attention_mask.shape[0], q_length=q_length, kv_length=kv_length - q_offset,
@@ -139,7 +146,7 @@ def test_flex_mask_wrapper_installs_once_and_passes_holes_through(monkeypatch):
     import torch
     import transformers.masking_utils as mu
 
-    from tes_grpo.workarounds import _flex_mask_with_padding_bounds, flex_masks_with_padding_bounds
+    from tes_grpo.patches.transformers_patches import FlexMaskWithPaddingBounds, flex_masks_with_padding_bounds
 
     registry = mu.AttentionMaskInterface()  # a fresh instance: its local entries do not leak into other tests
     monkeypatch.setattr(mu, "ALL_MASK_ATTENTION_FUNCTIONS", registry)
@@ -148,7 +155,7 @@ def test_flex_mask_wrapper_installs_once_and_passes_holes_through(monkeypatch):
     assert first.wraps_original is mu.flex_attention_mask
     assert flex_masks_with_padding_bounds(say=pytest.fail) and registry["flex_attention"] is first  # not twice
     calls = []
-    wrapped = _flex_mask_with_padding_bounds(lambda **kwargs: calls.append(kwargs["attention_mask"]))
+    wrapped = FlexMaskWithPaddingBounds(lambda **kwargs: calls.append(kwargs["attention_mask"]))
     wrapped(attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]), mask_function=mu.causal_mask_function)
     wrapped(attention_mask=torch.tensor([[1, 0, 1], [1, 1, 1]]), mask_function=mu.causal_mask_function)
     wrapped(attention_mask=torch.ones(2, 3, dtype=torch.long), mask_function=mu.causal_mask_function)
@@ -161,9 +168,83 @@ def test_flex_mask_wrapper_installs_once_and_passes_holes_through(monkeypatch):
 def test_leave_process_group_destroys_the_group_once(wait):
     import torch.distributed as dist
 
-    from tes_grpo.workarounds import leave_process_group
+    from tes_grpo.patches.torch_patches import leave_process_group
 
     assert not dist.is_initialized()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     assert leave_process_group(wait) and not dist.is_initialized()
     assert not leave_process_group(wait)  # nothing left to leave
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The registry: every patch named with its versions, and the installed libraries held to the fingerprints
+# ---------------------------------------------------------------------------------------------------------------
+
+def installed(library: str) -> str:
+    return importlib.metadata.version(library).split("+")[0]
+
+
+def patched(entry):
+    module, _, name = f"tes_grpo.{entry.patch}".rpartition(".")
+    obj = None
+    while module and obj is None:
+        try:
+            obj = importlib.import_module(module)
+        except ModuleNotFoundError:
+            module, _, parent = module.rpartition(".")
+            name = f"{parent}.{name}"
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def registry_entries():
+    from tes_grpo.patches.registry import PATCHED
+
+    return PATCHED
+
+
+@pytest.mark.parametrize("entry", registry_entries(), ids=lambda e: e.patch)
+def test_the_patched_function_has_a_fingerprint_it_was_checked_on(entry):
+    from tes_grpo.patches.registry import fingerprint
+
+    seen = fingerprint(entry.target)
+    known = dict(entry.checked)
+    assert seen in known.values(), (
+        f"{entry.library} {installed(entry.library)} changed {entry.target} (fingerprint {seen}): re-check the patch "
+        f"tes_grpo.{entry.patch} (checked on {entry.library} {', '.join(known)}), then add "
+        f"({installed(entry.library)!r}, {seen!r}) to its entry in tes_grpo/patches/registry.py")
+
+
+@pytest.mark.parametrize("entry", registry_entries(), ids=lambda e: e.patch)
+def test_each_patch_exists_and_names_the_versions_it_serves(entry):
+    doc = inspect.getdoc(patched(entry)) or ""
+    assert entry.library.lower() in doc.lower(), f"tes_grpo.{entry.patch}'s docstring does not name {entry.library}"
+    named = re.findall(r"\d+\.\d+", doc)
+    assert named, f"tes_grpo.{entry.patch}'s docstring names no {entry.library} version"
+    for version, _ in entry.checked:
+        assert version.count(".") >= 1 and re.fullmatch(r"[0-9.]+", version), version
+
+
+# public functions of the patch modules that are helpers of a registered patch, not patches themselves
+HELPERS = {"saved_tensors_hooks_readable", "grouped_mm_experts_for_decode", "padding_bounds"}
+
+
+@pytest.mark.parametrize("module", ["torch_patches", "transformers_patches", "trl_patches", "accelerate_patches"])
+def test_every_patch_function_is_registered(module):
+    mod = importlib.import_module(f"tes_grpo.patches.{module}")
+    registered = {e.patch.rpartition(".")[2] for e in registry_entries() if e.patch.startswith(f"patches.{module}.")}
+    functions = {name for name, obj in vars(mod).items() if inspect.isfunction(obj) and obj.__module__ == mod.__name__
+                 and not name.startswith("_")}
+    assert functions - HELPERS <= registered, f"unregistered patches in {module}: {functions - HELPERS - registered}"
+
+
+def test_a_changed_function_fails_the_fingerprint():
+    """The check itself: code that changes gets another fingerprint; docstrings, comments and layout do not count."""
+    from tes_grpo.patches.registry import code_fingerprint
+
+    before = 'def target(x):\n    """One docstring."""\n    return x + 1\n'
+    reworded = ('    def target(x):\n        """Another docstring."""\n'
+                '        return (x\n                + 1)  # a comment\n')
+    changed = 'def target(x):\n    """One docstring."""\n    return x + 2\n'
+    assert code_fingerprint(before) == code_fingerprint(reworded) != code_fingerprint(changed)

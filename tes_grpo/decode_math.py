@@ -1,0 +1,364 @@
+"""The decode step's math: one new token through gpt-oss, in the trainer's arithmetic (used by graph_decode.py).
+
+`decode_step` mirrors GptOssModel's forward for one token per row over a static KV cache (decode_cache.StaticCache):
+the layers' own modules (router, norms; the experts as the model has them, or mxfp4_decode's MXFP4 kernel), the
+attention projections as the base products with the LoRA adapter's output added in PEFT's order (`LowRank`: one
+low-rank product for q, k and v), one-query attention with gpt-oss's sinks (`attention_function`: flex attention's
+decoding kernel on CUDA, `one_query_attention` elsewhere) and the logits as TRL's fused LM head computes them
+(`head_logits`). `DecodeWeights` says what a step computes from besides the modules; `decode_weights` builds it once
+per generate call (the adapter trains between calls). Every operation is on the device with fixed shapes, so the
+step can be captured as a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+from transformers.models.gpt_oss.modeling_gpt_oss import apply_rotary_pos_emb
+
+
+def one_query_attention(query, keys, values, mask, sinks, scaling: float) -> torch.Tensor:
+    """gpt-oss attention for one new token, step for step as transformers' eager attention computes it (the training
+    forward's attention on CPUs): softmax over the keys plus each head's sink logit (which takes probability mass but
+    has no value). query [B, H, 1, D]; keys/values [B, KV, L, D]; mask [B, L] additive (float32).
+
+    Query heads are grouped onto their key/value head by a reshape (no repeat_kv copy of the cache). Every step is in
+    the model's dtype, as eager attention rounds it: the scores out of the matmul, x scaling, + the mask (clamped to
+    the dtype's minimum, eager's masked value), the sink column, minus the row maximum, the softmax (float32 inside,
+    rounded), x values. In float32 that is the plain arithmetic; in bf16 it gives the eager training forward's
+    roundings, not a more exact attention than the trainer computes. Returns [B, 1, H * D].
+    """
+    batch, heads, _, dim = query.shape
+    kv_heads = keys.shape[1]
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)
+    mask = mask.clamp(min=torch.finfo(query.dtype).min).to(query.dtype)
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)) * scaling + mask[:, None, None, :]
+    sink = sinks.to(scores.dtype).view(1, kv_heads, heads // kv_heads, 1).expand(batch, -1, -1, -1)
+    logits = torch.cat([scores, sink], dim=-1)
+    logits = logits - logits.amax(dim=-1, keepdim=True)
+    probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+    out = torch.matmul(probs.to(values.dtype), values)
+    return out.reshape(batch, 1, heads * dim)
+
+
+def flex_decode_kernel(query, keys, values, mask, scaling: float):
+    """flex attention for one query, without the sinks: (output [B, H, 1, D] in the query's dtype, float32 log-sum-exp
+    [B, H, 1]). On CUDA, compiled, it is flex attention's split-KV decoding kernel, which reads each key and value once
+    and keeps the scores (float32) on chip. The mask [B, L] is added as a score_mod."""
+    def add_mask(score, batch, head, q_index, kv_index):
+        return score + mask[batch, kv_index]
+
+    out, aux = flex_attention(query, keys, values, score_mod=add_mask, scale=scaling, enable_gqa=True,
+                              return_aux=AuxRequest(lse=True))
+    return out, aux.lse
+
+
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Flex attention's output renormalised for gpt-oss's sinks op for op as transformers 5.17-5.24's flex attention
+    does it in the training forward (integrations/flex_attention.py: the log-sum-exp rounded to the values' dtype,
+    logsumexp with the sink, out * exp(lse - combined), eagerly, under the caller's autocast), so the decode step
+    rounds where the trainer rounds: bf16's log-sum-exp is off by up to 1/16 at 8 to 16, which moves the sink's share
+    of each head by up to ~1.5 % (a float32 sigmoid(lse - sink) here would not). out [B, H, Q, D], lse [B, H, Q]."""
+    lse = lse.to(out.dtype).unsqueeze(-1)
+    batch, heads, queries, _ = out.shape
+    sink = sinks.view(1, -1, 1, 1).expand(batch, heads, queries, 1)
+    combined = torch.logsumexp(torch.cat([lse, sink], dim=-1), dim=-1, keepdim=True)
+    return (out * torch.exp(lse - combined)).to(out.dtype)
+
+
+def flex_one_query_attention(query, keys, values, mask, sinks, scaling: float, kernel=flex_decode_kernel):
+    """one_query_attention through flex attention, as the GPU trains with it: `kernel` (flex_decode_kernel, compiled
+    on CUDA: see attention_function) then the sinks as the training forward applies them (with_sinks, eagerly: a
+    compiled chain would keep its intermediates in float32 where the trainer rounds them). Same arguments and result
+    as one_query_attention."""
+    out, lse = kernel(query, keys, values, mask, scaling)
+    batch, heads, _, dim = query.shape
+    return with_sinks(out, lse, sinks).to(query.dtype).transpose(1, 2).reshape(batch, 1, heads * dim)
+
+
+@dataclass(frozen=True)
+class LowRank:
+    """The LoRA part of one or more projections that read the same input (q, k and v), computed as PEFT 0.21's
+    lora.Linear.forward computes it, in one product per factor for all of them.
+
+    PEFT adds `lora_B(lora_A(x)) * scaling` to the base layer's output. The factors here are its A and B in the
+    dtype that forward computes in: the training autocast's dtype when the trainer runs under autocast (bf16 on GPUs:
+    autocast casts x, A and B to bf16 and every product comes out in bf16), else A's dtype (PEFT casts x to it).
+    a: the projections' A stacked [sum of ranks, in]; b: their B as one block-diagonal matrix [sum of outputs, sum of
+    ranks] (the zero blocks add exact zeros); scale: the scaling, multiplied after b as PEFT does, or None when it is
+    a power of two and folded into b (exact in any float dtype: the same numbers as multiplying after); splits: the
+    output features of each projection. Why batched: unbatched, each LoRA projection adds a few small kernels to
+    every decode step, for each of gpt-oss's attention projections; batched, q, k and v share two products and no
+    cast kernels are left (BENCHMARKS.md counts them).
+    """
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float | None
+    splits: tuple[int, ...]
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = torch.nn.functional.linear(torch.nn.functional.linear(x.to(self.a.dtype), self.a), self.b)
+        if self.scale is not None:
+            y = y * self.scale
+        return y.split(self.splits, dim=-1)
+
+
+def _power_of_two(value: float) -> bool:
+    return value > 0 and math.frexp(value)[0] == 0.5
+
+
+def low_rank(factors: list[tuple[torch.Tensor, torch.Tensor, float]], dtype: torch.dtype) -> LowRank:
+    """LowRank for (A, B, scaling) of projections sharing an input (all with the same scaling), in `dtype`."""
+    scale = factors[0][2]
+    a = torch.cat([A.detach() for A, _, _ in factors]).to(dtype)
+    b = torch.block_diag(*[B.detach() for _, B, _ in factors]).to(dtype)
+    folded = _power_of_two(scale)
+    return LowRank(a=a, b=b * scale if folded else b, scale=None if folded else scale,
+                   splits=tuple(B.shape[0] for _, B, _ in factors))
+
+
+def lora_parts(module):
+    """(weight, bias, lora) that compute module(x) in PEFT's order: the base layer's F.linear(x, weight, bias), then,
+    when lora = (A, B, scaling) is not None, + B(A(x)) * scaling (see LowRank). An nn.Linear gives its own tensors and
+    no lora. None (call the module) for anything else: other layer types, several active adapters, LoRA variants
+    (DoRA), LoRA biases, dropout left on, input casting switched off, or adapters disabled over merged weights (PEFT
+    would unmerge them). Branch for branch as PEFT 0.21's lora.Linear.forward: adapters disabled -> the base layer;
+    merged -> the base layer (which holds the delta); else each active adapter's product added.
+    """
+    if type(module) is torch.nn.Linear:
+        return module.weight, module.bias, None
+    base = getattr(module, "base_layer", None)
+    if type(base) is not torch.nn.Linear or not hasattr(module, "lora_A"):
+        return None
+    if module.disable_adapters:
+        return None if module.merged else (base.weight, base.bias, None)
+    if module.merged:
+        return base.weight, base.bias, None
+    active = [a for a in module.active_adapters if a in module.lora_A]
+    if not active:
+        return base.weight, base.bias, None
+    name = active[0]
+    dropout = module.lora_dropout[name]
+    if (len(active) > 1 or name in getattr(module, "lora_variant", {}) or module.use_dora.get(name)
+            or getattr(module, "lora_bias", {}).get(name) or not getattr(module, "cast_input_dtype_enabled", True)
+            or (isinstance(dropout, torch.nn.Dropout) and dropout.p > 0 and dropout.training)):
+        return None
+    return base.weight, base.bias, (module.lora_A[name].weight, module.lora_B[name].weight, module.scaling[name])
+
+
+def merged_linear(module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """LORA="merged" (kept to compare with): (weight, bias) with each active adapter's delta (PEFT's
+    get_delta_weight, scaling included) added to the base weight in float32 and rounded once to the weight's dtype,
+    for F.linear: a new tensor, the model is untouched. None (call the module) where lora_parts gives None.
+
+    What it costs in fidelity: the merged copy's rounding errors are independent of the trainer's, which rounds the
+    base product and adds the LoRA output to it (BENCHMARKS.md, "Measured on the CPU", compares the two orders).
+    """
+    parts = lora_parts(module)
+    if parts is None:
+        return None
+    weight, bias, lora = parts
+    if lora is None:
+        return weight, bias
+    A, B, scaling = lora
+    return (weight.float() + (B.float() @ A.float()) * scaling).to(weight.dtype), bias
+
+
+@dataclass(frozen=True)
+class Projections:
+    """How decode_step computes one layer's attention projections. base: (weight, bias) of q_proj, k_proj, v_proj,
+    o_proj for F.linear (merged copies under LORA="merged"), or None: call the four modules themselves (PEFT's
+    forward); qkv, o: their LoRA parts added after the base products (None: no adapter)."""
+
+    base: tuple | None
+    qkv: LowRank | None = None
+    o: LowRank | None = None
+
+
+def attention_projections(lm, lora: str = "peft", autocast: torch.dtype | None = None) -> list[Projections]:
+    """Per layer, how decode_step computes the attention projections (taken anew each generate call: the adapter
+    trains between calls). lora="peft": the base products then the adapter's output added as PEFT's forward does in
+    the trainer (LowRank; computed in `autocast`'s dtype when the trainer trains under autocast); "merged": the
+    adapter merged into bf16 copies of the weights (merged_linear). A layer whose projections lora_parts cannot
+    take (or whose q, k, v scalings differ) calls the modules."""
+    if lora not in ("peft", "merged"):
+        raise ValueError(f"graph_decode: lora must be 'peft' or 'merged', got {lora!r}")
+    names = ("q_proj", "k_proj", "v_proj", "o_proj")
+    layers = []
+    for layer in lm.model.layers:
+        modules = [getattr(layer.self_attn, name) for name in names]
+        if lora == "merged":
+            merged = [merged_linear(m) for m in modules]
+            layers.append(Projections(base=None if any(m is None for m in merged) else tuple(merged)))
+            continue
+        parts = [lora_parts(m) for m in modules]
+        qkv = [p[2] for p in parts[:3] if p is not None and p[2] is not None]
+        if any(p is None for p in parts) or len(qkv) not in (0, 3) or len({s for _, _, s in qkv}) > 1:
+            layers.append(Projections(base=None))
+            continue
+        dtype = autocast or (qkv[0][0].dtype if qkv else None)
+        o = parts[3][2]
+        layers.append(Projections(base=tuple((w, b) for w, b, _ in parts),
+                                  qkv=low_rank(qkv, dtype) if qkv else None,
+                                  o=low_rank([o], autocast or o[0].dtype) if o is not None else None))
+    return layers
+
+
+@dataclass(frozen=True)
+class DecodeWeights:
+    """What decode_step computes from besides the model's modules (None: the modules themselves):
+    experts: per layer, the MXFP4 copy of the layer's experts (mxfp4_decode.PackedExperts; see expert_packs);
+    attention: per layer, the attention projections (Projections; see attention_projections);
+    autocast: the dtype the trainer's forward runs under autocast in (bf16 on GPUs; None: no autocast): the decode
+    step runs under the same autocast, so every op the trainer's autocast casts is cast here too."""
+
+    experts: list | None = None
+    attention: list | None = None
+    autocast: torch.dtype | None = None
+
+
+def _add_lora(outputs, lora: LowRank | None, x: torch.Tensor):
+    """PEFT's `result = (result + lora_B(lora_A(x)) * scaling).to(result.dtype)` for each output."""
+    if lora is None:
+        return outputs
+    return [(out + extra).to(out.dtype) for out, extra in zip(outputs, lora(x), strict=True)]
+
+
+def qkv_projections(attn, projections: Projections | None, x: torch.Tensor):
+    """q_proj, k_proj, v_proj of x as decode_step computes them (see Projections)."""
+    if projections is None or projections.base is None:
+        return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    linear = torch.nn.functional.linear
+    return _add_lora([linear(x, *projections.base[i]) for i in range(3)], projections.qkv, x)
+
+
+def output_projection(attn, projections: Projections | None, x: torch.Tensor):
+    """o_proj of x as decode_step computes it (see Projections)."""
+    if projections is None or projections.base is None:
+        return attn.o_proj(x)
+    return _add_lora([torch.nn.functional.linear(x, *projections.base[3])], projections.o, x)[0]
+
+
+def head_logits(lm, hidden: torch.Tensor) -> torch.Tensor:
+    """float32 logits [..., vocab] of the final hidden states, as TRL 1.16's fused LM head computes them for the loss
+    (trl/kernels/chunked_logprob.py, _addmm_fp32): on CUDA the bf16 hidden states times the bf16 head with the
+    float32 sums kept (`out_dtype=torch.float32`, outside autocast's reach), never rounded to bf16; elsewhere float32
+    operands, under whatever autocast the caller runs (TRL's runs under the trainer's: on a CPU under bf16 autocast
+    that rounds to bf16, as measured against TRL's head). The model's own lm_head rounds every logit to bf16 first:
+    steps of 1/8 to 1/4 at logits of 16 to 64, an error in every token's log-probability on GPUs."""
+    head = lm.get_output_embeddings()
+    weight, bias = head.weight, head.bias
+    half = hidden.dtype in (torch.bfloat16, torch.float16) and weight.dtype == hidden.dtype
+    if hidden.device.type == "cuda" and half:
+        logits = torch.mm(hidden.reshape(-1, hidden.shape[-1]), weight.t(), out_dtype=torch.float32)
+        logits = logits.view(*hidden.shape[:-1], -1)
+    else:
+        logits = torch.nn.functional.linear(hidden.float(), weight.float()).float()
+    return logits if bias is None else logits + bias.float()
+
+
+def autocast_context(device: torch.device, dtype: torch.dtype | None):
+    """torch.autocast(device, dtype) as the trainer runs its forward, or no context for None. The weight-cast cache
+    is off: a cast cached while warming up would live outside a captured graph's memory pool."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype, cache_enabled=False)
+
+
+_COMPILED_ATTENTION: list = []
+
+
+def attention_function(like: torch.Tensor):
+    """The one-query attention to use on like's device: on CUDA flex_one_query_attention, its flex kernel compiled
+    (once: the cache length is marked dynamic, so every bucket shares one kernel set) and its sink step eager, as the
+    training forward's; elsewhere one_query_attention, eagerly.
+
+    Why: one_query_attention's scores for 64 sequences x 64 heads x the cache length go through memory several times
+    (float32, + mask, the sink column, max, softmax, bf16), eagerly and still when compiled; flex attention's
+    decoding kernel reads the cache once and keeps the scores on chip (BENCHMARKS.md, "Speed at the recipe, fourth
+    session", times both; the eager sink step adds ~6 small kernels a layer). CPUs run it eagerly:
+    torch 2.13's inductor compiles flex attention on CPUs for inference only, without the log-sum-exp the sink needs
+    (and the CPU trains with eager attention, which one_query_attention mirrors). Both follow the training forward's
+    attention of their device: flex attention's float32 scores on GPUs, eager attention on CPUs.
+    """
+    if like.device.type != "cuda":
+        return one_query_attention
+    if not _COMPILED_ATTENTION:
+        _COMPILED_ATTENTION.append(functools.partial(flex_one_query_attention,
+                                                     kernel=torch.compile(flex_decode_kernel, fullgraph=True)))
+    return _COMPILED_ATTENTION[0]
+
+
+def decode_step(lm, cache, tokens: torch.Tensor, slot: torch.Tensor, length: int,
+                weights: DecodeWeights | None = None) -> torch.Tensor:
+    """float32 logits [B, vocab] for tokens [B, 1] written at slot `slot` (0-d device tensor) of `cache`, a
+    decode_cache.StaticCache.
+
+    Mirrors GptOssModel/GptOssDecoderLayer.forward for one token, with the module calls kept (so the experts
+    implementation applies) and attention replaced by attention_function's one-query attention over the static cache.
+    weights: the MXFP4 experts, the attention projections (the base products, then LoRA added in PEFT's order) and
+    the trainer's autocast (DecodeWeights); the logits come from head_logits, as the trainer's fused head computes
+    them. Everything is a device operation on fixed shapes: no host reads, so it can be captured as a CUDA graph.
+    """
+    weights = weights or DecodeWeights()
+    with autocast_context(tokens.device, weights.autocast):
+        return head_logits(lm, _decode_hidden(lm, cache, tokens, slot, length, weights))[:, -1]
+
+
+def _decode_hidden(lm, cache, tokens, slot, length: int, weights: DecodeWeights) -> torch.Tensor:
+    packs, attention = weights.experts, weights.attention
+    body = lm.model
+    hidden = body.embed_tokens(tokens)
+    cos, sin = body.rotary_emb(hidden, slot.view(1, 1))  # the trainer's position of this token: its column (prefill)
+    full_mask, ring_mask = cache.masks(slot, length)
+    batch = tokens.shape[0]
+    if packs is not None:
+        from tes_grpo.mxfp4_decode import moe_forward
+    attend = attention_function(hidden)
+    for i, layer in enumerate(body.layers):
+        attn = layer.self_attn
+        residual = hidden
+        x = layer.input_layernorm(hidden)
+        projections = attention[i] if attention is not None else None
+        query, key, value = (t.view(batch, 1, -1, attn.head_dim).transpose(1, 2)
+                             for t in qkv_projections(attn, projections, x))
+        query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        keys, values = cache.write(i, slot, key, value, length)
+        mask = ring_mask if cache.sliding[i] else full_mask
+        for t, dim in ((keys, 2), (values, 2), (mask, 1)):
+            torch._dynamo.maybe_mark_dynamic(t, dim)  # the cache length: one compiled kernel set for all buckets
+        attended = attend(query, keys, values, mask, attn.sinks, attn.scaling)
+        hidden = residual + output_projection(attn, projections, attended)
+        residual = hidden
+        x = layer.post_attention_layernorm(hidden)
+        if packs is not None and packs[i] is not None:
+            out = moe_forward(layer.mlp, packs[i], x)
+        else:
+            out = layer.mlp(x)
+        hidden = residual + (out[0] if isinstance(out, tuple) else out)
+    return body.norm(hidden)
+
+
+def expert_packs(lm, experts: str, say=print) -> list | None:
+    """experts="mxfp4": each layer's MXFP4 copy of its experts (mxfp4_decode.pack_model; packed once, kept while the
+    weights stay as they are; None for a layer that cannot be packed); "model": None (the model's own MLP)."""
+    if experts == "model":
+        return None
+    if experts != "mxfp4":
+        raise ValueError(f"graph_decode: experts must be 'model' or 'mxfp4', got {experts!r}")
+    from tes_grpo.mxfp4_decode import pack_model
+
+    return pack_model(lm.model.layers, say=say)
+
+
+def decode_weights(lm, experts: str = "model", lora: str = "peft", autocast: torch.dtype | None = None,
+                   say=print) -> DecodeWeights:
+    """The DecodeWeights of one generate call: experts (expert_packs), attention projections (attention_projections:
+    lora "peft" or "merged") and the trainer's autocast dtype (None: the trainer runs without autocast)."""
+    return DecodeWeights(expert_packs(lm, experts, say), attention_projections(lm, lora, autocast), autocast)

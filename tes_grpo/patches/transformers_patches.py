@@ -1,0 +1,129 @@
+"""Patches of transformers, each with the versions it was checked on and why. Which of them a run takes is decided
+by fast_paths.py (the speed choices) or tes_grpo.patches.install_fixes (the corrections)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from transformers.integrations import TensorBoardCallback
+from transformers.masking_utils import causal_mask_function
+
+from tes_grpo.processes import say as _say
+
+
+def _causal_lm(model):
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def keep_grouped_mm_experts_for_decode(model, say=_say) -> bool:
+    """transformers 5.17-5.24: stops generate() from switching grouped_mm experts to batched_mm for decoding.
+
+    transformers (on GPUs) swaps in `batched_mm` for the decode phase, which gathers every token's expert weights:
+    fast for a few sequences, but GRPO decodes 64 at once, where it ran out of memory on an H100 and was slower
+    (BENCHMARKS.md, "Generation alone: which experts implementation decodes"). Permanent for this model object;
+    returns whether there was a switch to turn off.
+    """
+    inner = _causal_lm(model)
+    if not hasattr(inner, "_optimize_model_for_decode"):
+        say("note: this transformers has no decode-time experts switch; nothing to keep")
+        return False
+    inner._optimize_model_for_decode = contextlib.nullcontext
+    return True
+
+
+@contextlib.contextmanager
+def grouped_mm_experts_for_decode(model, say=_say):
+    """keep_grouped_mm_experts_for_decode for the duration of a with-block (transformers' switch comes back after)."""
+    inner = _causal_lm(model)
+    kept = keep_grouped_mm_experts_for_decode(model, say)
+    try:
+        yield model
+    finally:
+        if kept:
+            del inner._optimize_model_for_decode
+
+
+def point_tensorboard(trainer, log_dir, resume_step: int | None = None) -> bool:
+    """transformers 5.17-5.24: sends the Trainer's TensorBoard events to log_dir, and after a resume hides the events
+    of the steps that will be redone.
+
+    transformers 5 takes TensorBoard's folder only from the TENSORBOARD_LOGGING_DIR environment variable (read when
+    the callback is made), and its SummaryWriter has no purge_step, so a resumed run left two points for every redone
+    step. Here the callback gets its folder directly and, on resume, a SummaryWriter with purge_step=resume_step+1
+    (TensorBoard then drops older events at or after that step). Returns False when the run has no TensorBoard
+    callback (e.g. on ranks > 0 nothing is written anyway).
+    """
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, TensorBoardCallback):
+            callback.logging_dir = str(log_dir)
+            if resume_step is not None and callback._SummaryWriter is not None and trainer.is_world_process_zero():
+                callback.tb_writer = callback._SummaryWriter(log_dir=str(log_dir), purge_step=resume_step + 1)
+            return True
+    return False
+
+
+def padding_bounds(attention_mask):
+    """(start, end) per row [B] when each row of a 2-D 0/1 mask is one run of ones (left and right padding, as TRL
+    batches it; an all-zero row gives start = end), else None."""
+    m = attention_mask.bool()
+    count = m.sum(-1)
+    start = m.int().argmax(-1) * (count > 0)
+    end = start + count
+    position = torch.arange(m.shape[-1], device=m.device)
+    if not torch.equal((position >= start[:, None]) & (position < end[:, None]), m):
+        return None
+    return start, end
+
+
+class BoundedMask:
+    """A flex attention mask function limited to each row's [start, end) keys (padding_bounds)."""
+
+    def __init__(self, mask_function, start, end):
+        self.mask_function, self.start, self.end = mask_function, start, end
+
+    def __call__(self, batch_idx, head_idx, q_idx, kv_idx):
+        return self.mask_function(batch_idx, head_idx, q_idx, kv_idx) & (kv_idx >= self.start[batch_idx]) & (
+            kv_idx < self.end[batch_idx])
+
+
+class FlexMaskWithPaddingBounds:
+    """transformers' flex_attention_mask with padding written as each row's bounds (flex_masks_with_padding_bounds)."""
+
+    def __init__(self, original):
+        self.wraps_original = original
+
+    def __call__(self, *args, **kwargs):
+        original = self.wraps_original
+        attention_mask = kwargs.get("attention_mask")
+        if args or attention_mask is None or attention_mask.dim() != 2 or bool(attention_mask.all()):
+            return original(*args, **kwargs)
+        bounds = padding_bounds(attention_mask)
+        if bounds is None:  # holes inside a row: transformers' per-position lookup, exact and slower
+            return original(**kwargs)
+        mask_function = BoundedMask(kwargs.get("mask_function", causal_mask_function), *bounds)
+        return original(**{**kwargs, "mask_function": mask_function, "attention_mask": None})
+
+
+def flex_masks_with_padding_bounds(say=_say) -> bool:
+    """transformers 5.17-5.24 + torch 2.11-2.13: builds flex attention's padded block masks from each row's bounds.
+
+    For a padded batch transformers' flex_attention_mask adds `attention_mask[batch, kv]` (the 2-D 0/1 mask, int64
+    from TRL) to the mask function; with it, flex attention's forward kernel was several times slower than for the
+    same mask written as `start[batch] <= kv < end[batch]`, its backward the same either way (BENCHMARKS.md, "Speed
+    at the recipe, third session"; benchmarks/bench_train_pass.py). A row of TRL's batches is one run of ones
+    (prompt left-padded, completion right-padded), so its bounds give the same mask; a mask with holes inside a row
+    keeps transformers' lookup.
+    Installed into transformers' mask registry for the process (idempotent); returns False, and says so, if this
+    transformers has no flex mask entry to wrap.
+    """
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    try:
+        current = ALL_MASK_ATTENTION_FUNCTIONS["flex_attention"]
+    except KeyError:
+        say("note: this transformers has no flex_attention mask function to wrap; padded masks stay per position")
+        return False
+    if not isinstance(current, FlexMaskWithPaddingBounds):
+        ALL_MASK_ATTENTION_FUNCTIONS["flex_attention"] = FlexMaskWithPaddingBounds(current)
+    return True
