@@ -292,6 +292,7 @@ def build_trainer(s, model, tokenizer, train_dataset, layout: dict, completion_l
 
     out, cuda = Path(s.OUT_DIR), cuda_available()
     out.mkdir(parents=True, exist_ok=True)
+    fixes.quiet_library_warnings()
     trainer = GRPOTrainer(
         model=model, reward_funcs=bind_reward(s.INVALID_REWARD, completion_log),
         args=build_grpo_config(s, layout, cuda), train_dataset=train_dataset, processing_class=tokenizer,

@@ -22,11 +22,20 @@ Models:
 
 Training on a GPU:
 - memory_plan: completions a training pass and sequences a generate call from the GPU's memory; the batch layout
-- fast_paths: which sampler and kernels a run takes, decided once, and the library workarounds installed
+- fast_paths: which sampler and kernels a run takes, decided once
+- choices: the training settings' fixed value sets, importable without torch
+- sampler: the trainer's sampler, assembled in one function (backend, FSDP sync, log-prob recorder, vLLM guard)
 - graph_decode: sampling with a static KV cache and CUDA-graph decode steps, in the trainer's arithmetic
+- decode_cache: graph_decode's static KV cache, its prefill and the CUDA-graph capture of decode steps
+- decode_math: graph_decode's decode step: attention with sinks, LoRA in PEFT's order, MXFP4 experts, the LM head
+- token_sampling: one sampling step as transformers' generate takes it, and the recorder of its log-probabilities
 - mxfp4_decode: the MoE experts read as MXFP4 while decoding (Triton)
 - fused_experts: the MoE experts' elementwise work fused for the training forward and backward
 - lm_head: TRL's fused LM head, which never builds a micro-batch's logits
 - sampling_fidelity: the sampler-trainer gap measured every step, and IMPORTANCE_SAMPLING
-- workarounds: library workarounds, each with the version it serves and why
+
+Library patches (patches/, one module per library, each patch with the versions it was checked on):
+- patches: torch_patches, transformers_patches, trl_patches, accelerate_patches
+- patches.registry: every patch, the library function it relies on and that function's fingerprints
+- patches.fixes: the corrections every run needs, in one call; the speed patches are fast_paths' choice
 """

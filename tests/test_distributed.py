@@ -31,7 +31,7 @@ from tes_grpo.model_loading import (
     resolve_model_path,
 )
 from tes_grpo.run_folder import check_resume_processes
-from tes_grpo.workarounds import give_trainable_weights_storage
+from tes_grpo.patches.accelerate_patches import give_trainable_weights_storage
 
 REPO = Path(__file__).resolve().parents[1]
 PROCESSES, GENERATIONS, ACCUMULATION, SAVE_AT, RESUMED_TO = 2, 4, 2, 2, 3
@@ -200,7 +200,7 @@ def test_model_device_map(cuda, fsdp, processes, rank, expected):
 
 
 def test_synced_generate_keeps_processes_stepping_together():
-    from tes_grpo.workarounds import SyncedGenerate
+    from tes_grpo.sampler import SyncedGenerate
 
     calls = []
     synced = SyncedGenerate(lambda *args, **kwargs: calls.append(kwargs))

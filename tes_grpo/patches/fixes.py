@@ -1,14 +1,19 @@
-"""The corrections every GRPO run needs, applied by one call (`install`); the speed choices are fast_paths.py's."""
+"""The corrections every GRPO run needs: `quiet_library_warnings` before the trainer is built, `install` on it after;
+the speed choices are fast_paths.py's."""
 
 from __future__ import annotations
 
 from tes_grpo.patches import accelerate_patches, trl_patches
 
 
+def quiet_library_warnings() -> None:
+    """Before the trainer is built (TRL warns from its constructor on): the library warnings a user cannot act on."""
+    trl_patches.quiet_all_rewards_none_warning()
+    trl_patches.quiet_is_gradient_checkpointing_deprecation()
+
+
 def install(trainer) -> list[str]:
     """The corrections every GRPO run needs on `trainer` (its model LoRA-wrapped); returns what the log prints.
     Speed choices are fast_paths.install's."""
-    trl_patches.quiet_all_rewards_none_warning()
-    trl_patches.quiet_is_gradient_checkpointing_deprecation()
     moved = accelerate_patches.give_trainable_weights_storage(trainer.model)
     return [f"FSDP: {moved} trainable parameter(s) left on the meta device given storage"] if moved else []

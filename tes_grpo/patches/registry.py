@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import importlib
+import importlib.metadata
 import inspect
 import textwrap
 from dataclasses import dataclass
@@ -109,8 +110,6 @@ def fingerprint(target: str) -> str:
 
 
 if __name__ == "__main__":
-    import importlib.metadata
-
     for entry in PATCHED:
         version = importlib.metadata.version(entry.library)
         print(f"{entry.patch}: {entry.library} {version} {entry.target} {fingerprint(entry.target)}")

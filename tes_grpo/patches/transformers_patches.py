@@ -6,8 +6,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import transformers.masking_utils as masking_utils
 from transformers.integrations import TensorBoardCallback
-from transformers.masking_utils import causal_mask_function
 
 from tes_grpo.processes import say as _say
 
@@ -101,7 +101,7 @@ class FlexMaskWithPaddingBounds:
         bounds = padding_bounds(attention_mask)
         if bounds is None:  # holes inside a row: transformers' per-position lookup, exact and slower
             return original(**kwargs)
-        mask_function = BoundedMask(kwargs.get("mask_function", causal_mask_function), *bounds)
+        mask_function = BoundedMask(kwargs.get("mask_function", masking_utils.causal_mask_function), *bounds)
         return original(**{**kwargs, "mask_function": mask_function, "attention_mask": None})
 
 
@@ -117,13 +117,12 @@ def flex_masks_with_padding_bounds(say=_say) -> bool:
     Installed into transformers' mask registry for the process (idempotent); returns False, and says so, if this
     transformers has no flex mask entry to wrap.
     """
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
+    registry = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS  # read at call time: tests swap in a fresh registry
     try:
-        current = ALL_MASK_ATTENTION_FUNCTIONS["flex_attention"]
+        current = registry["flex_attention"]
     except KeyError:
         say("note: this transformers has no flex_attention mask function to wrap; padded masks stay per position")
         return False
     if not isinstance(current, FlexMaskWithPaddingBounds):
-        ALL_MASK_ATTENTION_FUNCTIONS["flex_attention"] = FlexMaskWithPaddingBounds(current)
+        registry["flex_attention"] = FlexMaskWithPaddingBounds(current)
     return True
