@@ -30,8 +30,8 @@ from tes_grpo.model_loading import (
     model_device_map,
     resolve_model_path,
 )
-from tes_grpo.run_folder import check_resume_processes
 from tes_grpo.patches.accelerate_patches import give_trainable_weights_storage
+from tes_grpo.run_folder import check_resume_processes
 
 REPO = Path(__file__).resolve().parents[1]
 PROCESSES, GENERATIONS, ACCUMULATION, SAVE_AT, RESUMED_TO = 2, 4, 2, 2, 3
