@@ -31,7 +31,7 @@ import os
 import sys
 from pathlib import Path
 
-from tes_grpo.choices import FAST_PATHS, IS_MODES
+from tes_grpo import choices
 from tes_grpo.fileio import InputError
 from tes_grpo.harmony import REASONING_EFFORTS as _EFFORTS
 from tes_grpo.model_loading import EXPERTS_CHOICES as _EXPERTS_CHOICES
@@ -102,9 +102,9 @@ CHOICES = {
     "SCALE_REWARDS": ("none", "group", "batch"),
     "PROMPT_TOO_LONG": ("error", "skip"),
     "REASONING_EFFORT": ("", *_EFFORTS),
-    "IMPORTANCE_SAMPLING": IS_MODES,
+    "IMPORTANCE_SAMPLING": choices.IS_MODES,
     "EXPERTS": _EXPERTS_CHOICES,
-    **FAST_PATHS,
+    **choices.FAST_PATHS,
 }
 
 

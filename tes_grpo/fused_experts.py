@@ -1,6 +1,5 @@
 """gpt-oss's MoE experts for the training forward and backward, with their elementwise work fused.
 Library module, not a script; train_grpo.py installs it (TRAIN_EXPERTS), the benchmark times it:
-
     python benchmarks/bench_train_pass.py      # GPU machine: one micro-batch, transformers' experts against these
 
 Why: transformers' grouped_mm path (5.17-5.23) runs every step between the two grouped GEMMs as its own kernel over
@@ -31,6 +30,9 @@ from __future__ import annotations
 import types
 
 import torch
+from transformers.integrations.moe import _grouped_linear
+
+from tes_grpo.mxfp4_experts import is_resident
 
 __all__ = ["bias_swiglu", "bias_swiglu_backward", "bias_weight_combine", "bias_weight_combine_backward",
            "fused_experts_forward", "fusable", "use_fused_experts", "uses_fused_experts"]
@@ -145,8 +147,6 @@ def fused_experts_forward(experts, hidden_states: torch.Tensor, top_k_index: tor
                           top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' grouped_mm_experts_forward for GptOssExperts with the two fused Functions: hidden_states
     [T, H], top_k_index / top_k_weights [T, k] -> [T, H]."""
-    from transformers.integrations.moe import _grouped_linear  # private, 5.17-5.23: transformers' grouped GEMM
-
     top_k = top_k_index.shape[-1]
     expert_ids, perm = torch.sort(top_k_index.reshape(-1))
     inv_perm = torch.empty_like(perm)
@@ -203,8 +203,6 @@ def use_fused_experts(model, say=print) -> int:
     """Gives every gpt-oss experts module of `model` the fused training forward (an instance attribute over the
     class's forward, which stays in use under no_grad); returns how many. Modules that cannot take it keep
     transformers' forward, and `say` names them and why."""
-    from tes_grpo.mxfp4_experts import is_resident
-
     done, refused = 0, {}
     for name, module in model.named_modules():
         if type(module).__name__ != "GptOssExperts" and not is_resident(module):

@@ -25,6 +25,10 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+import torch
+from peft import PeftModel
+from tqdm import tqdm
+
 from tes_grpo.fileio import InputError
 from tes_grpo.harmony import HARMONY_GLOB, STOP_TOKEN_IDS, harmony_csv_files, parse_action
 from tes_grpo.model_loading import (
@@ -38,6 +42,7 @@ from tes_grpo.model_loading import (
     resolve_device,
     resolve_dtype,
 )
+from tes_grpo.patches.transformers_patches import grouped_mm_experts_for_decode
 
 # From this many sequences per generate call on a GPU, the dequantized experts keep grouped_mm while decoding instead of
 # transformers' switch to batched_mm, which was faster only below it (BENCHMARKS.md, "Generation alone: which experts
@@ -48,7 +53,6 @@ GROUPED_MM_MIN_BATCH = 16
 @dataclasses.dataclass(frozen=True)
 class Completion:
     """One sampled completion, with the Harmony special tokens kept."""
-
     text: str  # decoded up to and including the first stop token (all of it when truncated)
     n_tokens: int  # generated tokens up to and including the stop token
     truncated: bool  # no stop token within max_new_tokens
@@ -58,7 +62,6 @@ class Completion:
 @dataclasses.dataclass
 class PolicyModel:
     """A loaded base model (a PeftModel when an adapter is on it) with its tokenizer and how it was loaded."""
-
     model: object
     tokenizer: object
     base_model_id: str
@@ -97,8 +100,6 @@ def load_policy_model(base_model_id: str = "", adapter_path: str = "", quantized
     experts only. quantized=True (test_lora_adapter_quantized.py) computes in bf16 and insists on MXFP4 experts:
     where they cannot stay MXFP4 it prints that it FELL BACK, and why.
     """
-    import torch
-
     if adapter_path:
         adapter_config(adapter_path)  # a clear error before the (slow) base load
     if not base_model_id:
@@ -115,8 +116,6 @@ def load_policy_model(base_model_id: str = "", adapter_path: str = "", quantized
         experts = f"FELL BACK: the experts could not stay MXFP4 ({experts})"
         print(experts, file=sys.stderr)
     if adapter_path:
-        from peft import PeftModel
-
         model = PeftModel.from_pretrained(model, adapter_path).eval()
     tokenizer = load_tokenizer_for(base_model_id)
     eos = model.generation_config.eos_token_id
@@ -154,8 +153,6 @@ def adapter_switch(policy: PolicyModel, use_adapter: bool):
 def decode_experts_context(policy: PolicyModel, batch_len: int):
     """Keeps grouped_mm experts while decoding for large GPU batches (see GROUPED_MM_MIN_BATCH); else no change."""
     if policy.device == "cuda" and batch_len >= GROUPED_MM_MIN_BATCH:
-        from tes_grpo.patches.transformers_patches import grouped_mm_experts_for_decode
-
         return grouped_mm_experts_for_decode(policy.model, say=print)
     return contextlib.nullcontext()
 
@@ -169,9 +166,6 @@ def generate(policy: PolicyModel, prompts: Sequence[str], samples: int = 1, seed
     with the same prompts, samples, seed and batch_size (e.g. adapter and base) use the same random streams.
     temperature 0 decodes greedily. Returns one list of `samples` Completions per prompt.
     """
-    import torch
-    from tqdm import tqdm
-
     if samples < 1 or batch_size < 1:
         raise ValueError("samples and batch_size must be >= 1")
     jobs = [(p, s) for p in range(len(prompts)) for s in range(samples)]

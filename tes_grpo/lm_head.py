@@ -31,15 +31,19 @@ tests compare the fused head with and the benchmark's "full" variant.
 
 from __future__ import annotations
 
+import importlib
 import types
+
+import trl
+import trl.trainer.utils as trl_utils
+from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
 
 def fused_head_tile() -> tuple[int, int] | None:
     """(tokens, vocabulary entries) of the installed TRL's fused LM head tile: (4096, 32768) in TRL 1.16; None when
     this TRL has no `ChunkedLogProbFunction` / `_CHUNKED_LOGPROB_CHUNK_SIZE` (another version)."""
     try:
-        import trl.kernels.chunked_logprob as kernels
-        import trl.trainer.utils as trl_utils
+        kernels = importlib.import_module("trl.kernels.chunked_logprob")
     except ImportError:
         return None
     tokens = getattr(kernels, "TOKEN_CHUNK_SIZE", None)
@@ -64,8 +68,6 @@ def uses_fused_lm_head(model) -> bool:
 
 def describe_lm_head(model) -> str:
     """One log line: whether the trained model's LM head is TRL's fused head, and its tile."""
-    import trl
-
     tile = fused_head_tile()
     vocab = causal_lm(model).config.get_text_config().vocab_size
     if uses_fused_lm_head(model) and tile is not None:
@@ -80,8 +82,6 @@ def full_logits_logps_and_entropies(model, input_ids, attention_mask, logits_to_
     """(log-probs [B, logits_to_keep], entropies or None) of the last logits_to_keep tokens from the model's
     ordinary forward: the whole [B, logits_to_keep, V] logits, scaled by 1 / temperature, through TRL's own
     selective_log_softmax and entropy_from_logits (what TRL did before its fused head)."""
-    from trl.trainer.utils import entropy_from_logits, selective_log_softmax
-
     logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep + 1,
                    use_cache=False).logits
     logits = logits[:, :-1, :] / temperature

@@ -1,7 +1,6 @@
 """MXFP4 codec and checkpoint writer in OpenAI's gpt-oss layout (no GPU, no triton needed).
 
 Library module, not a script. Used by the tiny-model builder and by `export_quantized_model.py`:
-
     from tes_grpo.mxfp4 import quantize_mxfp4, dequantize_mxfp4, write_mxfp4_checkpoint
 
 Format (as in openai/gpt-oss-20b and transformers' `integrations/mxfp4.py`):
@@ -26,6 +25,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 BLOCK_SIZE = 32  # values per shared E8M0 scale (MX spec)
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -132,7 +133,6 @@ class SafetensorsCheckpoint(Mapping):
 
     Lets the exporter copy the base model's expert blocks/scales bit for bit without loading 13 GB.
     """
-
     def __init__(self, folder: str | os.PathLike, only: set[str] | None = None):
         """`only`: restrict the view to these tensor names (others read as absent)."""
         self.folder = Path(folder)
@@ -141,8 +141,6 @@ class SafetensorsCheckpoint(Mapping):
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             self._files = {name: self.folder / file for name, file in weight_map.items()}
         else:
-            from safetensors import safe_open
-
             files = sorted(self.folder.glob("*.safetensors"))
             if not files:
                 raise FileNotFoundError(f"{self.folder}: no *.safetensors files")
@@ -154,14 +152,10 @@ class SafetensorsCheckpoint(Mapping):
             self._files = {name: file for name, file in self._files.items() if name in only}
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
         with safe_open(str(self._files[name]), framework="pt") as handle:
             return handle.get_tensor(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        from safetensors import safe_open
-
         with safe_open(str(self._files[name]), framework="pt") as handle:
             return tuple(handle.get_slice(name).get_shape())
 
@@ -287,7 +281,6 @@ def estimate_checkpoint_bytes(state_dict: Mapping[str, torch.Tensor]) -> int:
 
 class ShardWriter:
     """Collects tensors into safetensors shards of at most `max_shard_bytes`, named like the hub's."""
-
     def __init__(self, out_dir: Path, max_shard_bytes: int):
         self.out_dir, self.max_shard_bytes = Path(out_dir), max_shard_bytes
         self.current: dict[str, torch.Tensor] = {}
@@ -306,8 +299,6 @@ class ShardWriter:
         self.total += size
 
     def _flush(self) -> None:
-        from safetensors.torch import save_file
-
         path = self.out_dir / f".shard-{len(self.temp_files):05d}.safetensors.tmp"
         save_file(self.current, str(path), metadata={"format": "pt"})
         self.temp_files.append(path)

@@ -4,7 +4,6 @@ Each script keeps its settings as UPPER_CASE constants at the top (nanoGPT style
 `settings = resolve(globals(), argv)` once and passes `settings` (a read-only `Settings`: `settings.LR` or
 `settings["LR"]`) down. The module's constants are never rewritten, so they always mean the defaults and `main()` can
 run twice in one process. Then, for any constant `FOO_BAR`:
-
     python script.py --FOO_BAR=3        # exact name
     python script.py --foo-bar 3        # the same, argparse style
     python script.py --overwrite        # a bare flag sets a bool constant to True
@@ -33,6 +32,8 @@ import typing
 from collections.abc import Mapping
 from pathlib import Path
 
+from tes_grpo.fileio import atomic_write_text
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 _NONE = {"none", "null"}
@@ -41,7 +42,6 @@ _SIMPLE = (bool, int, float, str, Path, list, tuple, type(None))
 
 class ConfigError(ValueError):
     """A bad override: unknown name or a value that does not fit the constant's type."""
-
 
 def constants_of(namespace: dict) -> dict:
     """The overridable constants of a module namespace: UPPER_CASE names with simple values."""
@@ -198,13 +198,11 @@ def parse_overrides(argv: list[str], defaults: dict, annotations: dict | None = 
 class SettingsError(ValueError):
     """Settings that cannot work (together), found after parsing; a script prints it as `error: ...`, exits 1."""
 
-
 class Settings(Mapping):
     """A script's resolved settings: read-only, by attribute (`settings.LR`) or key (`settings["LR"]`).
 
     given: the names set on the command line; preset: the names a preset replaced (name -> (default, preset value)).
     """
-
     def __init__(self, values: dict, given=(), preset: dict | None = None):
         object.__setattr__(self, "_values", dict(values))
         object.__setattr__(self, "given", frozenset(given))
@@ -289,8 +287,6 @@ def resolve(namespace: dict, argv: list[str] | None = None, positional: str | No
 
 def save_config(config: dict, path: str | os.PathLike) -> Path:
     """Writes the resolved constants as JSON (atomically) so a run folder records how it was made."""
-    from tes_grpo.fileio import atomic_write_text
-
     config = dict(config)
     serialisable = {k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v)
                     for k, v in config.items()}
