@@ -319,7 +319,7 @@ def _decode_hidden(lm, cache, tokens, slot, length: int, weights: DecodeWeights)
     full_mask, ring_mask = cache.masks(slot, length)
     batch = tokens.shape[0]
     if packs is not None:
-        from tes_grpo.mxfp4_decode import moe_forward
+        from tes_grpo.mxfp4_decode import moe_forward  # Triton: only where the MXFP4 experts decode
     attend = attention_function(hidden)
     for i, layer in enumerate(body.layers):
         attn = layer.self_attn
@@ -352,7 +352,7 @@ def expert_packs(lm, experts: str, say=print) -> list | None:
         return None
     if experts != "mxfp4":
         raise ValueError(f"graph_decode: experts must be 'model' or 'mxfp4', got {experts!r}")
-    from tes_grpo.mxfp4_decode import pack_model
+    from tes_grpo.mxfp4_decode import pack_model  # Triton: only where the MXFP4 experts decode
 
     return pack_model(lm.model.layers, say=say)
 

@@ -213,7 +213,7 @@ def read_csv_table(path: str | os.PathLike):
     InputError naming the file for an unreadable file, invalid UTF-8 (with row and byte), a duplicate column
     name, or text pandas cannot parse.
     """
-    import pandas as pd
+    import pandas as pd  # here, not at the top: every script imports fileio, most never read a frame
 
     text = read_csv_text(path)
     check_unique_columns(path, csv_header(text, path))

@@ -80,7 +80,7 @@ def check_token_ids(tokenizer, source: str = "the tokenizer") -> None:
 @functools.lru_cache(maxsize=4)
 def load_tokenizer(source: str | None = None):
     """The tokenizer from `source` (default tokenizer_source()), its special token ids checked."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # here: scripts import harmony at the top, --help needs no transformers
 
     source = source or tokenizer_source()
     tokenizer = AutoTokenizer.from_pretrained(source)
@@ -95,7 +95,7 @@ def harmony_encoding():
     if (source / "o200k_base.tiktoken").is_file() and "TIKTOKEN_ENCODINGS_BASE" not in os.environ:
         # tiktoken reads this variable only; setting it keeps openai-harmony off the network
         os.environ["TIKTOKEN_ENCODINGS_BASE"] = str(source.resolve())
-    from openai_harmony import HarmonyEncodingName, load_harmony_encoding
+    from openai_harmony import HarmonyEncodingName, load_harmony_encoding  # after TIKTOKEN_ENCODINGS_BASE is set
 
     return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
 

@@ -50,7 +50,7 @@ def _distributed():
     """torch.distributed when a process group with more than one process is up, else None."""
     if process_count() < 2:
         return None
-    import torch.distributed as dist
+    import torch.distributed as dist  # here: train_grpo imports processes before torch (--help)
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return dist
@@ -63,7 +63,7 @@ def start_process_group() -> None:
     The Trainer would do it later; loading needs it earlier (tiny-model build on rank 0 first, FSDP loading).
     """
     if process_count() > 1:
-        from accelerate import PartialState
+        from accelerate import PartialState  # here: train_grpo imports processes before torch (--help)
 
         PartialState()
 
