@@ -274,11 +274,8 @@ def build_grpo_config(s, layout: dict, cuda: bool):
 def build_trainer(s, model, tokenizer, train_dataset, layout: dict, completion_log=None, callbacks=(),
                   resume_step: int | None = None):
     """GRPOTrainer wired with the bound reward, LoRA, the stream and the run folder's callbacks, then the library
-    fixes, the fast paths and the sampler, in that order.
-
-    `model` is a loaded (not yet PEFT-wrapped) gpt-oss; the trainer adds the LoRA adapter. Model loading stays
-    outside, so a benchmark can pass any gpt-oss-shaped model.
-    """
+    fixes, the fast paths and the sampler, in that order. `model`: a loaded gpt-oss, not yet LoRA-wrapped (loading
+    stays outside, so a benchmark can pass any gpt-oss-shaped model)."""
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOTrainer
 
@@ -287,7 +284,6 @@ def build_trainer(s, model, tokenizer, train_dataset, layout: dict, completion_l
     from tes_grpo.callbacks import JsonlMetricsCallback, ProgressLineCallback, ZeroPaddedCheckpointNames
     from tes_grpo.model_loading import cuda_available
     from tes_grpo.patches import fixes
-    from tes_grpo.patches.transformers_patches import point_tensorboard
     from tes_grpo.sampling_fidelity import Correction
 
     out, cuda = Path(s.OUT_DIR), cuda_available()
@@ -300,9 +296,8 @@ def build_trainer(s, model, tokenizer, train_dataset, layout: dict, completion_l
         callbacks=[JsonlMetricsCallback(out / "metrics.jsonl"), ProgressLineCallback(), ZeroPaddedCheckpointNames(),
                    *callbacks])
     trainer.remove_callback(PrinterCallback)  # ProgressLineCallback prints a compact line instead of the raw dict
-    point_tensorboard(trainer, out / "tensorboard", resume_step)
     paths = fast_paths.choose(s, trainer, cuda, layout["generation_sequences"])
-    for line in fixes.install(trainer) + fast_paths.install(trainer, paths):
+    for line in fixes.install(trainer, out / "tensorboard", resume_step) + fast_paths.install(trainer, paths):
         say(line)
     sampler.install(trainer, paths.sampler, Correction(s.IMPORTANCE_SAMPLING, s.IMPORTANCE_SAMPLING_CAP), say=say)
     return trainer

@@ -134,3 +134,35 @@ def test_the_sampler_is_built_in_one_order_with_its_settings_given(spec, parts):
         if isinstance(p, GraphDecodeGenerate):
             assert (p.experts, p.lora, p.max_batch, p.autocast) == (spec.experts, spec.lora, spec.max_batch,
                                                                   spec.autocast)
+
+
+def fake_trainer(model, fsdp=False, batch=64, precision="bf16"):
+    return SimpleNamespace(model=model, is_fsdp_enabled=fsdp, accelerator=SimpleNamespace(mixed_precision=precision),
+                           args=SimpleNamespace(per_device_train_batch_size=batch, steps_per_generation=1))
+
+
+# (settings, cuda, FSDP, processes, sequences a generate call may take, the SamplerSpec chosen)
+CHOSEN = [
+    ({}, True, False, 1, None, SamplerSpec("graph_decode", experts="mxfp4", autocast=torch.bfloat16)),  # GPU default
+    ({}, True, False, 1, 32, SamplerSpec("graph_decode", experts="mxfp4", max_batch=32, autocast=torch.bfloat16)),
+    ({}, True, False, 1, 64, SamplerSpec("graph_decode", experts="mxfp4", autocast=torch.bfloat16)),  # fits: no split
+    ({"DECODE_LORA": "merged"}, True, False, 1, None,
+     SamplerSpec("graph_decode", experts="mxfp4", lora="merged", autocast=torch.bfloat16)),
+    ({}, False, False, 1, None, SamplerSpec("generate", autocast=torch.bfloat16)),  # CPU: transformers' generate
+    ({}, True, True, 2, None, SamplerSpec("generate", autocast=torch.bfloat16, synced=True)),  # FSDP: step together
+    ({"USE_VLLM": True}, True, False, 1, None, SamplerSpec("vllm", autocast=torch.bfloat16)),
+]
+
+
+@pytest.mark.parametrize("overrides, cuda, fsdp, processes, sequences, expected", CHOSEN)
+def test_choose_gives_the_sampler_its_settings(monkeypatch, overrides, cuda, fsdp, processes, sequences, expected):
+    monkeypatch.setattr(fast_paths, "process_count", lambda: processes)
+    monkeypatch.setattr(fast_paths, "_triton", lambda: True)
+    paths = fast_paths.choose(settings(**overrides), fake_trainer(small_model(), fsdp=fsdp), cuda, sequences)
+    assert paths.sampler == expected
+    assert any(line.startswith("decoding: ") for line in paths.reasons)
+
+
+def test_a_split_batch_without_graph_decode_is_refused(monkeypatch):
+    with pytest.raises(SettingsError, match="only graph_decode splits a batch"):
+        fast_paths.choose(settings(DECODE_GRAPHS="off"), fake_trainer(small_model()), True, 32)

@@ -3,7 +3,7 @@ the speed choices are fast_paths.py's."""
 
 from __future__ import annotations
 
-from tes_grpo.patches import accelerate_patches, trl_patches
+from tes_grpo.patches import accelerate_patches, transformers_patches, trl_patches
 
 
 def quiet_library_warnings() -> None:
@@ -12,8 +12,10 @@ def quiet_library_warnings() -> None:
     trl_patches.quiet_is_gradient_checkpointing_deprecation()
 
 
-def install(trainer) -> list[str]:
-    """The corrections every GRPO run needs on `trainer` (its model LoRA-wrapped); returns what the log prints.
-    Speed choices are fast_paths.install's."""
+def install(trainer, tensorboard_dir, resume_step: int | None = None) -> list[str]:
+    """The corrections every GRPO run needs on `trainer` (its model LoRA-wrapped): TensorBoard's events in
+    tensorboard_dir, without the redone steps' old points after a resume from resume_step; storage for FSDP's
+    trainable weights left on the meta device. Returns what the log prints. Speed choices are fast_paths.install's."""
+    transformers_patches.point_tensorboard(trainer, tensorboard_dir, resume_step)
     moved = accelerate_patches.give_trainable_weights_storage(trainer.model)
     return [f"FSDP: {moved} trainable parameter(s) left on the meta device given storage"] if moved else []
