@@ -321,8 +321,10 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(settings.SEED)
     print(stack_versions())
-    copy_rate = measure_copy_rate()  # before the model, while the copy's 2 GiB are free
-    print(copy_rate_line(copy_rate, torch.cuda.get_device_name()))
+    # before the model, while the copy's 2 GiB are free; without a CUDA device (the CPU test) there is no rate
+    copy_rate = measure_copy_rate() if torch.cuda.is_available() else None
+    print(copy_rate_line(copy_rate, torch.cuda.get_device_name()) if copy_rate
+          else "copy rate: none (no CUDA device): no decode limit")
     model = build_random_model(attn_implementation=settings.ATTN).requires_grad_(False)  # nothing trains here
     config = model.config
     if settings.LORA_R:
@@ -359,12 +361,6 @@ def main(argv: list[str] | None = None) -> int:
         with grouped_mm_experts_for_decode(model, say=print):
             gaps = compare_logprobs(model, settings.COMPARE_SEQS, settings.COMPARE_TOKENS, settings.PROMPT_LEN,
                                     autocast)
-    distinct = settings.NUM_PROMPTS or settings.NUM_SEQS
-    scale = f"rho {settings.LORA_RHO}" if settings.LORA_RHO else f"B std {settings.LORA_B_STD}"
-    lora = f", LoRA r={settings.LORA_R} in train mode, {scale}" if settings.LORA_R else ""
-    print(f"\n{settings.NUM_SEQS} sequences = {distinct} distinct prompts x {settings.NUM_SEQS // distinct}, "
-          f"{settings.PROMPT_LEN} prompt tokens (real: {settings.PROMPT_LEN_SPREAD} fewer at most), "
-          f"{settings.NEW_TOKENS} new, prefill bucket {bucket}, autocast {settings.AUTOCAST}{lora}")
     # the decode limit at the run's mean cache length: the real prompt tokens, then half the new ones on average
     mean_cache = float(attention_mask.sum(dim=1).float().mean()) + settings.NEW_TOKENS / 2
     limits = {}
@@ -373,12 +369,18 @@ def main(argv: list[str] | None = None) -> int:
         if fmt not in limits:
             limits[fmt] = DecodeLimit(config, fmt, settings.LORA_R, copy_rate).bytes(settings.NUM_SEQS, mean_cache)
             print("\n".join(limits[fmt].lines(copy_rate)))
+    distinct = settings.NUM_PROMPTS or settings.NUM_SEQS
+    scale = f"rho {settings.LORA_RHO}" if settings.LORA_RHO else f"B std {settings.LORA_B_STD}"
+    lora = f", LoRA r={settings.LORA_R} in train mode, {scale}" if settings.LORA_R else ""
+    print(f"\n{settings.NUM_SEQS} sequences = {distinct} distinct prompts x {settings.NUM_SEQS // distinct}, "
+          f"{settings.PROMPT_LEN} prompt tokens (real: {settings.PROMPT_LEN_SPREAD} fewer at most), "
+          f"{settings.NEW_TOKENS} new, prefill bucket {bucket}, autocast {settings.AUTOCAST}{lora}")
     print(f"{'variant':<22}{'prefill s':>10}{'seconds':>10}{'tok/s':>10}{'ms/step':>10}{'limit ms':>10}{'of limit':>10}"
           f"{'peak GiB':>10}")
     for variant, prefill, seconds, tps, peak in rows:
         step_ms = 1000 * (seconds - (prefill or 0.0)) / max(1, settings.NEW_TOKENS - 1)
         step_ms = step_ms if prefill is not None else float("nan")
-        limit_ms = 1e3 * limits[variant_experts(variant)].seconds(copy_rate)
+        limit_ms = 1e3 * limits[variant_experts(variant)].seconds(copy_rate) if copy_rate else float("nan")
         print(f"{variant:<22}{'-' if prefill is None else f'{prefill:.2f}':>10}{seconds:>10.1f}{tps:>10.0f}"
               f"{step_ms:>10.1f}{limit_ms:>10.2f}{100 * limit_ms / step_ms:>9.1f}%{peak:>10.1f}")
     for what, value in compiles:
