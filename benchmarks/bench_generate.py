@@ -23,7 +23,10 @@ generate runs them (the trainer's autocast).
 NUM_PROMPTS > 0 makes the batch GRPO-shaped, as TRL passes it to generate(): NUM_PROMPTS distinct prompts, each
 repeated NUM_SEQS / NUM_PROMPTS times in a row, real lengths up to PROMPT_LEN_SPREAD tokens shorter than PROMPT_LEN
 and left-padded. The table printed last has, per variant, the prefill (a generate call of one new token) and the
-whole call. LORA_R > 0 decodes through train_grpo's LoRA adapter in train mode, the state GRPO generates in;
+whole call, and the decode step (the call less the prefill, over NEW_TOKENS - 1 steps) as a share of the decode limit
+(decode_limit.py: the bytes a step must move at NUM_SEQS sequences and the mean cache length, prompt + NEW_TOKENS / 2,
+over the copy rate measured on this GPU at the start; the experts as the variant reads them). LORA_R > 0 decodes
+through train_grpo's LoRA adapter in train mode, the state GRPO generates in;
 LORA_RHO > 0 draws its B so that each projection's delta is that fraction of its weight in rms (a run at LR 5e-5
 passes through 1e-4 to 1e-2).
 RECOMPILE_LENGTHS > 0 then prefills that many different prompt lengths (PROMPT_LEN down to PROMPT_LEN - 300) through
@@ -96,6 +99,12 @@ def variant_flags(variant: str) -> set[str] | None:
     if base not in ("static", "graphs") or not set(flags) <= set(_GRAPH_DECODE_FLAGS) or len(set(flags)) < len(flags):
         return None
     return set(flags)
+
+
+def variant_experts(variant: str) -> str:
+    """How a variant's decode steps read the experts (decode_limit.decode_bytes' format): graph_decode's _mxfp4
+    variants from the MXFP4 copy, every other variant the model's bf16 experts."""
+    return "mxfp4" if "mxfp4" in (variant_flags(variant) or ()) else "bf16"
 
 
 def is_graph_decode(variant: str) -> bool:
@@ -309,9 +318,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch
 
+    from benchmarks.decode_limit import DecodeLimit, copy_rate_line, measure_copy_rate
+
     torch.manual_seed(settings.SEED)
     print(stack_versions())
+    # before the model, while the copy's 2 GiB are free; without a CUDA device (the CPU test) there is no rate
+    copy_rate = measure_copy_rate() if torch.cuda.is_available() else None
+    print(copy_rate_line(copy_rate, torch.cuda.get_device_name()) if copy_rate
+          else "copy rate: none (no CUDA device): no decode limit")
     model = build_random_model(attn_implementation=settings.ATTN).requires_grad_(False)  # nothing trains here
+    config = model.config
     if settings.LORA_R:
         model = grpo_state(model, settings.LORA_R, settings.LORA_B_STD, settings.LORA_RHO)
     autocast = autocast_dtype(settings.AUTOCAST)
@@ -346,17 +362,28 @@ def main(argv: list[str] | None = None) -> int:
         with grouped_mm_experts_for_decode(model, say=print):
             gaps = compare_logprobs(model, settings.COMPARE_SEQS, settings.COMPARE_TOKENS, settings.PROMPT_LEN,
                                     autocast)
+    # the decode limit at the run's mean cache length: the real prompt tokens, then half the new ones on average
+    mean_cache = float(attention_mask.sum(dim=1).float().mean()) + settings.NEW_TOKENS / 2
+    limits = {}
+    for variant, *_ in rows:
+        fmt = variant_experts(variant)
+        if fmt not in limits:
+            limits[fmt] = DecodeLimit(config, fmt, settings.LORA_R, copy_rate).bytes(settings.NUM_SEQS, mean_cache)
+            print("\n".join(limits[fmt].lines(copy_rate)))
     distinct = settings.NUM_PROMPTS or settings.NUM_SEQS
     scale = f"rho {settings.LORA_RHO}" if settings.LORA_RHO else f"B std {settings.LORA_B_STD}"
     lora = f", LoRA r={settings.LORA_R} in train mode, {scale}" if settings.LORA_R else ""
     print(f"\n{settings.NUM_SEQS} sequences = {distinct} distinct prompts x {settings.NUM_SEQS // distinct}, "
           f"{settings.PROMPT_LEN} prompt tokens (real: {settings.PROMPT_LEN_SPREAD} fewer at most), "
           f"{settings.NEW_TOKENS} new, prefill bucket {bucket}, autocast {settings.AUTOCAST}{lora}")
-    print(f"{'variant':<22}{'prefill s':>10}{'seconds':>10}{'tok/s':>10}{'ms/step':>10}{'peak GiB':>10}")
+    print(f"{'variant':<22}{'prefill s':>10}{'seconds':>10}{'tok/s':>10}{'ms/step':>10}{'limit ms':>10}{'of limit':>10}"
+          f"{'peak GiB':>10}")
     for variant, prefill, seconds, tps, peak in rows:
         step_ms = 1000 * (seconds - (prefill or 0.0)) / max(1, settings.NEW_TOKENS - 1)
+        step_ms = step_ms if prefill is not None else float("nan")
+        limit_ms = 1e3 * limits[variant_experts(variant)].seconds(copy_rate) if copy_rate else float("nan")
         print(f"{variant:<22}{'-' if prefill is None else f'{prefill:.2f}':>10}{seconds:>10.1f}{tps:>10.0f}"
-              f"{step_ms if prefill is not None else float('nan'):>10.1f}{peak:>10.1f}")
+              f"{step_ms:>10.1f}{limit_ms:>10.2f}{100 * limit_ms / step_ms:>9.1f}%{peak:>10.1f}")
     for what, value in compiles:
         print(f"{what}: {value}")
     for line in gaps:

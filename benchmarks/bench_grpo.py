@@ -19,9 +19,10 @@ and runs train_grpo.build_trainer(...).train() for STEPS optimizer steps at trai
 (64 completions a step). Random weights never emit an end token, so every completion runs to
 MAX_COMPLETION_LEN: the worst case. Per step it prints generation and training time, completion tokens/s,
 peak memory, the sampler-trainer gap (sampling_fidelity.py's metrics: mean |log p difference| and gen-KL estimate),
-and the ratios to the limits (decode: every weight read once per token step at the measured
-~3.0 TB/s; training: ~22 GFLOP a token against ~800 TFLOP/s of bf16 matrix rate, and "+attn" with attention's
-own matmuls counted too, grpo_timers.attention_gflop_per_row). Under accelerate launch every
+and the ratios to the limits (decode: the decode limit of the step's generate calls over its generation time,
+decode_limit.py: the experts hit, the other weights and the KV cache at the mean cache length, at the copy rate
+measured on this GPU at the start; training: ~22 GFLOP a token against ~800 TFLOP/s of bf16 matrix rate, and
+"+attn" with attention's own matmuls counted too, grpo_timers.attention_gflop_per_row). Under accelerate launch every
 process builds the model on its own GPU (FSDP then shards it) and runs train_grpo's per-process batch; rank 0
 prints each step with the peak memory of every GPU and the completions per second of all of them together.
 """
@@ -61,7 +62,6 @@ MEMORY_BUDGET_GB = 0.0  # train_grpo's MEMORY_BUDGET_GB; > 0 also caps this proc
 PROMPT_TOKENS = 1316  # lengthen each data/ prompt to about this many tokens (BENCHMARKS.md's length); 0 = as is
 OUT_DIR = "runs/bench-grpo"  # run folder (adapter, logs) on the GPU machine
 RESULTS = "runs/bench-grpo/results.jsonl"  # one JSON line per timed step is appended here
-HBM_TB_PER_S = 3.0  # measured device-to-device copy rate of the H100 here (KINDS.md)
 BF16_TFLOPS = 800.0  # measured bf16 matrix rate of the H100 here (KINDS.md)
 TRAIN_GFLOP_PER_TOKEN = 22.0  # forward + backward to activations + recomputation, 3.6 B active parameters
 # MODEL_SIZE=120b: 36 layers x 128 experts, 5.1 B active parameters (OpenAI's model card): 6 x 5.1 GFLOP a token, and
@@ -144,6 +144,15 @@ def profile_micro_batch(trainer, inputs) -> None:
               f"{e.key[:110]}")
 
 
+def decode_shape(calls) -> tuple[int, float]:
+    """(sequences of a generate call, mean cache length over all calls' decode steps) of GenerationTimer.calls, for
+    printing the bytes of a typical decode step."""
+    steps = sum(max(new - 1, 0) for _, _, new in calls)
+    if not steps:
+        return (calls[0][0] if calls else 0), 0.0
+    return calls[0][0], sum((new - 1) * (prompt + new / 2) for _, prompt, new in calls) / steps
+
+
 def main(argv: list[str] | None = None) -> None:
     bench = resolve(globals(), argv, presets=PRESETS)
     if bench.MODEL_SIZE not in ("20b", "120b") or bench.EXPERTS not in ("bf16", "mxfp4"):
@@ -152,6 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     import train_grpo
+    from benchmarks.decode_limit import DecodeLimit, copy_rate_line, experts_format, measure_copy_rate
     from benchmarks.grpo_timers import GenerationTimer, StepTimer
     from tes_grpo.gpt_oss_shapes import build_random_model, stack_versions
     from tes_grpo.sampling_fidelity import GEN_KL, LOGP_MAX, LOGP_MEAN
@@ -159,6 +169,8 @@ def main(argv: list[str] | None = None) -> None:
     start_process_group()
     torch.cuda.set_device(local_rank())
     say(stack_versions())
+    copy_rate = measure_copy_rate()  # before the model: the copy's 2 GiB are free now
+    say(copy_rate_line(copy_rate, torch.cuda.get_device_name()))
     from tes_grpo.harmony import load_tokenizer
 
     settings = train_grpo.default_settings(
@@ -191,13 +203,16 @@ def main(argv: list[str] | None = None) -> None:
 
         say(residency_line(ResidentSummary.of(model)))
     model.config.use_cache = True
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     results = Path(bench.RESULTS)
     results.parent.mkdir(parents=True, exist_ok=True)
-    step_timer = StepTimer(None, weight_bytes, prompt_tokens, results, bench, layout, model.config)
+    step_timer = StepTimer(None, None, prompt_tokens, results, bench, layout, model.config)
     dataset = train_grpo.build_stream(frame, settings).to_iterable_dataset()
     trainer = train_grpo.build_trainer(settings, model, tokenizer, dataset, layout, callbacks=[step_timer])
     step_timer.timer = GenerationTimer(model)  # outermost, around whichever generate() build_trainer installed
+    # graph_decode's generate says how it reads the experts; transformers' reads the model's own
+    decode_experts = getattr(step_timer.timer.inner, "experts", "model")
+    step_timer.limit = DecodeLimit(model.config, experts_format(decode_experts, bench.EXPERTS == "mxfp4"),
+                                   settings.LORA_R, copy_rate)
     if bench.SAMPLING_METRICS:
         step_timer.fidelity = trainer.sampling_fidelity
     else:
@@ -220,13 +235,18 @@ def main(argv: list[str] | None = None) -> None:
           f"SAMPLING_METRICS={bench.SAMPLING_METRICS}, MAX_COMPLETION_LEN="
           f"{bench.MAX_COMPLETION_LEN}, prompt {prompt_tokens} tokens, {settings.NUM_GENERATIONS} generations x "
           f"{settings.GRADIENT_ACCUMULATION_STEPS} accumulation, {layout['train_batch_size']} completions a pass")
-    print(f"{'step':>4}{'step s':>8}{'gen s':>8}{'train s':>8}{'gen %':>7}{'tok/s':>8}{'of limit':>9}"
+    for line in step_timer.limit.bytes(*decode_shape(step_timer.timer.calls)).lines(copy_rate):
+        print(line)
+    print(f"{copy_rate_line(copy_rate, torch.cuda.get_device_name())}; 'limit s': the decode limit of a step's "
+          "decode steps, each at its cache length; 'of limit': that over the step's generation seconds (prefill "
+          "included)")
+    print(f"{'step':>4}{'step s':>8}{'gen s':>8}{'train s':>8}{'gen %':>7}{'tok/s':>8}{'limit s':>8}{'of limit':>9}"
           f"{'train MFU':>10}{'+attn':>7}{'compl/s':>8}{'logp gap':>10}{'max gap':>9}{'gen KL':>10}"
           "  peak GiB per GPU (reserved)")
     for r in step_timer.rows:
         print(f"{r['step']:>4}{r['step_s']:>8.1f}{r['generation_s']:>8.1f}{r['training_s']:>8.1f}"
-              f"{100 * r['gen_share']:>6.0f}%{r['gen_tokens_per_s']:>8.0f}"
-              f"{100 * r['gen_tokens_per_s'] / r['decode_limit_tokens_per_s']:>8.1f}%"
+              f"{100 * r['gen_share']:>6.0f}%{r['gen_tokens_per_s']:>8.0f}{r['decode_limit_s']:>8.1f}"
+              f"{100 * r['decode_limit_share']:>8.1f}%"
               f"{100 * r['train_mfu']:>9.1f}%{100 * r['train_mfu_with_attention']:>6.1f}%"
               f"{r['completions_per_s']:>8.2f}{r.get(LOGP_MEAN, math.nan):>10.2e}{r.get(LOGP_MAX, math.nan):>9.2e}"
               f"{r.get(GEN_KL, math.nan):>10.2e}  "

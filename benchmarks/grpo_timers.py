@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from benchmarks.decode_limit import DecodeLimit
 from tes_grpo.processes import gather_on_main, process_count, uses_fsdp
 
 
@@ -32,13 +33,15 @@ def attention_gflop_per_row(length: int, config) -> float:
 
 
 class GenerationTimer:
-    """Wraps a model's generate() to add up its wall time and the completion tokens it produced."""
+    """Wraps a model's generate() to add up its wall time, the completion tokens it produced, and each call's
+    (sequences, mean real prompt tokens, new tokens) for the decode limit."""
 
     def __init__(self, model):
         self.model, self.inner = model, model.generate
         self.seconds = 0.0
         self.tokens = 0
         self.sequences = 0
+        self.calls: list[tuple[int, float, int]] = []
         model.generate = self
 
     def __call__(self, *args, **kwargs):
@@ -47,20 +50,25 @@ class GenerationTimer:
         out = self.inner(*args, **kwargs)
         torch.cuda.synchronize()
         self.seconds += time.perf_counter() - start
-        prompt_len = kwargs["input_ids"].shape[1] if "input_ids" in kwargs else args[0].shape[1]
-        self.tokens += (out.shape[1] - prompt_len) * out.shape[0]
+        input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        prompt = float(mask.sum(dim=1).float().mean()) if mask is not None else float(input_ids.shape[1])
+        new = out.shape[1] - input_ids.shape[1]
+        self.tokens += new * out.shape[0]
         self.sequences += out.shape[0]
+        self.calls.append((out.shape[0], prompt, new))
         return out
 
 
 class StepTimer(TrainerCallback):
-    """Per optimizer step: wall time, the generation share of it, tokens/s, peak memory, ratios to the limits, and
+    """Per optimizer step: wall time, the generation share of it, tokens/s, peak memory, ratios to the limits (the
+    decode limit of the step's generate calls, decode_limit.py; the training matrix rate), and
     the step's sampling metrics (sampler against trainer, from `fidelity`: the trainer's sampling_fidelity hook,
     which logs them in the step's last micro-batch, before this callback's on_step_end)."""
 
-    def __init__(self, timer: GenerationTimer | None, weight_bytes: int, prompt_tokens: int, results: Path, bench,
+    def __init__(self, timer: GenerationTimer | None, limit: DecodeLimit, prompt_tokens: int, results: Path, bench,
                  layout: dict, model_config):
-        self.timer, self.weight_bytes, self.prompt_tokens, self.results = timer, weight_bytes, prompt_tokens, results
+        self.timer, self.limit, self.prompt_tokens, self.results = timer, limit, prompt_tokens, results
         self.bench, self.layout, self.model_config = bench, layout, model_config
         self.fidelity = None
         self.rows: list[dict] = []
@@ -70,6 +78,7 @@ class StepTimer(TrainerCallback):
         torch.cuda.reset_peak_memory_stats()
         self.start = time.perf_counter()
         self.before = (self.timer.seconds, self.timer.tokens, self.timer.sequences)
+        self.first_call = len(self.timer.calls)
 
     def on_step_end(self, args, state, control, **kwargs):
         torch.cuda.synchronize()
@@ -83,8 +92,11 @@ class StepTimer(TrainerCallback):
         if per_gpu is None:
             return
         train_s = total - gen
-        # tokens/s if each decoding step read every weight exactly once at the measured bandwidth
-        decode_limit = seqs / (self.weight_bytes / (self.bench.HBM_TB_PER_S * 1e12))
+        # the decode limit of this step's generate calls (decode_limit.py): what their decode steps must read, at
+        # the copy rate measured on this GPU
+        calls = self.timer.calls[self.first_call:]
+        limit_s = self.limit.calls_seconds(calls)
+        contexts = [prompt + new / 2 for _, prompt, new in calls]
         trained_tokens = seqs * self.prompt_tokens + tokens
         train_gflop = trained_tokens * self.bench.TRAIN_GFLOP_PER_TOKEN
         # at the mean row length: the square's convexity makes this a slight undercount when lengths vary
@@ -92,7 +104,10 @@ class StepTimer(TrainerCallback):
         matrix_rate = self.bench.BF16_TFLOPS * 1e12 * max(train_s, 1e-9)
         row = dict(step=state.global_step, step_s=total, generation_s=gen, training_s=train_s, sequences=seqs,
                    completion_tokens=tokens, gen_tokens_per_s=tokens / gen if gen else 0.0, gen_share=gen / total,
-                   decode_limit_tokens_per_s=decode_limit,
+                   decode_limit_s=limit_s, decode_limit_share=limit_s / gen if gen else 0.0,
+                   decode_mean_cache=sum(contexts) / len(contexts) if contexts else 0.0,
+                   decode_bytes_gb=(self.limit.bytes(calls[0][0], contexts[0]).total / 1e9) if calls else 0.0,
+                   copy_rate_tb_per_s=self.limit.rate / 1e12,
                    train_mfu=train_gflop * 1e9 / matrix_rate,
                    train_mfu_with_attention=(train_gflop + attention_gflop) * 1e9 / matrix_rate,
                    decode_experts=self.bench.DECODE_EXPERTS, decode_graphs=str(self.bench.DECODE_GRAPHS),
