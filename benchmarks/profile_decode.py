@@ -219,7 +219,7 @@ def ready_made(graph_decode, logits, cache, weights, step):
                            "stand-ins no longer reach its loop")
 
 
-def measured_experts_hit(graph_decode, lm, cache, tokens, slot, length: int, weights) -> float:
+def measured_experts_hit(decode_math, lm, cache, tokens, slot, length: int, weights) -> float:
     """Mean number of distinct experts the routers pick per layer in one eager decode step (router forward hooks)."""
     import torch
 
@@ -227,7 +227,7 @@ def measured_experts_hit(graph_decode, lm, cache, tokens, slot, length: int, wei
     hooks = [layer.mlp.router.register_forward_hook(lambda m, i, out: hits.append(int(out[2].unique().numel())))
              for layer in lm.model.layers]
     try:
-        graph_decode.decode_step(lm, cache, tokens, torch.tensor(slot, device=tokens.device), length, weights)
+        decode_math.decode_step(lm, cache, tokens, torch.tensor(slot, device=tokens.device), length, weights)
     finally:
         for hook in hooks:
             hook.remove()
@@ -236,7 +236,7 @@ def measured_experts_hit(graph_decode, lm, cache, tokens, slot, length: int, wei
     return sum(hits) / len(hits)
 
 
-def site_probes(graph_decode, lm, cache, weights, slot: int, length: int, autocast, device) -> dict:
+def site_probes(decode_math, lm, cache, weights, slot: int, length: int, autocast, device) -> dict:
     """{group: {kernel name: us a step}} of each call site of the decode step, probed on its own (see probe)."""
     import torch
 
@@ -254,13 +254,13 @@ def site_probes(graph_decode, lm, cache, weights, slot: int, length: int, autoca
     key = torch.randn(batch, config.num_key_value_heads, 1, config.head_dim, device=device, dtype=hidden.dtype)
     slot_t = torch.tensor(slot, device=device)
     full_mask, ring_mask = cache.masks(slot_t, length)
-    attend = graph_decode.attention_function(hidden)
+    attend = decode_math.attention_function(hidden)
     projections = weights.attention
     packs = weights.experts
 
     def under_autocast(fn):
         def run():
-            with graph_decode.autocast_context(device, autocast), torch.no_grad():
+            with decode_math.autocast_context(device, autocast), torch.no_grad():
                 return fn()
         return run
 
@@ -285,11 +285,11 @@ def site_probes(graph_decode, lm, cache, weights, slot: int, length: int, autoca
         def moe():
             return mlp(x)
     expected = {
-        PROJECTIONS: probe(under_autocast(lambda: (graph_decode.qkv_projections(attn, proj, x),
-                                                   graph_decode.output_projection(attn, proj, attended))),
+        PROJECTIONS: probe(under_autocast(lambda: (decode_math.qkv_projections(attn, proj, x),
+                                                   decode_math.output_projection(attn, proj, attended))),
                            len(layers), device),
         KV_WRITES: probe(under_autocast(lambda: cache.write(full, slot_t, key, key, length)), len(layers), device),
-        HEAD: probe(under_autocast(lambda: graph_decode.head_logits(lm, hidden)), 1, device),
+        HEAD: probe(under_autocast(lambda: decode_math.head_logits(lm, hidden)), 1, device),
     }
     attention_us = probe(under_autocast(attention(full)), len(layers) - len(sliding), device)
     if sliding:
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import GenerationConfig
 
     from benchmarks.bench_generate import autocast_dtype, grpo_prompts, grpo_state, token_ids
-    from tes_grpo import graph_decode
+    from tes_grpo import decode_cache, decode_math, graph_decode, lm_head
     from tes_grpo.gpt_oss_shapes import build_random_model, stack_versions
 
     device = torch.device(s.DEVICE)
@@ -356,21 +356,21 @@ def main(argv: list[str] | None = None) -> int:
     if s.LORA_R:
         model = grpo_state(model, s.LORA_R, rho=s.LORA_RHO)
     autocast = autocast_dtype(s.AUTOCAST)
-    lm = graph_decode.causal_lm(model)
+    lm = lm_head.causal_lm(model)
     ids, mask = grpo_prompts(s.NUM_SEQS, s.NUM_PROMPTS, s.PROMPT_LEN, s.PROMPT_LEN_SPREAD, model, s.SEED)
     vocab, pad = token_ids(model)
     slot = s.PROMPT_LEN + s.DECODE_AT
     with torch.no_grad():
-        logits, cache = graph_decode.prefill(lm, ids, mask, s.NEW_TOKENS, pad, autocast=autocast)
-        weights = graph_decode.decode_weights(lm, s.EXPERTS, s.DECODE_LORA, autocast)
-        length = graph_decode.bucket_length(slot, cache.total)
+        logits, cache = decode_cache.prefill(lm, ids, mask, s.NEW_TOKENS, pad, autocast=autocast)
+        weights = decode_math.decode_weights(lm, s.EXPERTS, s.DECODE_LORA, autocast)
+        length = decode_cache.bucket_length(slot, cache.total)
         last = slot + max(s.WALL_STEPS, s.PROFILE_STEPS)
-        if last >= cache.total or graph_decode.bucket_length(last, cache.total) != length:
+        if last >= cache.total or decode_cache.bucket_length(last, cache.total) != length:
             raise SystemExit(f"error: the steps from slot {slot} to {last} leave the cache bucket of {length} slots "
                              f"(cache {cache.total}): lower WALL_STEPS / PROFILE_STEPS or move DECODE_AT")
         tokens = torch.randint(0, vocab, (s.NUM_SEQS, 1), device=device)
-        hit = measured_experts_hit(graph_decode, lm, cache, tokens, slot, length, weights)
-        runner = graph_decode.decode_steps(lm, cache, s.NUM_SEQS, device, cuda, weights)
+        hit = measured_experts_hit(decode_math, lm, cache, tokens, slot, length, weights)
+        runner = decode_cache.decode_steps(lm, cache, s.NUM_SEQS, device, cuda, weights)
         for _ in range(3):  # the first call captures (cuda) or compiles nothing (cpu)
             fixed = runner(tokens, slot)
         _sync(device)
@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         if cuda and seen_us < 0.5 * replay_us:
             print(f"\nthe profiler saw {seen_us:.0f} us of kernels a replay against {replay_us:.0f} us of replay time: "
                   "graph replays hide their kernels here; profiling the eager step at the same shapes instead")
-            eager = graph_decode.decode_steps(lm, cache, s.NUM_SEQS, device, False, weights)
+            eager = decode_cache.decode_steps(lm, cache, s.NUM_SEQS, device, False, weights)
             eager(tokens, slot)
             replayed = kernel_times(lambda: eager(tokens, slot), s.PROFILE_STEPS, device)
             profiled = "eager steps (graph replays hid their kernels)"
@@ -423,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         sampled = kernel_times(lambda: generate(s.PROFILE_STEPS + 1, lambda t, n: fixed), 1, device)
         sampling = {name: (count / (s.PROFILE_STEPS + 1), us / (s.PROFILE_STEPS + 1))
                     for name, (count, us) in sampled.items()}
-        expected = site_probes(graph_decode, lm, cache, weights, slot, length, autocast, device)
+        expected = site_probes(decode_math, lm, cache, weights, slot, length, autocast, device)
 
     step_us = {name: us for name, (_, us) in replayed.items()}
     assigned = allocate(step_us, expected)
