@@ -191,7 +191,9 @@ def main(argv: list[str] | None = None) -> None:
 
         say(residency_line(ResidentSummary.of(model)))
     model.config.use_cache = True
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    from tes_grpo.mxfp4_experts import resident_bytes
+
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + resident_bytes(model)
     results = Path(bench.RESULTS)
     results.parent.mkdir(parents=True, exist_ok=True)
     step_timer = StepTimer(None, weight_bytes, prompt_tokens, results, bench, layout, model.config)
