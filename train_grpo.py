@@ -261,6 +261,7 @@ def build_grpo_config(s, layout: dict, cuda: bool):
         learning_rate=s.LR, lr_scheduler_type=s.LR_SCHEDULER, warmup_steps=int(s.WARMUP_RATIO * s.TOTAL_STEPS),
         loss_type=s.LOSS_TYPE, scale_rewards=s.SCALE_REWARDS, beta=s.BETA, router_aux_loss_coef=s.ROUTER_AUX_LOSS_COEF,
         seed=s.SEED, bf16=cuda,
+        ddp_broadcast_buffers=False,  # no buffer changes in training; resident MXFP4 experts are buffers (GiBs)
         use_cpu=not cuda,  # on a machine without a GPU, several processes (accelerate launch) then use gloo
         **checkpointing,
         logging_steps=s.LOGGING_STEPS, report_to=report_to(s.REPORT_TO) or "none",
@@ -399,12 +400,22 @@ def train(s, environ=None, callbacks=()) -> Path:
 def main(argv: list[str] | None = None, callbacks=()) -> int:
     """Command-line entry: resolves --NAME=value overrides (and the tiny preset), trains; returns the exit status."""
     settings = resolve(globals(), argv, presets=PRESETS, allow_nan={"INVALID_REWARD"}, choices=CHOICES)
-    from tes_grpo.patches.torch_patches import leave_process_group  # after resolve: --help needs no torch
+    import torch  # after resolve: --help needs no torch
 
+    from tes_grpo.oom import StepWatch, out_of_memory_message
+    from tes_grpo.patches.torch_patches import leave_process_group
+    from tes_grpo.processes import uses_fsdp
+
+    watch = StepWatch()
     try:
-        train(settings, callbacks=callbacks)
+        train(settings, callbacks=(*callbacks, watch))
     except (InputError, SettingsError) as err:
         print(f"error: {err}", file=sys.stderr)
+        leave_process_group(wait=False)
+        return 1
+    except torch.OutOfMemoryError as err:  # one message, no traceback; the newest checkpoint stays resumable
+        planned = torch.cuda.is_available() and not (uses_fsdp() or settings.USE_VLLM)  # as memory_plan.plan_run
+        print(out_of_memory_message(settings, watch.step, err, planned), file=sys.stderr)
         leave_process_group(wait=False)
         return 1
     leave_process_group(wait=True)

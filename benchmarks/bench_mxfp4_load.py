@@ -123,13 +123,15 @@ def write_checkpoint(s, folder: Path) -> None:
 
     from tes_grpo.gpt_oss_shapes import build_random_model
     from tes_grpo.mxfp4 import write_mxfp4_checkpoint
+    from tes_grpo.mxfp4_experts import resident_state
 
     if (folder / "config.json").is_file():
         print(f"checkpoint: reusing {folder}")
         return
     overrides = json.loads(s.OVERRIDES) if s.OVERRIDES else {}
     model = build_random_model("eager", device(), size=s.MODEL_SIZE, resident=True, seed=s.SEED, **overrides)
-    need = sum(p.numel() * p.element_size() for p in model.parameters())
+    state = {**model.state_dict(), **resident_state(model)}  # the blocks and scales are non-persistent buffers
+    need = sum(t.numel() * t.element_size() for t in state.values())
     folder.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(folder.parent).free
     if free < need * 1.05:
@@ -139,7 +141,7 @@ def write_checkpoint(s, folder: Path) -> None:
     temp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(temp, ignore_errors=True)
     # the resident state already has the checkpoint's names: *_blocks / *_scales go through as they are
-    write_mxfp4_checkpoint(_OnHost(model.state_dict()), model.config, temp)
+    write_mxfp4_checkpoint(_OnHost(state), model.config, temp)
     temp.rename(folder)
     print(f"checkpoint: wrote {need / 2**30:.1f} GiB to {folder} in {time.perf_counter() - start:.0f} s")
     del model

@@ -11,6 +11,7 @@ Settings, files and runs:
 - callbacks: metrics.jsonl, one progress line per step, zero-padded checkpoint names
 - processes: rank-aware helpers for accelerate launch
 - trackers: where the metrics go besides metrics.jsonl (REPORT_TO)
+- oom: a run out of GPU memory: one message naming the step, the setting to lower and where --RESUME=1 continues
 
 Models:
 - model_loading: device, dtype, attention, the experts' form, the tokenizer; adapters and the runs they come from

@@ -150,12 +150,15 @@ def build_random_model(attn_implementation: str = "flex_attention", device: str 
             random_mxfp4_experts(model, seed)
     model.eval()
     # a resident expert weight is two FP4 values a blocks byte (its scales are not weights)
+    from tes_grpo.mxfp4_experts import resident_state
+
+    held = {**dict(model.named_parameters()), **resident_state(model)}
     n = sum(p.numel() * (2 if name.endswith("_blocks") else 0 if name.endswith("_scales") else 1)
-            for name, p in model.named_parameters())
+            for name, p in held.items())
     experts = ("resident MXFP4 (random blocks and scales)" if resident
                else "random MXFP4 values" if mxfp4_experts else "random bf16")
     print(f"random gpt-oss-{size}-shaped model: {n / 1e9:.2f} B parameters, "
-          f"{sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30:.1f} GiB, "
+          f"{sum(p.numel() * p.element_size() for p in held.values()) / 2**30:.1f} GiB, "
           f"attention {attn_implementation}, experts {experts}")
     return model
 

@@ -135,18 +135,28 @@ def loads_weights_here(cuda: bool, fsdp: bool, processes: int, rank: int) -> boo
     return not (cuda and fsdp and processes > 1 and rank != 0)
 
 
-def empty_policy_model(path: str, dtype, attn: str, experts: str = "bf16", keep_bf16_layers=None):
-    """The dequantized model's structure with its parameters on the meta device (buffers such as the rotary
-    frequencies are real: FSDP does not broadcast non-persistent buffers). experts="mxfp4": the experts resident
-    (mxfp4_experts.py) as load_resident_model makes them, but those of keep_bf16_layers ({layer: why})."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _dequantized_config(path):
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
     if getattr(config, "quantization_config", None) is not None:
         del config.quantization_config  # as after Mxfp4Config(dequantize=True): plain bf16 experts
+    return config
+
+
+def empty_policy_model(path: str, dtype, attn: str, experts: str = "bf16", keep_bf16_layers=None):
+    """The dequantized model's structure with its parameters on the meta device (buffers such as the rotary
+    frequencies are real: FSDP does not broadcast non-persistent buffers). experts="mxfp4": the experts resident
+    (mxfp4_experts.py) as load_resident_model makes them, but those of keep_bf16_layers ({layer: why}); their
+    blocks and scales are buffers too, read from the checkpoint onto the CPU."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    config = _dequantized_config(path)
     if experts == "mxfp4":
-        return resident_skeleton(config, dtype, attn, keep_bf16_layers or {})
+        model = resident_skeleton(config, dtype, attn, keep_bf16_layers or {})
+        fill_resident_experts(model, checkpoint_folder(path), "cpu")
+        return model
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
     model.config.use_cache = True
@@ -249,19 +259,34 @@ def resident_skeleton(config, dtype, attn: str, keep_bf16_layers):
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
-    for name, module in list(model.named_modules()):
-        index = expert_layer_index(name)
-        if index is not None and index not in keep_bf16_layers and hasattr(module, "num_experts"):
-            make_resident(module, {key: torch.empty(shape, dtype=torch.uint8, device="meta")
-                                   for key, shape in expected_shapes(module).items()}, module.gate_up_proj.dtype)
     for module in model.modules():
         meta = [key for key, buffer in module._buffers.items() if buffer is not None and buffer.is_meta]
         for key in meta:
             module._buffers[key] = torch.empty_like(module._buffers[key], device="cpu")
         if meta:
             model._init_weights(module)  # transformers' init computes the rotary frequencies into them
+    for name, module in list(model.named_modules()):  # after: the blocks and scales are buffers left on meta
+        index = expert_layer_index(name)
+        if index is not None and index not in keep_bf16_layers and hasattr(module, "num_experts"):
+            make_resident(module, {key: torch.empty(shape, dtype=torch.uint8, device="meta")
+                                   for key, shape in expected_shapes(module).items()}, module.gate_up_proj.dtype)
     model.config.use_cache = True
     return model
+
+
+def fill_resident_experts(model, folder, device) -> None:
+    """Reads the resident experts' blocks and scales of a skeleton (resident_skeleton) from the checkpoint in
+    `folder` onto `device`."""
+    from tes_grpo.mxfp4 import SafetensorsCheckpoint
+    from tes_grpo.mxfp4_experts import resident_state
+
+    checkpoint = SafetensorsCheckpoint(folder)
+    modules = dict(model.named_modules())
+    for name in resident_state(model):
+        if name not in checkpoint:
+            raise ValueError(f"{folder}: the checkpoint lacks {name}")
+        module_name, _, attr = name.rpartition(".")
+        _place(modules[module_name], attr, checkpoint[name], device, name)
 
 
 def _place(module, attr: str, tensor, device, name: str) -> None:
@@ -301,7 +326,7 @@ def load_resident_model(path: str, dtype, attn: str, device: str = "cpu", keep_b
 
     keep = dict(keep_bf16_layers or {})
     folder = checkpoint_folder(path)
-    model = empty_policy_model(str(folder), dtype, attn, experts="mxfp4", keep_bf16_layers=keep)
+    model = resident_skeleton(_dequantized_config(folder), dtype, attn, keep)
     modules = dict(model.named_modules())
     checkpoint = SafetensorsCheckpoint(folder)
     halves: dict[tuple[str, str], dict] = {}  # a bf16-kept layer's blocks or scales, until the other is read

@@ -17,9 +17,9 @@ How:
 - A resident experts module is transformers' own experts module (its class, its forward and experts
   implementation, fused_experts.py's training forward) with `gate_up_proj` / `down_proj` taken out of its parameters
   and read through properties instead: the checkpoint's `{proj}_blocks` (uint8 [E, out, in/32, 16]) and
-  `{proj}_scales` (uint8 [E, out, in/32]) are frozen uint8 parameters in their place (parameters, not buffers: DDP
-  broadcasts buffers before every forward), and the property dequantizes them to the tensor transformers would hold:
-  [E, in, out], contiguous, in the dtype the dequantized load would give (bf16 on a GPU, float32 on the CPU).
+  `{proj}_scales` (uint8 [E, out, in/32]) are non-persistent buffers in their place, and the property dequantizes
+  them to the tensor transformers would hold: [E, in, out], contiguous, in the dtype the dequantized load would give
+  (bf16 on a GPU, float32 on the CPU).
 - Each call of the module (the layer's forward, its recompute under gradient checkpointing, a decoding step)
   dequantizes each projection once, when first read, and drops it when the call returns; the caching allocator
   reuses the memory for the next layer.
@@ -34,6 +34,18 @@ Why this is bit-exact: the property returns the same values (the dequantization 
 for every byte and scale value in the tests), with the same shape, strides, dtype and device as the parameter of the
 dequantized load, so every op of the forward runs on the same inputs; the backward is autograd's own, unchanged,
 fed the same weights again (dequantization is deterministic). Nothing else in the graph changes.
+
+Why buffers, not parameters: they are never trained, and several processes need them as a whole on every GPU.
+- FSDP2 shards parameters only: it would split the blocks across the GPUs and gather them per layer, and torch
+  2.11 cannot even shard a uint8 parameter (its fully_shard re-creates each one as a parameter that requires grad).
+  Buffers stay whole on each GPU: replicated, the same forward as on one GPU.
+- Non-persistent, so no state dict holds them: accelerate's FSDP2 loading (fsdp_cpu_ram_efficient_loading) reloads
+  every state-dict entry as a shard, and keeps the non-persistent buffers of each process as they are (each
+  process therefore loads the blocks itself: model_loading.empty_policy_model); checkpoints and adapters never
+  gather them. resident_state gives them by their checkpoint names where a full checkpoint is written.
+- DDP would broadcast buffers from rank 0 before every forward; train_grpo turns that off (ddp_broadcast_buffers):
+  every process loaded the same bytes, and no buffer of gpt-oss changes while training.
+- `.parameters()` does not count them (resident_bytes does), and `.to(device)` moves them like any buffer.
 
 Dequantization: on CUDA a Triton kernel writes the [E, in, out] weights straight from the packed bytes; elsewhere (and
 on CUDA without Triton, said once) torch's codec (mxfp4.dequantize_mxfp4), one expert at a time.
@@ -62,7 +74,8 @@ TILE = (64, 64, 4)
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts$")
 
 __all__ = ["PROJECTIONS", "ResidentSummary", "dequantize_experts", "expert_layer_index", "is_resident",
-           "make_experts_resident", "make_resident", "resident_bytes", "resident_layers", "residency_line"]
+           "make_experts_resident", "make_resident", "resident_bytes", "resident_layers", "resident_state",
+           "residency_line"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -276,7 +289,7 @@ class _JustInTime:
 
 class ResidentMxfp4Experts:
     """Mixed into a gpt-oss experts class (resident_class): gate_up_proj / down_proj dequantized from the resident
-    `{proj}_blocks` / `{proj}_scales` parameters when read, once per call of the module (see the module docstring)."""
+    `{proj}_blocks` / `{proj}_scales` buffers when read, once per call of the module (see the module docstring)."""
 
     mxfp4_resident = True
     expert_dtype: torch.dtype  # what the dequantized load's parameters would be: the forward's weight dtype
@@ -358,7 +371,7 @@ def make_resident(experts, tensors: Mapping[str, torch.Tensor], dtype: torch.dty
     for name in PROJECTIONS:
         experts._parameters.pop(name, None)
     for name, tensor in tensors.items():
-        experts.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=False))
+        experts.register_buffer(name, tensor, persistent=False)
     experts.expert_dtype = dtype
     experts.__class__ = resident_class(type(experts))
 
@@ -383,10 +396,16 @@ def resident_layers(model) -> list[int]:
     return sorted(i for i, _, module in _experts_modules(model) if is_resident(module))
 
 
+def resident_state(model) -> dict[str, torch.Tensor]:
+    """The resident blocks and scales by their names in the model (`...mlp.experts.{proj}_{blocks|scales}`, the
+    checkpoint's names under the model's prefix): what state_dict() leaves out (non-persistent buffers)."""
+    return {f"{prefix}.{name}": tensor for _, prefix, module in _experts_modules(model) if is_resident(module)
+            for name, tensor in module.named_buffers(recurse=False) if name.endswith(("_blocks", "_scales"))}
+
+
 def resident_bytes(model) -> int:
     """Bytes of the resident blocks and scales."""
-    return sum(p.numel() * p.element_size() for _, _, module in _experts_modules(model) if is_resident(module)
-               for name, p in module.named_parameters(recurse=False) if name.endswith(("_blocks", "_scales")))
+    return sum(t.numel() * t.element_size() for t in resident_state(model).values())
 
 
 @dataclass

@@ -1,10 +1,16 @@
-"""train_grpo.py on two processes (accelerate launch with the shipped DDP config; gloo on this CPU machine).
+"""train_grpo.py on two processes (accelerate launch with the shipped configs; gloo on this CPU machine).
 
-One module fixture (~2 min on 2 cores) launches the tiny gpt-oss for 2 optimizer steps on 2 processes, saving a
-checkpoint at step 2, then resumes it to step 3 with 2 processes again. The tests read what the run left behind
-and check the rank-aware behaviour: the stream's prompts split between the ranks in whole groups, every rank's
-completions logged once with their own prompt's rewards, metrics written once, checkpoints with both ranks' state,
-resume on the right step and prompts, one adapter that loads on one process.
+One module fixture (~2 min on 2 cores each way) launches the tiny gpt-oss for 2 optimizer steps on 2 processes,
+saving a checkpoint at step 2, then resumes it to step 3 with 2 processes again, two ways: one host with 2 processes
+(ddp.yaml, or GRPO_TEST_ACCELERATE_CONFIG), and two "hosts" (two accelerate launches with multi-host.yaml, machine
+ranks 0 and 1, one process each, meeting on 127.0.0.1) that share one run folder. The tests read what the run left
+behind and check the rank-aware behaviour: the stream's prompts split between the ranks in whole groups, every
+rank's completions logged once with their own prompt's rewards, metrics written once, checkpoints with both ranks'
+state, resume on the right step and prompts, one adapter that loads on one process.
+
+The resident MXFP4 experts under FSDP2: accelerate's own FSDP2 preparation (fully_shard, rank 0's weights
+broadcast as shards) runs here on 2 CPU processes over gloo, which accelerate launch cannot do without GPUs
+(test_fsdp2_keeps_resident_experts_whole_on_every_process).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 from grpo_fixtures import rewards_by_prompt, write_fixture_data
 
 import train_grpo
@@ -36,6 +43,7 @@ from tes_grpo.run_folder import check_resume_processes
 REPO = Path(__file__).resolve().parents[1]
 PROCESSES, GENERATIONS, ACCUMULATION, SAVE_AT, RESUMED_TO = 2, 4, 2, 2, 3
 ROWS_PER_STEP = PROCESSES * ACCUMULATION * GENERATIONS  # 1 prompt per micro-step
+LAUNCH_TIMEOUT_S = 900
 
 
 def free_port() -> int:
@@ -44,38 +52,105 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-# The shipped config the launches use: ddp.yaml (gloo on CPU); on a machine with 2 GPUs, fsdp2.yaml checks the same
-# behaviour with sharded weights (GRPO_TEST_ACCELERATE_CONFIG=fsdp2.yaml; BENCHMARKS.md says when it was run).
+# The shipped config the one-host launches use: ddp.yaml (gloo on CPU); on a machine with 2 GPUs, fsdp2.yaml checks
+# the same behaviour with sharded weights (GRPO_TEST_ACCELERATE_CONFIG=fsdp2.yaml; TESTING.md). The two-host launches
+# use multi-host.yaml.
 CONFIG = REPO / "configs" / "accelerate" / os.environ.get("GRPO_TEST_ACCELERATE_CONFIG", "ddp.yaml")
+MULTI_HOST_CONFIG = REPO / "configs" / "accelerate" / "multi-host.yaml"
 
 
-def launch(args: list[str], log: Path) -> None:
-    """accelerate launch with CONFIG on PROCESSES processes; fails with the log's tail."""
+def launch_command(config: Path, port: int, hosts: int = 1, machine_rank: int = 0) -> list[str]:
+    """accelerate launch of train_grpo.py on PROCESSES processes in all, spread over `hosts` machines (this one is
+    `machine_rank`; all of them meet at 127.0.0.1:port)."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+               "--num_processes", str(PROCESSES), "--mixed_precision", "no", "--main_process_port", str(port)]
+    if hosts > 1:
+        command += ["--num_machines", str(hosts), "--machine_rank", str(machine_rank),
+                    "--main_process_ip", "127.0.0.1"]
+    return [*command, str(REPO / "train_grpo.py")]
+
+
+def launch(args: list[str], log: Path, hosts: int = 1) -> None:
+    """accelerate launch with CONFIG on PROCESSES processes (hosts=1), or with MULTI_HOST_CONFIG as `hosts`
+    launches at once, one per machine rank, as on several hosts; fails with the logs' tails. The log of machine
+    rank 0 (where the main process prints) is `log`, the others' `log` with .host<rank> before the suffix."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GRPO_", "ACCELERATE_"))}
     env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", NCCL_NVLS_ENABLE="0")
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG),
-               "--num_processes", str(PROCESSES),
-               "--mixed_precision", "no", "--main_process_port", str(free_port()), str(REPO / "train_grpo.py"), *args]
-    with open(log, "w") as handle:
-        done = subprocess.run(command, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=900)
-    if done.returncode != 0:
-        pytest.fail(f"accelerate launch exited {done.returncode}:\n" + log.read_text()[-4000:])
+    config, port = (CONFIG if hosts == 1 else MULTI_HOST_CONFIG), free_port()
+    logs = [log] + [log.with_suffix(f".host{rank}{log.suffix}") for rank in range(1, hosts)]
+    gpus = torch.cuda.device_count()
+    envs = [env if hosts == 1 or gpus < hosts else {**env, "CUDA_VISIBLE_DEVICES": str(rank)}  # a GPU per "host"
+            for rank in range(hosts)]
+    handles = [open(path, "w") for path in logs]
+    try:
+        running = [subprocess.Popen([*launch_command(config, port, hosts, rank), *args], cwd=REPO, env=envs[rank],
+                                    stdout=handle, stderr=subprocess.STDOUT) for rank, handle in enumerate(handles)]
+        codes = []
+        for process in running:
+            try:
+                codes.append(process.wait(timeout=LAUNCH_TIMEOUT_S))
+            except subprocess.TimeoutExpired:
+                for other in running:
+                    other.kill()
+                raise
+    finally:
+        for handle in handles:
+            handle.close()
+    failed = [(path, code) for path, code in zip(logs, codes, strict=True) if code != 0]
+    if failed:
+        pytest.fail("\n".join(f"accelerate launch exited {code} ({path.name}):\n" + path.read_text()[-4000:]
+                              for path, code in failed))
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory, tokenizer):
-    root = tmp_path_factory.mktemp("ddp")
+def read_log(path: Path) -> pd.DataFrame:
+    """The completion log as text, column by column: a column's dtype as read depends on its values (an empty
+    action makes the column text, digits alone make it integers)."""
+    return pd.read_csv(path, dtype=str, keep_default_na=False)
+
+
+def log_difference(before: pd.DataFrame, after: pd.DataFrame) -> str | None:
+    """How the rows of steps <= SAVE_AT in `after` (the log after a resume) differ from `before` (the log when the
+    checkpoint was written): missing, duplicated or changed rows, named by step, row and column; None if equal."""
+    kept = after[after["step"].astype(int) <= SAVE_AT].reset_index(drop=True)
+    if list(kept.columns) != list(before.columns):
+        return f"columns {list(before.columns)} became {list(kept.columns)}"
+    key = ["step", "micro_step", "rank"]
+    for label, frame in (("before the resume", before), ("after the resume", kept)):
+        counts = frame.groupby(key).size()
+        if (counts != GENERATIONS).any():
+            wrong = counts[counts != GENERATIONS]
+            return (f"{label}: (step, micro_step, rank) {wrong.index[0]} has {wrong.iloc[0]} rows, not one group of "
+                    f"{GENERATIONS} (rows missing or written twice)")
+    if len(kept) != len(before):
+        return f"{len(before)} rows of steps <= {SAVE_AT} before the resume, {len(kept)} after"
+    for row in range(len(before)):
+        for column in before.columns:
+            if before.at[row, column] != kept.at[row, column]:
+                return (f"row {row} (step {before.at[row, 'step']}, micro_step {before.at[row, 'micro_step']}, rank "
+                        f"{before.at[row, 'rank']}), column {column!r}: {before.at[row, column]!r} before the "
+                        f"resume, {kept.at[row, column]!r} after")
+    return None
+
+
+# (how the processes are launched, hosts)
+LAUNCHES = [("one-host", 1), ("two-hosts", 2)]
+
+
+@pytest.fixture(scope="module", params=LAUNCHES, ids=[name for name, _ in LAUNCHES])
+def run(request, tmp_path_factory, tokenizer):
+    name, hosts = request.param
+    root = tmp_path_factory.mktemp(name)
     data = write_fixture_data(root, tokenizer)
-    out = root / "run"
+    out = root / "run"  # one run folder for all hosts: the shared folder of a multi-host run
     args = ["--MODEL_ID=tiny", f"--DATA_DIR={data}", f"--EVAL_DIR={data / 'eval'}", f"--OUT_DIR={out}",
             f"--NUM_GENERATIONS={GENERATIONS}", f"--GRADIENT_ACCUMULATION_STEPS={ACCUMULATION}",
             "--MAX_COMPLETION_LEN=40", f"--SAVE_STEPS={SAVE_AT}"]
     resolve_model_path("tiny")  # build the tiny checkpoint here, outside the timed launches
-    launch(args + [f"--TOTAL_STEPS={SAVE_AT}"], root / "first.log")
-    first = {"log": pd.read_csv(out / "completions.csv", keep_default_na=False),
+    launch(args + [f"--TOTAL_STEPS={SAVE_AT}"], root / "first.log", hosts)
+    first = {"log": read_log(out / "completions.csv"),
              "console": (root / "first.log").read_text(),
              "checkpoint": sorted(p.name for p in (out / f"checkpoint-{SAVE_AT:06d}").iterdir())}
-    launch(args + [f"--TOTAL_STEPS={RESUMED_TO}", "--RESUME=1"], root / "resumed.log")
+    launch(args + [f"--TOTAL_STEPS={RESUMED_TO}", "--RESUME=1"], root / "resumed.log", hosts)
     settings = train_grpo.default_settings(
         DATA_DIR=str(data), EVAL_DIR=str(data / "eval"), NUM_GENERATIONS=GENERATIONS,
         GRADIENT_ACCUMULATION_STEPS=ACCUMULATION)
@@ -143,9 +218,8 @@ def test_checkpoint_holds_every_rank_and_resume_continues(run):
     assert {f"rng_state_{rank}.pth" for rank in range(PROCESSES)} <= set(run["first"]["checkpoint"])
     assert "resuming from" in run["resumed_console"] and run["resumed_console"].count("resuming from") == 1
     assert json.loads((out / "trainer_state.json").read_text())["global_step"] == RESUMED_TO
-    log = pd.read_csv(out / "completions.csv", keep_default_na=False)
-    kept = log[log["step"] <= SAVE_AT].reset_index(drop=True)
-    assert kept.equals(run["first"]["log"])  # steps before the checkpoint untouched, nothing duplicated
+    difference = log_difference(run["first"]["log"], read_log(out / "completions.csv"))
+    assert difference is None, f"the completion log's steps before the checkpoint changed: {difference}"
 
 
 @pytest.mark.slow
@@ -245,7 +319,6 @@ def test_loads_weights_here(cuda, fsdp, rank, loads):
 @pytest.mark.slow
 @pytest.mark.parametrize("experts", ["bf16", "mxfp4"])  # dequantized, or resident MXFP4 (mxfp4_experts.py)
 def test_empty_model_has_the_loaded_models_structure_without_weights(experts):
-    import torch
 
     loaded = load_training_model(resolve_model_path("tiny"), experts=experts)
     empty = empty_policy_model(resolve_model_path("tiny"), loaded.dtype,
@@ -297,3 +370,137 @@ def test_lora_weights_of_an_empty_model_get_their_own_storage():
     assert not any(p.is_meta for p in trainable)
     assert len({p.data_ptr() for p in trainable}) == len(trainable)
     assert all(p.is_meta for p in model.parameters() if not p.requires_grad)  # the base stays without weights
+
+
+def _log(rows) -> pd.DataFrame:
+    columns = ["step", "micro_step", "rank", "action"]
+    return pd.DataFrame([dict(zip(columns, map(str, r), strict=True)) for r in rows], columns=columns)
+
+
+def _steps(steps, action=1):
+    return [(step, micro, rank, action) for step in steps for micro in range(ACCUMULATION)
+            for rank in range(PROCESSES) for _ in range(GENERATIONS)]
+
+
+def test_log_difference_ignores_dtype_but_names_changed_and_duplicated_rows(tmp_path):
+    before = _steps(range(1, SAVE_AT + 1))
+    resumed = before + [(*row[:3], "") for row in _steps([SAVE_AT + 1])]  # a later empty action
+    _log(before).to_csv(tmp_path / "before.csv", index=False)
+    _log(resumed).to_csv(tmp_path / "after.csv", index=False)
+    # read with inferred dtypes, the action column is integers before the resume and text after it
+    assert pd.read_csv(tmp_path / "before.csv", keep_default_na=False)["action"].dtype.kind == "i"
+    assert pd.read_csv(tmp_path / "after.csv", keep_default_na=False)["action"].dtype.kind != "i"
+    assert log_difference(read_log(tmp_path / "before.csv"), read_log(tmp_path / "after.csv")) is None
+    changed = [*before[:5], (*before[5][:3], 2), *before[6:]]
+    assert "row 5 (step 1, micro_step 0, rank 1), column 'action': '1' before the resume, '2' after" == \
+        log_difference(_log(before), _log(changed))
+    assert "has 8 rows" in log_difference(_log(before), _log(before + _steps([1])[:GENERATIONS]))
+    assert "has 3 rows" in log_difference(_log(before), _log(before[1:]))
+
+
+def test_ddp_does_not_broadcast_buffers_every_forward():
+    """The resident MXFP4 experts are buffers: DDP's default would send them from rank 0 before every forward."""
+    settings = train_grpo.default_settings(MODEL_ID="tiny")
+    layout = {"train_batch_size": 8, "gradient_accumulation_steps": 2, "steps_per_generation": 2}
+    assert train_grpo.build_grpo_config(settings, layout, cuda=False).ddp_broadcast_buffers is False
+
+
+@pytest.mark.slow
+def test_resident_model_has_only_floating_point_parameters():
+    """What FSDP2 needs: it re-creates every parameter it manages as a sharded one, which torch 2.11 cannot do for a
+    uint8 parameter; and what checkpoints need: nothing of the frozen experts in a state dict or an adapter."""
+    from peft import get_peft_model, get_peft_model_state_dict
+
+    from tes_grpo.mxfp4_experts import resident_layers, resident_state
+
+    model = load_training_model(resolve_model_path("tiny"), experts="mxfp4", say=lambda line: None)
+    assert resident_layers(model) == [0, 1]
+    assert all(p.is_floating_point() for p in model.parameters())
+    blocks = resident_state(model)
+    assert blocks and all(t.dtype == torch.uint8 for t in blocks.values())
+    assert not set(blocks) & set(model.state_dict())
+    peft_model = get_peft_model(model, train_grpo.build_lora_config(4, 8))
+    assert all("lora_" in n for n, p in peft_model.named_parameters() if p.requires_grad)
+    assert all("lora_" in n for n in get_peft_model_state_dict(peft_model))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FSDP2 with resident experts: accelerate's own preparation on 2 CPU processes (gloo)
+# ---------------------------------------------------------------------------------------------------------------
+
+def fsdp2_worker() -> None:
+    """One process of test_fsdp2_keeps_resident_experts_whole_on_every_process (under torch.distributed.run):
+    rank 0 loads the tiny model, rank 1 builds it without weights, as load_training_model does under FSDP on GPUs;
+    both are wrapped in LoRA and go through accelerate's fsdp2_prepare_model with fsdp2.yaml's settings
+    (cpu_ram_efficient_loading: rank 0's weights broadcast as shards). Raises AssertionError on a failed check."""
+    import copy
+    import types
+
+    import torch.distributed as dist
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+    from peft import get_peft_model
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    from tes_grpo.model_loading import load_resident_model
+    from tes_grpo.mxfp4_experts import resident_state
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    path = resolve_model_path("tiny")
+    reference = load_resident_model(path, torch.float32, "eager", "cpu", say=lambda line: None)
+    torch.manual_seed(0)
+    reference = get_peft_model(reference, train_grpo.build_lora_config(4, 8))
+    with torch.no_grad():  # LoRA B is zero at init: give the adapter a visible effect
+        for name, param in reference.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
+    ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits
+    expected_blocks = {n: t.clone() for n, t in resident_state(reference).items()}
+    if rank == 0:
+        model = copy.deepcopy(reference)
+    else:
+        model = get_peft_model(empty_policy_model(path, torch.float32, "eager", "mxfp4"),
+                               train_grpo.build_lora_config(4, 8))
+        give_trainable_weights_storage(model)
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["GptOssDecoderLayer"],
+        cpu_ram_efficient_loading=True, reshard_after_forward=True, state_dict_type="FULL_STATE_DICT")
+    accelerator = types.SimpleNamespace(  # what fsdp2_prepare_model reads of an Accelerator
+        state=types.SimpleNamespace(fsdp_plugin=plugin), torch_device_mesh=None, parallelism_config=None,
+        mixed_precision="no", is_main_process=rank == 0, process_index=rank, num_processes=2,
+        device=torch.device("cpu"), wait_for_everyone=dist.barrier, is_fsdp=True)
+    model = fsdp2_prepare_model(accelerator, model)
+    assert any(isinstance(p, DTensor) for p in model.parameters())  # the rest of the model is sharded
+    blocks = resident_state(model)
+    assert blocks.keys() == expected_blocks.keys()
+    for name, tensor in blocks.items():  # whole, real, the checkpoint's bytes, on every process
+        assert not isinstance(tensor, DTensor) and torch.equal(tensor, expected_blocks[name]), name
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, expected)  # the same forward as on one process
+    model(input_ids=ids).logits.float().pow(2).mean().backward()
+    grads = [p.grad for n, p in model.named_parameters() if "lora_" in n]
+    assert grads and all(g is not None for g in grads)
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    assert rank != 0 or (state and not any(n.endswith(("_blocks", "_scales")) for n in state))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp2_keeps_resident_experts_whole_on_every_process(tmp_path):
+    resolve_model_path("tiny")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GRPO_", "ACCELERATE_"))}
+    paths = [str(REPO), str(REPO / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=os.pathsep.join(paths))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(free_port()), str(Path(__file__).resolve()), "fsdp2-worker"]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["fsdp2-worker"]:
+    fsdp2_worker()

@@ -1,0 +1,74 @@
+"""A training run that runs out of GPU memory: one message naming the step and the setting to lower, and where
+--RESUME=1 continues. Library module, not a script; train_grpo.main uses it:
+
+    watch = StepWatch()                      # a TrainerCallback: the step in progress
+    ...train(settings, callbacks=[watch])...
+    except torch.OutOfMemoryError as err:
+        print(out_of_memory_message(settings, watch.step, err, ...), file=sys.stderr)
+
+Which setting: TRAIN_BATCH_SIZE when it is a fixed number (completions per forward/backward); with "auto" the memory
+plan (memory_plan.py) sized the passes and generate calls from MEMORY_BUDGET_GB, so a smaller budget makes them
+smaller; where there is no plan (FSDP, vLLM) TRAIN_TOKENS_PER_PASS caps auto's passes. MAX_COMPLETION_LEN always
+applies: every pass and generate call grows with it.
+
+Why the run folder stays resumable: checkpoints are written between optimizer steps, never during one, and a
+resume takes the newest complete checkpoint and trims the logs' rows of later steps (run_folder.prepare_resume).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from tes_grpo.run_folder import checkpoint_step, newest_complete_checkpoint
+
+
+class StepWatch(TrainerCallback):
+    """Knows the optimizer step in progress (None before training starts)."""
+
+    def __init__(self):
+        self.state = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.state = state
+
+    @property
+    def step(self) -> int | None:
+        return None if self.state is None else self.state.global_step + 1
+
+
+def settings_to_lower(s, memory_plan: bool) -> list[str]:
+    """The settings that make a step need less GPU memory, for settings `s` (train_grpo's); memory_plan: whether
+    TRAIN_BATCH_SIZE=auto was sized by the memory plan (one GPU per process, no vLLM) or by TRAIN_TOKENS_PER_PASS."""
+    if str(s.TRAIN_BATCH_SIZE) != "auto":
+        first = (f"TRAIN_BATCH_SIZE (now {s.TRAIN_BATCH_SIZE} completions per forward/backward; auto sizes it from "
+                 "the GPU's memory)")
+    elif not memory_plan:
+        first = (f"TRAIN_TOKENS_PER_PASS (now {s.TRAIN_TOKENS_PER_PASS}: without a memory plan it caps "
+                 "TRAIN_BATCH_SIZE=auto's passes)")
+    elif s.MEMORY_BUDGET_GB:
+        first = (f"MEMORY_BUDGET_GB (now {s.MEMORY_BUDGET_GB:g}: the plan sizes TRAIN_BATCH_SIZE=auto's passes and the "
+                 "generate calls to fit it)")
+    else:
+        first = ("MEMORY_BUDGET_GB (now 0 = all the GPU's free memory: set it a few GiB below that, and the plan "
+                 "sizes TRAIN_BATCH_SIZE=auto's passes and the generate calls smaller)")
+    return [first, f"MAX_COMPLETION_LEN (now {s.MAX_COMPLETION_LEN} tokens)"]
+
+
+def out_of_memory_message(s, step: int | None, error: BaseException, memory_plan: bool) -> str:
+    """One message for a run stopped by torch.OutOfMemoryError: the step, what the allocator said (its first line),
+    the settings to lower, and whether and from where --RESUME=1 continues (the newest complete checkpoint in
+    s.OUT_DIR)."""
+    out = Path(s.OUT_DIR)
+    where = f"in step {step} of {s.TOTAL_STEPS}" if step is not None else "before the first training step"
+    said = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    lower = settings_to_lower(s, memory_plan)
+    checkpoint = newest_complete_checkpoint(out, say=lambda line: None) if out.is_dir() else None
+    if checkpoint is not None:
+        resume = (f"--RESUME=1 continues from {checkpoint} (step {checkpoint_step(checkpoint)}); the rows of later "
+                  "steps in the logs are dropped then")
+    else:
+        resume = f"no checkpoint was written yet: start again with another --OUT_DIR (or empty {out})"
+    return (f"error: out of GPU memory {where} ({said}). Lower " + ", or ".join(lower)
+            + f", and run again with the same OUT_DIR: {resume}.")

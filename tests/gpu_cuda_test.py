@@ -1,0 +1,77 @@
+"""CUDA variants of CPU tests: what only a GPU runs (compiled Triton kernels, CUDA graphs). Skipped without CUDA;
+tests/gpu_suite.sh runs them on the GPU machine with the rest of the suite (TESTING.md). The training step's bit
+for bit check on CUDA is test_mxfp4_experts.py's own (it runs on the GPU when there is one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig, GptOssConfig, GptOssForCausalLM
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+from tes_grpo.mxfp4 import fake_quantize_expert_param
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="CUDA only: compiled Triton kernels and CUDA graphs need a GPU (the CPU tests "
+                                       "run the same code under Triton's interpreter or without graphs)")
+
+
+def test_triton_dequantization_equals_torchs_codec_bit_for_bit():
+    pytest.importorskip("triton", reason="requirements-gpu.txt installs triton")
+    from tes_grpo.mxfp4_experts import dequantize_with_torch, dequantize_with_triton
+
+    generator = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (4, 96, 5, 16), dtype=torch.uint8, generator=generator).cuda()
+    scales = torch.randint(100, 140, (4, 96, 5), dtype=torch.uint8, generator=generator).cuda()
+    for dtype in (torch.bfloat16, torch.float32):
+        assert torch.equal(dequantize_with_triton(blocks, scales, dtype), dequantize_with_torch(blocks, scales, dtype))
+
+
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_mxfp4_decode_kernel_matches_the_mlp_on_cuda(tokens):
+    """The compiled kernel against transformers' own MLP on the same GPU. Tensor-core sums run in another order
+    than cuBLAS's, so this is to bf16 rounding, not bit for bit (the CPU test is bit for bit, interpreted)."""
+    pytest.importorskip("triton", reason="requirements-gpu.txt installs triton")
+    from tes_grpo import mxfp4_decode as md
+
+    config = GptOssConfig(hidden_size=96, intermediate_size=160, num_local_experts=8, num_experts_per_tok=4)
+    config._experts_implementation = "grouped_mm"
+    torch.manual_seed(0)
+    mlp = GptOssMLP(config)
+    with torch.no_grad():
+        for name, param in mlp.named_parameters():
+            param.normal_(0.0, 0.5 if "bias" in name else 0.1)
+        mlp = mlp.to("cuda", torch.bfloat16)
+        for name in ("gate_up_proj", "down_proj"):
+            getattr(mlp.experts, name).copy_(fake_quantize_expert_param(getattr(mlp.experts, name)))
+    mlp.requires_grad_(False)
+    x = torch.randn(1, tokens, 96, device="cuda").to(torch.bfloat16)
+    ours = md.moe_forward(mlp, md.pack_experts(mlp.experts), x).float()
+    reference = mlp(x)[0].float()
+    torch.testing.assert_close(ours, reference, rtol=2e-2, atol=2e-2 * float(reference.abs().max()))
+
+
+def test_graph_decode_with_cuda_graphs_gives_generates_greedy_tokens():
+    from tes_grpo import graph_decode
+
+    pad = 5
+    config = GptOssConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * 2, pad_token_id=pad, eos_token_id=3, bos_token_id=1,
+        attn_implementation="eager")
+    config._experts_implementation = "grouped_mm"
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(config).float().eval().cuda()
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(10, 512, (3, 13), generator=generator)
+    mask = torch.ones_like(ids)
+    for row, pads in enumerate((0, 4, 9)):  # left-padded as TRL pads them
+        mask[row, :pads] = 0
+        ids[row, :pads] = pad
+    ids, mask = ids.cuda(), mask.cuda()
+    generation = GenerationConfig(max_new_tokens=20, do_sample=False, pad_token_id=pad, bos_token_id=1,
+                                  eos_token_id=[3], use_cache=True, disable_compile=True)
+    expected = model.generate(input_ids=ids, attention_mask=mask, generation_config=generation)
+    got = graph_decode.generate(model, ids, mask, generation, graphs=True, say=lambda line: None)
+    assert torch.equal(got, expected)

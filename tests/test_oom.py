@@ -1,0 +1,81 @@
+"""A run that runs out of GPU memory mid-run (tes_grpo/oom.py, train_grpo.main): one message naming the step and
+the settings to lower, a non-zero exit, and a run folder that --RESUME=1 continues. The allocator's failure is
+mocked on the CPU: a callback raises torch.OutOfMemoryError when the failing step begins."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+from grpo_fixtures import write_fixture_data
+from transformers import TrainerCallback
+
+import train_grpo
+from tes_grpo.oom import out_of_memory_message, settings_to_lower
+
+FAIL_AT, SAVE_STEPS, TOTAL = 3, 2, 3
+ALLOCATOR_SAYS = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB"
+
+
+class OutOfMemoryAt(TrainerCallback):
+    """Raises what the CUDA caching allocator raises, when optimizer step `step` begins."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.step:
+            raise torch.OutOfMemoryError(ALLOCATOR_SAYS)
+
+
+# (settings, memory plan, the setting named first)
+LOWER = [
+    ({"TRAIN_BATCH_SIZE": "4"}, True, "TRAIN_BATCH_SIZE (now 4"),
+    ({"TRAIN_BATCH_SIZE": "auto", "MEMORY_BUDGET_GB": 0.0}, True, "MEMORY_BUDGET_GB (now 0 = all"),
+    ({"TRAIN_BATCH_SIZE": "auto", "MEMORY_BUDGET_GB": 24.0}, True, "MEMORY_BUDGET_GB (now 24:"),
+    ({"TRAIN_BATCH_SIZE": "auto"}, False, "TRAIN_TOKENS_PER_PASS (now 40000"),
+]
+
+
+@pytest.mark.parametrize("overrides, planned, first", LOWER)
+def test_settings_to_lower(overrides, planned, first):
+    settings = train_grpo.default_settings(**overrides)
+    lower = settings_to_lower(settings, planned)
+    assert lower[0].startswith(first) and lower[1] == "MAX_COMPLETION_LEN (now 4000 tokens)"
+
+
+def test_message_without_a_checkpoint(tmp_path):
+    settings = train_grpo.default_settings(OUT_DIR=str(tmp_path / "run"), TRAIN_BATCH_SIZE="8")
+    message = out_of_memory_message(settings, None, torch.OutOfMemoryError(ALLOCATOR_SAYS + "\nmore"), True)
+    assert message.startswith("error: out of GPU memory before the first training step (CUDA out of memory. Tried")
+    assert "\n" not in message and "no checkpoint was written yet" in message
+
+
+@pytest.mark.slow
+def test_out_of_memory_mid_run_is_one_message_and_the_run_resumes(tmp_path, tokenizer, capsys, monkeypatch):
+    monkeypatch.delenv("GRPO_COMPLETION_LOG_PATH", raising=False)
+    monkeypatch.delenv("GRPO_LOG_COMPLETIONS", raising=False)
+    data = write_fixture_data(tmp_path, tokenizer)
+    out = tmp_path / "run"
+    argv = ["--MODEL_ID=tiny", f"--DATA_DIR={data}", f"--EVAL_DIR={data / 'eval'}", f"--OUT_DIR={out}",
+            "--NUM_GENERATIONS=2", "--GRADIENT_ACCUMULATION_STEPS=1", "--TRAIN_BATCH_SIZE=2",
+            "--MAX_COMPLETION_LEN=16", f"--SAVE_STEPS={SAVE_STEPS}", f"--TOTAL_STEPS={TOTAL}"]
+    capsys.readouterr()
+    assert train_grpo.main(argv, callbacks=[OutOfMemoryAt(FAIL_AT)]) == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    message = lines[0]
+    assert f"out of GPU memory in step {FAIL_AT} of {TOTAL} (CUDA out of memory. Tried to allocate 2.00 GiB." in message
+    assert "Lower TRAIN_BATCH_SIZE (now 2 " in message and "MAX_COMPLETION_LEN (now 16 tokens)" in message
+    checkpoint = out / f"checkpoint-{SAVE_STEPS:06d}"
+    assert f"--RESUME=1 continues from {checkpoint} (step {SAVE_STEPS})" in message
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == [checkpoint.name]
+
+    assert train_grpo.main(argv + ["--RESUME=1"]) == 0
+    assert f"resuming from {checkpoint} at step {SAVE_STEPS}" in capsys.readouterr().out
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == TOTAL
+    log = pd.read_csv(out / "completions.csv", dtype=str, keep_default_na=False)
+    assert log.groupby("step").size().to_dict() == {str(step): 2 for step in range(1, TOTAL + 1)}
