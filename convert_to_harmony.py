@@ -41,7 +41,7 @@ from tes_grpo.harmony import (
     render_harmony_prompt,
     tokenizer_source,
 )
-from tes_grpo.tes_env import parse_legacy_prompt
+from tes_grpo.task_prompt import parse_legacy_prompt
 
 PATHS: list = []  # legacy-prompt CSV files or folders (positional arguments)
 TOKENIZER = ""  # tokenizer folder or hub id; "" = GPT_OSS_TOKENIZER, else ../shared/gpt-oss-tokenizer, else the Hub

@@ -8,7 +8,7 @@
     python evaluate_policy.py data/series/tes_2024-06-15.csv               # other windows (series CSVs)
 
 Each policy runs the 72-hour episode of `tes_env` from E = INITIAL_ENERGY kWh and is asked at every business hour.
-The LLM policy sees exactly the dataset's prompt for its current state (`tes_env.build_prompt`, rendered by
+The LLM policy sees exactly the dataset's prompt for its current state (`task_prompt.build_prompt`, rendered by
 `harmony.render_harmony_prompt` with DATE and REASONING_EFFORT). MAX_COMPLETION_LEN, TEMPERATURE and the reasoning
 effort follow the training run by default ("auto": train_grpo.py's train_config.json beside the adapter; the effort
 falls back to the dataset's "medium" when none is recorded). With VOTES > 1 it samples that many completions and
@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from tes_grpo import tes_env
+from tes_grpo import task_prompt, tes_env
 from tes_grpo.harmony import DATASET_DATE as _DATASET_DATE
 
 SERIES: list = []  # series CSVs to run (positional); empty = the windows of EVAL_DIR, read from SERIES_DIR
@@ -127,7 +127,7 @@ class LLMDecider:
     def __call__(self, states: list) -> list[int]:
         from tes_grpo.llm_policy import majority_vote
 
-        prompts = [self.render(*tes_env.build_prompt(series, t, energy)) for series, t, energy in states]
+        prompts = [self.render(*task_prompt.build_prompt(series, t, energy)) for series, t, energy in states]
         hour_index = tes_env.business_timesteps().index(states[0][1])
         completions = self.generate(prompts, self.votes, self.seed + _HOUR_SEED_STRIDE * hour_index)
         actions = []
@@ -317,7 +317,7 @@ def render_prompt(tokenizer, reasoning_effort: str, date: str, system: str, user
 
 def default_out_dir(adapter_path: str, base_model_id: str) -> Path:
     if adapter_path:
-        from tes_grpo.model_loading import adapter_run_name
+        from tes_grpo.run_folder import adapter_run_name
 
         name = adapter_run_name(adapter_path)
     elif base_model_id:
@@ -387,7 +387,7 @@ def build_llm_deciders(s) -> dict:
     if s.VOTES < 1:
         raise ValueError("VOTES must be >= 1")
     from tes_grpo.harmony import DATASET_REASONING_EFFORT, check_date
-    from tes_grpo.model_loading import checked_training_settings, from_training_run
+    from tes_grpo.run_folder import checked_training_settings, from_training_run
 
     check_date(s.DATE)
     sampling = checked_training_settings(s, ("MAX_COMPLETION_LEN", "TEMPERATURE"), s.ADAPTER_PATH)

@@ -16,12 +16,14 @@ interleaved gate_up tensors: such an adapter is refused (use the merged MXFP4 ex
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import sys
 import typing
 from pathlib import Path
+
+from tes_grpo import run_folder  # the module: its UPPER_CASE names imported here would become settings
+from tes_grpo.fileio import InputError
 
 if typing.TYPE_CHECKING:  # annotations only; the module is imported where it is used
     import torch
@@ -42,17 +44,15 @@ class GGUFExportError(RuntimeError):
 
 
 def lora_factors(adapter_path: Path) -> tuple[dict, dict[str, dict[str, "torch.Tensor"]]]:
-    """(adapter_config, {module path: {"lora_A": tensor, "lora_B": tensor}}) read from a PEFT folder."""
+    """(adapter_config, {module path: {"lora_A": tensor, "lora_B": tensor}}) read from a PEFT LoRA folder
+    (run_folder.lora_adapter_config checks it first)."""
     from safetensors.torch import load_file
 
-    config_path, weights_path = adapter_path / "adapter_config.json", adapter_path / "adapter_model.safetensors"
-    for path in (config_path, weights_path):
-        if not path.is_file():
-            raise GGUFExportError(f"{path} does not exist: {adapter_path} is not a PEFT adapter folder "
-                                  f"saved as safetensors")
-    config = json.loads(config_path.read_text(encoding="utf-8"))
-    if config.get("peft_type") != "LORA":
-        raise GGUFExportError(f"{config_path}: peft_type {config.get('peft_type')!r} is not LORA")
+    config_path, weights_path = adapter_path / run_folder.ADAPTER_CONFIG, adapter_path / run_folder.ADAPTER_WEIGHTS
+    try:
+        config = run_folder.lora_adapter_config(adapter_path)
+    except InputError as err:
+        raise GGUFExportError(str(err)) from None
     for option in ("use_dora", "lora_bias"):
         if config.get(option):
             raise GGUFExportError(f"{config_path}: {option}=True has no GGUF LoRA form")

@@ -31,7 +31,8 @@ import sys
 import typing
 from pathlib import Path
 
-from tes_grpo.fileio import give_default_modes, temporary_folder
+from tes_grpo import run_folder  # the module: its UPPER_CASE names imported here would become settings
+from tes_grpo.fileio import InputError, give_default_modes, replace_folder, temporary_folder
 from tes_grpo.model_loading import checkpoint_is_mxfp4, expert_load_path
 
 if typing.TYPE_CHECKING:  # annotations only; the module is imported where it is used
@@ -50,8 +51,11 @@ CHECK_TEXT = "The storage tank is charged at night when the grid is cleanest."  
 PUSH_TO_HUB = True  # upload OUT_DIR when a repo id is given (HF_REPO_ID or --HUB_REPO_ID); 0 = never upload
 HUB_REPO_ID = ""  # Hub repo "owner/name" for the upload; "" = the HF_REPO_ID environment variable (neither: no upload)
 ALLOW_PUBLIC_REPO = False  # upload into an existing PUBLIC repo (new repos are always created private)
-_ADAPTER_WEIGHTS = ("adapter_model.safetensors",)  # PEFT's default format; .bin adapters: re-save with PEFT
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+# --CHECK, where transformers' native MXFP4 path (its kernels) cannot run here: the export does not depend on it
+_WITHOUT_NATIVE_MXFP4 = ("what works without it: the export itself (checked above through the dequantizing load, "
+                         "Mxfp4Config(dequantize=True)), run_exported_model.py (experts kept resident as MXFP4 on any "
+                         "device), and the folder as it is for vLLM and Ollama")
 
 
 class ExportError(RuntimeError):
@@ -64,25 +68,6 @@ class CheckFailed(AssertionError):
 
 class HubError(RuntimeError):
     """The Hub upload cannot go ahead or failed; the message says why (never the token)."""
-
-
-def read_adapter_config(adapter_path: str | os.PathLike) -> dict:
-    """adapter_config.json of a PEFT LoRA folder (model_loading.adapter_config) that this exporter can merge:
-    ExportError naming what is missing."""
-    from tes_grpo.fileio import InputError
-    from tes_grpo.model_loading import ADAPTER_CONFIG, adapter_config
-
-    folder = Path(adapter_path)
-    try:
-        config = adapter_config(folder)
-    except InputError as err:
-        raise ExportError(str(err)) from None
-    if not any((folder / name).is_file() for name in _ADAPTER_WEIGHTS):
-        raise ExportError(f"{folder} has no adapter weights ({' or '.join(_ADAPTER_WEIGHTS)})")
-    if config.get("peft_type") != "LORA":
-        raise ExportError(f"{folder / ADAPTER_CONFIG}: peft_type is {config.get('peft_type')!r}, this exporter "
-                          "merges LoRA only")
-    return config
 
 
 def same_base(name_a: str | None, name_b: str | None) -> bool:
@@ -108,7 +93,7 @@ def resolve_base_folder(base_id: str) -> Path:
 def adapter_tensor_shapes(adapter_path: Path) -> dict[str, tuple[int, ...]]:
     from safetensors import safe_open
 
-    weights = adapter_path / "adapter_model.safetensors"
+    weights = adapter_path / run_folder.ADAPTER_WEIGHTS
     if not weights.is_file():
         return {}
     with safe_open(str(weights), framework="pt") as handle:
@@ -250,7 +235,6 @@ def write_export(merged, touched: set[str], base_folder: Path, adapter_path: Pat
 
     settings_record: the script's settings, written as export_config.json inside the folder.
     """
-    from tes_grpo.model_loading import TRAIN_CONFIG, training_config
     from tes_grpo.mxfp4 import (
         DEFAULT_MAX_SHARD_BYTES,
         estimate_checkpoint_bytes,
@@ -280,9 +264,9 @@ def write_export(merged, touched: set[str], base_folder: Path, adapter_path: Pat
         (temp / "export_info.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
         if settings_record is not None:
             save_config(settings_record, temp / "export_config.json")
-        training, found = training_config(adapter_path)
+        training, found = run_folder.training_config(adapter_path)
         if found is not None:  # run_exported_model.py samples as the run trained (its "auto" settings)
-            save_config(training, temp / TRAIN_CONFIG)
+            save_config(training, temp / run_folder.TRAIN_CONFIG)
         give_default_modes(temp)
         replace_folder(temp, out_dir)
     except OSError as err:
@@ -297,31 +281,6 @@ def write_export(merged, touched: set[str], base_folder: Path, adapter_path: Pat
     return {**stats, "tokenizer": tokenizer_from}
 
 
-def replace_folder(new: Path, target: Path) -> None:
-    """Renames `new` onto `target`; an existing `target` is moved aside first and deleted after."""
-    if not target.exists():
-        os.replace(new, target)
-        return
-    old = target.with_name(f".{target.name}.old-{os.getpid()}")
-    os.replace(target, old)
-    try:
-        os.replace(new, target)
-    except OSError:
-        os.replace(old, target)
-        raise
-    shutil.rmtree(old)
-
-
-def expert_dequantization_bound(blocks, scales):
-    """Per-element bound of MXFP4 rounding in transformers' `[E, in, out]` layout: 2**exponent of each block."""
-    import torch
-
-    from tes_grpo.mxfp4 import BLOCK_SIZE
-
-    step = torch.ldexp(torch.ones(scales.shape), scales.int() - 127).repeat_interleave(BLOCK_SIZE, dim=-1)
-    return step.transpose(-1, -2)
-
-
 def compare_weights(loaded_state: dict, merged_state: dict, export: "SafetensorsCheckpoint", touched: set[str]) -> dict:
     """Checks an export's loaded weights against the merged model; raises CheckFailed naming the tensor.
 
@@ -332,7 +291,7 @@ def compare_weights(loaded_state: dict, merged_state: dict, export: "Safetensors
     import torch
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from tes_grpo.mxfp4 import EXPERT_PARAM_RE
+    from tes_grpo.mxfp4 import EXPERT_PARAM_RE, expert_rounding_bound
 
     worst = 0.0
     for name, merged in merged_state.items():
@@ -346,7 +305,7 @@ def compare_weights(loaded_state: dict, merged_state: dict, export: "Safetensors
         if not torch.equal(loaded, reference):
             raise CheckFailed(f"{name}: differs from transformers' dequantization of its blocks")
         error = (loaded.float() - merged.float()).abs()
-        if not (error <= expert_dequantization_bound(blocks, scales)).all():
+        if not (error <= expert_rounding_bound(blocks, scales)).all():
             raise CheckFailed(f"{name}: beyond FP4 rounding")
         if name not in touched and not torch.equal(loaded, merged):
             raise CheckFailed(f"{name}: untouched by the adapter but not equal to the base")
@@ -417,9 +376,9 @@ def verify_export(out_dir: Path, merged, touched: set[str], check_text: str, log
         native, path = native_mxfp4_load(out_dir)
     except (OSError, RuntimeError, ImportError, ValueError) as err:
         # e.g. `kernels` installed but its kernels not reachable on the hub: say so, keep the dequantized result
-        report["load_without_dequantize"] = f"FAILED: {type(err).__name__}: {err}"
+        report["load_without_dequantize"] = f"FAILED: {type(err).__name__}: {err}; {_WITHOUT_NATIVE_MXFP4}"
         return report
-    report["load_without_dequantize"] = path
+    report["load_without_dequantize"] = path + (f"; {_WITHOUT_NATIVE_MXFP4}" if path.startswith("FELL BACK") else "")
     if path.startswith("FELL BACK"):
         compare_weights(native.state_dict(), merged_state, export, touched)
         report["load_without_dequantize_weights"] = "equal to the dequantized load"
@@ -544,11 +503,13 @@ def redact(text: str, secret: str | None) -> str:
 def run_export(settings) -> dict:
     """The whole export for a script's `settings`; returns a summary dict (the check report under "check")."""
     adapter = Path(settings.ADAPTER_PATH)
-    adapter_config = read_adapter_config(adapter)
-    named_base = adapter_config.get("base_model_name_or_path")
+    try:
+        named_base = run_folder.lora_adapter_config(adapter).get("base_model_name_or_path")
+    except InputError as err:
+        raise ExportError(str(err)) from None
     base_id = settings.BASE_MODEL_ID or named_base
     if not base_id:
-        raise ExportError(f"{adapter}/adapter_config.json names no base model; set --BASE_MODEL_ID")
+        raise ExportError(f"{adapter / run_folder.ADAPTER_CONFIG} names no base model; set --BASE_MODEL_ID")
     if not same_base(base_id, named_base) and not settings.ALLOW_OTHER_BASE:
         raise ExportError(f"adapter {adapter} was trained on {named_base!r}, not {base_id!r}; pass "
                           f"--BASE_MODEL_ID={named_base} or --ALLOW_OTHER_BASE if it is the same model elsewhere")

@@ -22,7 +22,7 @@ import random
 import sys
 from pathlib import Path
 
-from tes_grpo import tes_env
+from tes_grpo import task_prompt, tes_env
 from tes_grpo.fileio import InputError, csv_writer, write_csv_atomic, write_files_atomic
 
 SERIES_PATHS: list = []  # input series CSVs (positional arguments)
@@ -64,11 +64,11 @@ def parse_energy_list(text: str, name: str = "OFF_TRAJECTORY_ENERGIES") -> list[
 def state_row(series: tes_env.Series, solver: tes_env.QSolver, t: int, energy: float, on_trajectory: bool,
               q_values: tuple | None = None) -> dict:
     q = list(q_values) if q_values is not None else solver.q_values(t, energy)
-    system, user = tes_env.build_prompt(series, t, energy)
+    system, user = task_prompt.build_prompt(series, t, energy)
     row = {
         "timestep": str(t),
         "timestamp": series.datetimes[t].isoformat(),
-        "prompt": tes_env.legacy_prompt(system, user),
+        "prompt": task_prompt.legacy_prompt(system, user),
         "optimal_action": str(tes_env.best_action(q)),
     }
     for column, value in zip(tes_env.Q_COLUMNS, q, strict=True):

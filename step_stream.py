@@ -1,6 +1,7 @@
 """StepStream: the endless, seeded stream of training prompts that GRPO reads; run it to preview a run's prompts.
 
     .venv/bin/python step_stream.py                     # the first 3 optimizer steps' prompts at train_grpo's defaults
+    .venv/bin/python step_stream.py --MODEL_ID=tiny     # ... of the tiny run (train_grpo.py's preset, presets.py)
     .venv/bin/python step_stream.py --STEPS=10 --SEED=7 # any of train_grpo.py's stream settings can be given
 
 It draws the prompts of `steps_per_draw` micro-steps at a time, PROMPTS_PER_STEP per micro-step, all distinct
@@ -29,6 +30,8 @@ import sys
 from collections.abc import Iterator, Sequence
 
 import numpy as np
+
+from tes_grpo.presets import presets_for
 
 
 class StepStream:
@@ -93,22 +96,30 @@ def stream_records(stream: StepStream) -> Iterator[dict]:
 
 
 STEPS = 3  # optimizer steps to print
+MODEL_ID = "openai/gpt-oss-20b"  # as train_grpo.py; "tiny" applies the tiny run's preset to the settings below
 DATA_DIR = "data"  # as train_grpo.py: every *_harmony.csv below it, EVAL_DIR left out
 EVAL_DIR = "data/eval"  # evaluation split, never trained on
 PROMPTS_PER_STEP = 1  # as train_grpo.py
+NUM_GENERATIONS = 16  # as train_grpo.py: completions TRL samples from each prompt (said in the preview's first line)
 GRADIENT_ACCUMULATION_STEPS = 4  # as train_grpo.py: micro-steps whose prompts are drawn together
 SEED = 42  # as train_grpo.py
 
+# the settings above that MODEL_ID=tiny replaces, from train_grpo.py's table (tes_grpo/presets.py)
+PRESETS = presets_for(globals())
+
 
 def preview(settings) -> list[str]:
-    """One line per micro-step of the first STEPS optimizer steps: which rows (file:row) and optimal actions."""
+    """What one optimizer step holds, then one line per micro-step of the first STEPS optimizer steps: which rows
+    (file:row) and optimal actions."""
     from data_reward import load_training_frames
 
     frame = load_training_frames(settings.DATA_DIR, settings.EVAL_DIR)
     stream = StepStream(frame, settings.PROMPTS_PER_STEP, seed=settings.SEED, columns=["source", "optimal_action"],
                         steps_per_draw=settings.GRADIENT_ACCUMULATION_STEPS)
     micro = stream.micro_steps()
-    lines = []
+    lines = [f"MODEL_ID={settings.MODEL_ID}: {settings.GRADIENT_ACCUMULATION_STEPS} micro-step(s) per optimizer step, "
+             f"{settings.PROMPTS_PER_STEP} prompt(s) each, {settings.NUM_GENERATIONS} completions sampled per prompt "
+             f"(SEED={settings.SEED})"]
     for step in range(1, settings.STEPS + 1):
         for slot in range(settings.GRADIENT_ACCUMULATION_STEPS):
             rows = next(micro)
@@ -121,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     from tes_grpo.fileio import InputError
     from tes_grpo.script_config import resolve
 
-    settings = resolve(globals(), argv)
+    settings = resolve(globals(), argv, presets=PRESETS)
     if settings.STEPS < 1:
         print(f"error: STEPS={settings.STEPS}: must be at least 1 (optimizer steps to print)", file=sys.stderr)
         return 2

@@ -170,7 +170,7 @@ def format_summary(summary) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 def default_out_dir(adapter_path: str, quantized: bool) -> Path:
-    from tes_grpo.model_loading import adapter_run_name
+    from tes_grpo.run_folder import adapter_run_name
 
     return Path("runs") / f"adapter-test-{adapter_run_name(adapter_path)}{'-mxfp4' if quantized else ''}"
 
@@ -182,9 +182,9 @@ def run_adapter_test(s):
 
     from tes_grpo.fileio import write_csv_atomic
     from tes_grpo.llm_policy import generate, load_policy_model
-    from tes_grpo.model_loading import adapter_config, checked_training_settings, from_training_run
+    from tes_grpo.run_folder import checked_training_settings, from_training_run, lora_adapter_config
 
-    adapter_config(s.ADAPTER_PATH)  # a missing adapter fails before anything is read or loaded
+    lora_adapter_config(s.ADAPTER_PATH)  # a missing or unusable adapter fails before anything is read or loaded
     sampling = checked_training_settings(s, ("MAX_COMPLETION_LEN", "TEMPERATURE"), s.ADAPTER_PATH)
     effort, origin = from_training_run("REASONING_EFFORT", s.REASONING_EFFORT, s.ADAPTER_PATH, "")
     prompts = load_eval_prompts(s.PROMPT_PATH, s.MAX_PROMPTS, effort)

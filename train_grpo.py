@@ -35,6 +35,7 @@ from tes_grpo import choices
 from tes_grpo.fileio import InputError
 from tes_grpo.harmony import REASONING_EFFORTS as _EFFORTS
 from tes_grpo.model_loading import EXPERTS_CHOICES as _EXPERTS_CHOICES
+from tes_grpo.presets import presets_for
 from tes_grpo.processes import is_main_process, process_count, say
 from tes_grpo.script_config import ConfigError, Settings, SettingsError, check_choices, parse_bool, resolve, save_config
 
@@ -83,16 +84,10 @@ LOGGING_STEPS = 1  # optimizer steps between metric lines / TensorBoard points
 REPORT_TO = ["tensorboard"]  # trackers besides metrics.jsonl: TRL's report_to names (wandb, trackio, mlflow...); none
 RESUME = ""  # "" = new run; "1" = continue from the newest complete checkpoint in OUT_DIR; or a checkpoint folder
 
-# MODEL_ID=tiny replaces these defaults unless given (printed at start, listed by --help). Fewer, shorter
-# completions and steps keep a 2-core CPU run to a few minutes (the tiny model answers in ~23 tokens); a higher,
-# constant LR and rank 16 because the tiny model has to move within 30 steps (r 4: optimal share 0.33 -> 0.38 over
-# steps 1-10 -> 21-30; r 16: 0.35 -> 0.43); no checkpointing because memory is no issue. No KL term is needed:
-# INVALID_REWARD=0 keeps the answer format (valid 89-94 % in both runs).
-PRESETS = {"MODEL_ID": {"tiny": {
-    "OUT_DIR": "runs/grpo-tiny", "NUM_GENERATIONS": 8, "GRADIENT_ACCUMULATION_STEPS": 2, "MAX_COMPLETION_LEN": 48,
-    "TOTAL_STEPS": 30, "SAVE_STEPS": 10, "LR": 2e-3, "LR_SCHEDULER": "constant", "LORA_R": 16, "LORA_ALPHA": 32,
-    "GRADIENT_CHECKPOINTING": False,
-}}}
+# MODEL_ID=tiny replaces these defaults unless given (printed at start, listed by --help): a few-minute CPU run on
+# the embedded tiny gpt-oss. The table lives in tes_grpo/presets.py, shared with step_stream.py's preview; why its
+# values were chosen is said there, and the runs behind them are in BENCHMARKS.md ("The tiny run's preset").
+PRESETS = presets_for(globals())
 
 # the settings with a fixed set of values (checked when resolved; --help lists them)
 CHOICES = {
@@ -371,10 +366,10 @@ def train(s, environ=None, callbacks=()) -> Path:
     dataset = build_stream(frame, s).to_iterable_dataset()
 
     # Model, the memory it leaves (checked before loading too: a run that cannot fit stops before it), trainer
-    resident = resolve_experts(s.EXPERTS, model_path, expert_layers(s))[0] == "mxfp4"
+    resident = resolve_experts(s.EXPERTS, model_path, expert_layers(s), config)[0] == "mxfp4"
     plan_run(s, config, longest, env["steps_per_generation"], resident, loaded=False)
     model = load_training_model(model_path, s.ATTN_IMPLEMENTATION, say=say, experts=s.EXPERTS,
-                                expert_lora_layers=expert_layers(s))
+                                expert_lora_layers=expert_layers(s), config=config)
     plan = plan_run(s, config, longest, env["steps_per_generation"], resident, loaded=True, say=say)
     layout = batch_layout(s, longest, env["steps_per_generation"], plan)
     slot = s.PROMPTS_PER_STEP * s.NUM_GENERATIONS  # completions of one gradient-accumulation slot

@@ -1,20 +1,23 @@
 """The helpers the top-level scripts import; nothing here is run directly (the scripts at the repo's top level are).
 
 The task and its data:
-- tes_env: the TES plant, its exact Q-values (QSolver), rule policies, the closed loop (simulate_batch), prompts
+- tes_env: the TES plant, its exact Q-values (QSolver), rule policies, the closed loop (simulate_batch)
+- task_prompt: the operator's prompt for a state, and the two-part text the Q datasets store
 - harmony: gpt-oss's Harmony format: the tokenizer, rendering prompts, reasoning effort, token ids, parse_action
 
 Settings, files and runs:
 - script_config: --NAME=value overrides resolved once into one Settings object; the settings table's choices
+- presets: the MODEL_ID=tiny preset train_grpo.py and step_stream.py share
 - fileio: the one CSV reader, atomic writes, input errors that name file, row, column and value
-- run_folder: checkpoints, resume (torn files included), log trimming
+- run_folder: checkpoints, resume (torn files included), log trimming; the adapter check and the training run's
+  settings that evaluation and export follow
 - callbacks: metrics.jsonl, one progress line per step, zero-padded checkpoint names
 - processes: rank-aware helpers for accelerate launch
 - trackers: where the metrics go besides metrics.jsonl (REPORT_TO)
 - oom: a run out of GPU memory: one message naming the step, the setting to lower and where --RESUME=1 continues
 
 Models:
-- model_loading: device, dtype, attention, the experts' form, the tokenizer; adapters and the runs they come from
+- model_loading: device, dtype, attention, the experts' form, the tokenizer, the training and evaluation loaders
 - mxfp4: the MXFP4 codec and checkpoint writer
 - mxfp4_experts: the frozen experts resident as MXFP4, for training and sampling (EXPERTS)
 - tiny_model: the tiny MXFP4 gpt-oss the CPU runs and tests use

@@ -403,6 +403,23 @@ def temporary_folder(beside: str | os.PathLike) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{beside.name}.tmp-", dir=beside.parent))
 
 
+def replace_folder(new: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Renames the complete folder `new` (from temporary_folder) onto `target`; an existing `target` is moved aside
+    first, put back if the rename fails, and deleted after."""
+    new, target = Path(new), Path(target)
+    if not target.exists():
+        os.replace(new, target)
+        return
+    old = target.with_name(f".{target.name}.old-{os.getpid()}")
+    os.replace(target, old)
+    try:
+        os.replace(new, target)
+    except OSError:
+        os.replace(old, target)
+        raise
+    shutil.rmtree(old)
+
+
 def give_default_modes(folder: str | os.PathLike) -> None:
     """Gives a folder written through temporary files the modes plain mkdir()/open() would have (not 0700/0600)."""
     folder = Path(folder)

@@ -16,8 +16,15 @@ import contextlib
 import platform
 
 import torch
+import transformers
+from transformers import GptOssConfig, GptOssForCausalLM
 
-# openai/gpt-oss-20b's config.json, less the quantization block (these weights are bf16 from the start).
+from tes_grpo.harmony import BOS_ID, PAD_ID, RETURN_ID
+from tes_grpo.mxfp4 import BLOCK_SIZE, E8M0_BIAS, mxfp4_to_expert_param
+from tes_grpo.mxfp4_experts import expected_shapes, is_resident, make_resident
+
+# openai/gpt-oss-20b's config.json, less the quantization block (these weights are bf16 from the start); its
+# special token ids are harmony's (eos: <|return|>).
 GPT_OSS_20B = dict(
     vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
     num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
@@ -25,7 +32,7 @@ GPT_OSS_20B = dict(
     rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
                       original_max_position_embeddings=4096),
     initial_context_length=4096, swiglu_limit=7.0, rms_norm_eps=1e-5, attention_bias=True, tie_word_embeddings=False,
-    pad_token_id=199999, eos_token_id=200002, bos_token_id=199998, use_cache=True,
+    pad_token_id=PAD_ID, eos_token_id=RETURN_ID, bos_token_id=BOS_ID, use_cache=True,
 )
 
 
@@ -39,8 +46,6 @@ SIZES = {"20b": GPT_OSS_20B, "120b": GPT_OSS_120B}
 
 def gpt_oss_config(size: str = "20b", **overrides):
     """GptOssConfig of openai/gpt-oss-{size} ("20b" or "120b") with overrides (e.g. fewer layers for a test)."""
-    from transformers import GptOssConfig
-
     if size not in SIZES:
         raise ValueError(f"size must be one of {', '.join(SIZES)}, got {size!r}")
     shape = dict(SIZES[size])
@@ -61,8 +66,6 @@ def gpt_oss_120b_config(**overrides):
 def random_mxfp4_experts(model, seed: int = 0) -> None:
     """Sets every expert weight to random MXFP4 values (uniform FP4 codes, scales 2**-8..2**-6: std ~0.02), as the
     real checkpoint's are when loaded dequantized to bf16; graph_decode's MXFP4 decoding packs only such weights."""
-    from tes_grpo.mxfp4 import BLOCK_SIZE, E8M0_BIAS, mxfp4_to_expert_param
-
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -80,9 +83,6 @@ def random_mxfp4_experts(model, seed: int = 0) -> None:
 def random_resident_blocks(experts, generator: torch.Generator, device) -> dict[str, torch.Tensor]:
     """Random `{proj}_{blocks|scales}` for one experts module: uniform FP4 codes, scales 2**-8..2**-6 (as
     random_mxfp4_experts draws them)."""
-    from tes_grpo.mxfp4 import E8M0_BIAS
-    from tes_grpo.mxfp4_experts import expected_shapes
-
     tensors = {}
     for name, shape in expected_shapes(experts).items():
         low, high = (0, 256) if name.endswith("_blocks") else (E8M0_BIAS - 8, E8M0_BIAS - 5)
@@ -93,10 +93,6 @@ def random_resident_blocks(experts, generator: torch.Generator, device) -> dict[
 def _build_resident(config, device, dtype, seed: int):
     """The model built on the meta device, its experts made resident with random blocks on `device`, then every
     other weight materialized there and initialized as GptOssForCausalLM's own init does: no bf16 expert tensor."""
-    from transformers import GptOssForCausalLM
-
-    from tes_grpo.mxfp4_experts import is_resident, make_resident
-
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -130,8 +126,6 @@ def build_random_model(attn_implementation: str = "flex_attention", device: str 
     """gpt-oss-{size}'s architecture in `dtype` (bf16) on `device` with small random weights (std 0.02, like its
     init); the experts' are random MXFP4 values (random_mxfp4_experts) unless mxfp4_experts=False. resident=True:
     the experts are resident MXFP4 (mxfp4_experts.py) with random blocks and scales, never built in bf16."""
-    from transformers import GptOssForCausalLM
-
     config = gpt_oss_config(size, **overrides)
     config._attn_implementation = attn_implementation
     if resident:
@@ -164,8 +158,6 @@ def build_random_model(attn_implementation: str = "flex_attention", device: str 
 
 
 def stack_versions() -> str:
-    import transformers
-
     parts = [f"python {platform.python_version()}", f"torch {torch.__version__}",
              f"transformers {transformers.__version__}"]
     for name in ("trl", "peft", "accelerate", "triton"):

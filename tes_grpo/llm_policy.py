@@ -32,9 +32,6 @@ from tqdm import tqdm
 from tes_grpo.fileio import InputError
 from tes_grpo.harmony import HARMONY_GLOB, STOP_TOKEN_IDS, harmony_csv_files, parse_action
 from tes_grpo.model_loading import (
-    adapter_base_model,
-    adapter_config,
-    adapter_expert_layers,
     dtype_name,
     load_for_inference,
     load_tokenizer_for,
@@ -43,6 +40,7 @@ from tes_grpo.model_loading import (
     resolve_dtype,
 )
 from tes_grpo.patches.transformers_patches import grouped_mm_experts_for_decode
+from tes_grpo.run_folder import adapter_base_model, adapter_expert_layers, lora_adapter_config
 
 # From this many sequences per generate call on a GPU, the dequantized experts keep grouped_mm while decoding instead of
 # transformers' switch to batched_mm, which was faster only below it (BENCHMARKS.md, "Generation alone: which experts
@@ -101,7 +99,7 @@ def load_policy_model(base_model_id: str = "", adapter_path: str = "", quantized
     where they cannot stay MXFP4 it prints that it FELL BACK, and why.
     """
     if adapter_path:
-        adapter_config(adapter_path)  # a clear error before the (slow) base load
+        lora_adapter_config(adapter_path)  # a clear error before the (slow) base load
     if not base_model_id:
         if not adapter_path:
             raise ValueError("give BASE_MODEL_ID or ADAPTER_PATH")

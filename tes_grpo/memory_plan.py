@@ -1,15 +1,15 @@
 """How many completions a training pass takes and how many sequences a generation call takes, from GPU memory.
 
-Library module, not a script. train_grpo.py asks it twice: before loading (`plan_memory` with the weights still to
-load, so a run that cannot fit stops with a SettingsError before minutes of loading) and after loading, with the
-memory measured then (`MemoryFacts.measured`). Everything but `MemoryFacts.measured` is plain arithmetic on
-numbers, so the tests run it on made-up free-memory values. The GPU benchmark checks the constants:
+Library module, not a script. It sizes TRAIN_BATCH_SIZE=auto (at most TRAIN_TOKENS_PER_PASS tokens a pass) and the
+generate calls from the memory this run has, so the same recipe fits a 24 GB card, an 80 GB one, bf16 or
+MXFP4-resident experts. train_grpo.py asks it twice (`plan_run`): before loading, with the weights still to load, so
+a run that cannot fit stops with a SettingsError before minutes of loading; and after loading, with the memory
+measured then (`MemoryFacts.measured`), which gives the batch layout (`batch_layout`). Everything but
+`MemoryFacts.measured` is plain arithmetic on numbers, so the tests run it on made-up free-memory values. The GPU
+benchmark checks the constants, and BENCHMARKS.md ("The reference recipe's optimizer step at the defaults") sets
+the estimate beside measured peaks:
 
     python benchmarks/bench_memory.py      # GPU machine: measured peak per training token against this estimate
-
-Why: TRAIN_BATCH_SIZE=auto used to take as many completions as fit TRAIN_TOKENS_PER_PASS=40,000 tokens, a number
-found on one H100 (80 GB) with the bf16 20B model (BENCHMARKS.md). On a 24 GB card, or with the frozen experts
-resident as MXFP4, the right number differs; here it follows from the memory this run has.
 
 The budget. MEMORY_BUDGET_GB = 0 takes all the GPU memory this process can still get after loading (the driver's
 free memory plus what its own allocator holds unused); MEMORY_BUDGET_GB = B (GiB, 2**30 bytes) is the most the whole
@@ -51,11 +51,7 @@ kv = kv_heads x head_dim, A heads, k experts per token, I expert intermediate si
 The terms come from a census of the tensors autograd saves in one gpt-oss decoder layer with LoRA r 4 under bf16
 autocast and fused_experts.py (transformers 5.24, PEFT 0.21: each saved storage counted once, parameters left out;
 tests/test_memory_plan.py repeats it on the CPU). The gradients alive in a backward and the allocator are not in
-such a census, so ACTIVATION_SCALE (measured / derived) comes from the GPU benchmark. gpt-oss-20b in bf16 with
-checkpointing: per_token = 138,240 + 136,576 + 92,160 + 17,280 = 384,256 bytes (~375 KiB), per_completion_token
-23,040. Against the H100 figures (BENCHMARKS.md; 39.0 GiB of bf16 weights + the 9.5 GiB MXFP4 decode copy):
-8 x (871 + 4,000) tokens -> 14.9 GiB, 63.4 GiB in all, measured peak 63.8; 16 x (1,310 + 4,000) -> 32.0 GiB,
-80.5 in all, more than the 79.2 GiB card: it ran out of memory in the backward.
+such a census, so ACTIVATION_SCALE (measured / derived) comes from the GPU benchmark.
 
 Generation bytes of one call of s sequences (graph_decode.py: a static KV cache of P + N slots in each
 full-attention layer and a ring of sliding_window slots in each sliding one; the distinct prompts prefilled once):
@@ -66,9 +62,8 @@ full-attention layer and a ring of sliding_window slots in each sliding one; the
                   before the copy), one MoE layer's routed rows, attention's q/output, for the distinct prompts of
                   the call (rounded up to a power of two) at P' = P rounded up to 256 tokens (graph_decode's buckets)
 
-64 sequences x (871 + 4,000) tokens of the 20B hold a 7.3 GiB KV cache. When the room cannot hold a whole
-generation batch the plan gives the most sequences a call can take (a divisor of the batch); whoever generates
-then splits the batch into calls of that many.
+When the room cannot hold a whole generation batch the plan gives the most sequences a call can take (a divisor
+of the batch); whoever generates then splits the batch into calls of that many.
 """
 
 from __future__ import annotations
@@ -77,6 +72,10 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+import torch
+
+from tes_grpo import model_loading  # the module: tests stand in for its cuda_available
+from tes_grpo.processes import uses_fsdp
 from tes_grpo.script_config import SettingsError
 
 GIB = 2**30
@@ -257,8 +256,6 @@ class MemoryFacts:
     @classmethod
     def measured(cls, device=None, **others) -> MemoryFacts:
         """free_bytes, held_bytes and total_bytes read from torch for this process's GPU; the rest as given."""
-        import torch
-
         free, total = torch.cuda.mem_get_info(device)
         allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
         return cls(free_bytes=free + reserved - allocated, held_bytes=allocated, total_bytes=total, **others)
@@ -284,12 +281,10 @@ def plan_run(s, config, longest_prompt: int, steps_per_generation: int | None, e
     there is nothing to plan (no GPU; FSDP and vLLM hold memory this estimate does not model). Before loading
     (loaded=False) it only checks that the run can fit, so a run that cannot stops with a SettingsError before
     minutes of loading; after loading it says the budget and both choices."""
-    from tes_grpo.model_loading import cuda_available
-    from tes_grpo.processes import uses_fsdp
-
-    if not cuda_available() or uses_fsdp() or s.USE_VLLM:
+    cuda = model_loading.cuda_available()
+    if not cuda or uses_fsdp() or s.USE_VLLM:
         if loaded:
-            why = "no GPU" if not cuda_available() else "FSDP" if uses_fsdp() else "vLLM"
+            why = "no GPU" if not cuda else "FSDP" if uses_fsdp() else "vLLM"
             say(f"memory: no plan ({why}): TRAIN_TOKENS_PER_PASS sizes the training passes, generation takes the "
                 "whole batch")
         return None

@@ -1,4 +1,4 @@
-"""Where and how a gpt-oss checkpoint is loaded, and what a trained adapter says about itself (one home).
+"""Where and how a gpt-oss checkpoint is loaded (one home).
 
 train_grpo.py, llm_policy.py (test_lora_adapter.py, evaluate_policy.py), export_quantized_model.py and
 run_exported_model.py all decide these the same way here:
@@ -7,15 +7,25 @@ run_exported_model.py all decide these the same way here:
   model is small);
 - attention "auto": flex_attention on CUDA (it supports gpt-oss's attention sinks; sdpa and flash-attention 2 do
   not), eager on the CPU;
-- an adapter's adapter_config.json, its base model, the training run's train_config.json (evaluation settings set
-  to "auto" follow it: from_training_run), and the evaluation scripts' loader (load_for_inference).
+- the experts' form (resident MXFP4 or dequantized), the training loader (load_training_model) and the evaluation
+  scripts' loader (load_for_inference).
+
+What a run folder says about its adapter and settings (adapter_config.json, train_config.json) is read by
+run_folder.py. torch, transformers and the MXFP4 modules are imported inside the functions that use them:
+train_grpo.py and export_quantized_model.py import this module when they start, and their --help stays quick.
 """
 
 from __future__ import annotations
 
-import json
-import math
+import copy
+import importlib.util
 from pathlib import Path
+
+from tes_grpo.harmony import load_tokenizer, tokenizer_source
+from tes_grpo.presets import TINY_MODEL_ID
+from tes_grpo.processes import is_main_process, local_rank, process_count, process_rank, uses_fsdp, wait_for_everyone
+from tes_grpo.script_config import SettingsError
+from tes_grpo.tiny_model import ensure_tiny_checkpoint
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "bfloat16", "float32", "float16")
@@ -60,12 +70,15 @@ def dtype_name(torch_dtype) -> str:
     return str(torch_dtype).removeprefix("torch.")
 
 
-def checkpoint_is_mxfp4(model_id) -> bool:
+def checkpoint_is_mxfp4(model_id, config=None) -> bool:
     """Whether a checkpoint's config declares MXFP4 (openai/gpt-oss-* and the tiny model do); read before loading,
-    because transformers drops the quantization config when it dequantizes."""
-    from transformers import AutoConfig
+    because transformers drops the quantization config when it dequantizes. config: the checkpoint's config when
+    the caller has read it already (AutoConfig.from_pretrained(model_id)), else it is read here."""
+    if config is None:
+        from transformers import AutoConfig
 
-    quantization = getattr(AutoConfig.from_pretrained(model_id), "quantization_config", None) or {}
+        config = AutoConfig.from_pretrained(model_id)
+    quantization = getattr(config, "quantization_config", None) or {}
     method = (quantization.get("quant_method") if isinstance(quantization, dict)
               else getattr(quantization, "quant_method", None))
     return str(getattr(method, "value", method)) == "mxfp4"
@@ -88,8 +101,6 @@ def native_mxfp4_blockers(device: str) -> list[str]:
 def load_tokenizer_for(model_path, say=print):
     """The checkpoint's own tokenizer, or harmony's (same vocabulary) when its local folder has none; either way its
     special token ids are checked (harmony.load_tokenizer)."""
-    from tes_grpo.harmony import load_tokenizer, tokenizer_source
-
     folder = Path(model_path)
     if folder.is_dir() and not (folder / "tokenizer.json").is_file():
         say(f"tokenizer: {tokenizer_source()} (no tokenizer.json in {folder})")
@@ -101,16 +112,10 @@ def load_tokenizer_for(model_path, say=print):
 # The policy for training (train_grpo.py): dequantized MXFP4, one process per GPU or FSDP
 # ---------------------------------------------------------------------------------------------------------------
 
-TINY_MODEL_ID = "tiny"
-
-
 def resolve_model_path(model_id: str) -> str:
     """MODEL_ID as from_pretrained takes it; "tiny" builds the tiny checkpoint (once, rank 0 first) -> its folder."""
     if model_id != TINY_MODEL_ID:
         return model_id
-    from tes_grpo.processes import is_main_process, wait_for_everyone
-    from tes_grpo.tiny_model import ensure_tiny_checkpoint
-
     if is_main_process():
         path = ensure_tiny_checkpoint()
         wait_for_everyone()
@@ -135,24 +140,27 @@ def loads_weights_here(cuda: bool, fsdp: bool, processes: int, rank: int) -> boo
     return not (cuda and fsdp and processes > 1 and rank != 0)
 
 
-def _dequantized_config(path):
+def _dequantized_config(path, config=None):
+    """The checkpoint's config as the dequantized model has it (no quantization_config): a copy of `config` when the
+    caller read it already (the caller's is never changed), else read from path."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path) if config is None else copy.deepcopy(config)
     if getattr(config, "quantization_config", None) is not None:
         del config.quantization_config  # as after Mxfp4Config(dequantize=True): plain bf16 experts
     return config
 
 
-def empty_policy_model(path: str, dtype, attn: str, experts: str = "bf16", keep_bf16_layers=None):
+def empty_policy_model(path: str, dtype, attn: str, experts: str = "bf16", keep_bf16_layers=None, config=None):
     """The dequantized model's structure with its parameters on the meta device (buffers such as the rotary
     frequencies are real: FSDP does not broadcast non-persistent buffers). experts="mxfp4": the experts resident
     (mxfp4_experts.py) as load_resident_model makes them, but those of keep_bf16_layers ({layer: why}); their
-    blocks and scales are buffers too, read from the checkpoint onto the CPU."""
+    blocks and scales are buffers too, read from the checkpoint onto the CPU. config: the checkpoint's config if
+    read already (a copy is changed here, never the caller's)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    config = _dequantized_config(path)
+    config = _dequantized_config(path, config)
     if experts == "mxfp4":
         model = resident_skeleton(config, dtype, attn, keep_bf16_layers or {})
         fill_resident_experts(model, checkpoint_folder(path), "cpu")
@@ -161,30 +169,34 @@ def empty_policy_model(path: str, dtype, attn: str, experts: str = "bf16", keep_
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
     model.config.use_cache = True
     return model
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+    model.config.use_cache = True
+    return model
 
 
 def load_training_model(path: str, attn_implementation: str = "auto", dtype=None, say=print, experts: str = "auto",
-                        expert_lora_layers=()):
+                        expert_lora_layers=(), config=None):
     """An MXFP4 gpt-oss checkpoint loaded for LoRA training: its experts resident as MXFP4 (load_resident_model) or
     dequantized (`Mxfp4Config(dequantize=True)`), as resolve_experts decides for `experts` (auto | mxfp4 | bf16) and
     the layers whose experts get LoRA (expert_lora_layers: those keep bf16 experts).
 
     dtype and attention follow resolve_dtype/resolve_attention ("auto"). On the GPU when there is one; under FSDP
-    on the CPU on rank 0 and without weights on the other ranks (loads_weights_here).
+    on the CPU on rank 0 and without weights on the other ranks (loads_weights_here). config: the checkpoint's
+    config (AutoConfig.from_pretrained(path)) when the caller has read it, so that config.json is read once.
     """
-    from transformers import AutoModelForCausalLM, Mxfp4Config
+    from transformers import AutoConfig, AutoModelForCausalLM, Mxfp4Config
 
-    from tes_grpo.processes import local_rank, process_count, process_rank, uses_fsdp
-
+    config = AutoConfig.from_pretrained(path) if config is None else config
     device = resolve_device("auto")
     cuda = device == "cuda"
     attn = resolve_attention(attn_implementation, device)
     dtype = dtype or resolve_dtype("auto", device)
     fsdp, processes = uses_fsdp(), process_count()
-    experts, experts_why = resolve_experts(experts, path, expert_lora_layers)
+    experts, experts_why = resolve_experts(experts, path, expert_lora_layers, config)
     keep = {i: "LoRA on their experts: LORA_EXPERT_LAYERS" for i in expert_lora_layers}
     if not loads_weights_here(cuda, fsdp, processes, process_rank()):
-        return empty_policy_model(path, dtype, attn, experts, keep)
+        return empty_policy_model(path, dtype, attn, experts, keep, config)
     device_map = model_device_map(cuda, fsdp, processes, local_rank())
     where = "cpu" if device_map is None else f"cuda:{local_rank()}"
     if cuda and device_map is None:
@@ -193,11 +205,11 @@ def load_training_model(path: str, attn_implementation: str = "auto", dtype=None
         say(f"loading {path} with its experts resident as MXFP4 ({experts_why}), the rest as {dtype_name(dtype)}, "
             f"attention {attn}, on {where}")
         return load_resident_model(path, dtype, attn, "cpu" if device_map is None else f"cuda:{local_rank()}",
-                                   keep, say)
+                                   keep, say, config)
     say(f"loading {path} with Mxfp4Config(dequantize=True) as {dtype_name(dtype)}, attention {attn}, on {where} "
         f"({experts_why})")
     model = AutoModelForCausalLM.from_pretrained(
-        path, quantization_config=Mxfp4Config(dequantize=True), dtype=dtype, attn_implementation=attn,
+        path, config=config, quantization_config=Mxfp4Config(dequantize=True), dtype=dtype, attn_implementation=attn,
         device_map=device_map)
     # Generation keeps its KV cache although gradient checkpointing is on for training (TRL's generation_kwargs).
     model.config.use_cache = True
@@ -211,17 +223,16 @@ def load_training_model(path: str, attn_implementation: str = "auto", dtype=None
 EXPERTS_CHOICES = ("auto", "mxfp4", "bf16")
 
 
-def resolve_experts(experts: str, path: str, expert_lora_layers=()) -> tuple[str, str]:
+def resolve_experts(experts: str, path: str, expert_lora_layers=(), config=None) -> tuple[str, str]:
     """("mxfp4" or "bf16", why) for EXPERTS: mxfp4 = the experts stay resident as the checkpoint's MXFP4 blocks
     (mxfp4_experts.py), bf16 = dequantized at load. auto: mxfp4 for an MXFP4 checkpoint without LoRA on the
-    experts, else bf16. mxfp4 with expert LoRA: those layers alone keep bf16 experts."""
-    from tes_grpo.script_config import SettingsError
-
+    experts, else bf16. mxfp4 with expert LoRA: those layers alone keep bf16 experts. config: the checkpoint's
+    config if read already (checkpoint_is_mxfp4)."""
     if experts not in EXPERTS_CHOICES:
         raise SettingsError(f"EXPERTS={experts!r}: must be one of {', '.join(EXPERTS_CHOICES)}")
     if experts == "bf16":
         return "bf16", "EXPERTS=bf16"
-    mxfp4 = checkpoint_is_mxfp4(path)
+    mxfp4 = checkpoint_is_mxfp4(path, config)
     if experts == "mxfp4":
         if not mxfp4:
             raise SettingsError(f"EXPERTS=mxfp4 needs an MXFP4 checkpoint; the config of {path} declares no MXFP4 "
@@ -309,14 +320,16 @@ def _place(module, attr: str, tensor, device, name: str) -> None:
         module._buffers[attr] = value
 
 
-def load_resident_model(path: str, dtype, attn: str, device: str = "cpu", keep_bf16_layers=None, say=print):
+def load_resident_model(path: str, dtype, attn: str, device: str = "cpu", keep_bf16_layers=None, say=print,
+                        config=None):
     """An MXFP4 gpt-oss checkpoint with its experts resident (mxfp4_experts.py): the checkpoint's blocks/scales on
     `device` as the only copy of the experts, everything else in `dtype`, as from_pretrained with
     Mxfp4Config(dequantize=True) would give it (same values, dtypes, config, generation config, eval mode).
 
     The model is built on the meta device, then filled one checkpoint tensor at a time (host memory: one tensor),
     so no bf16 expert tensor is ever allocated. keep_bf16_layers ({layer: why}) get ordinary dequantized expert
-    parameters instead (experts with LoRA). `say` gets mxfp4_experts.residency_line's line.
+    parameters instead (experts with LoRA). `say` gets mxfp4_experts.residency_line's line. config: the
+    checkpoint's config if read already.
     """
     import torch
     from transformers import GenerationConfig
@@ -326,7 +339,7 @@ def load_resident_model(path: str, dtype, attn: str, device: str = "cpu", keep_b
 
     keep = dict(keep_bf16_layers or {})
     folder = checkpoint_folder(path)
-    model = resident_skeleton(_dequantized_config(folder), dtype, attn, keep)
+    model = resident_skeleton(_dequantized_config(folder, config), dtype, attn, keep)
     modules = dict(model.named_modules())
     checkpoint = SafetensorsCheckpoint(folder)
     halves: dict[tuple[str, str], dict] = {}  # a bf16-kept layer's blocks or scales, until the other is read
@@ -388,8 +401,6 @@ def load_for_inference(path: str, device: str, dtype, attn: str, experts: str = 
 
 def check_visible_gpus(gpus: int, processes: int) -> None:
     """One process must see one GPU: the Trainer would wrap the model in nn.DataParallel, which TRL refuses."""
-    from tes_grpo.script_config import SettingsError
-
     if processes == 1 and gpus > 1:
         raise SettingsError(f"{gpus} GPUs are visible to one process. Train on one of them with CUDA_VISIBLE_DEVICES=0 "
                             "python train_grpo.py ..., or on all of them with accelerate launch --config_file "
@@ -398,12 +409,7 @@ def check_visible_gpus(gpus: int, processes: int) -> None:
 
 def check_machine(use_vllm: bool, say=print) -> None:
     """One GPU per process, and vLLM installed when asked for; says which optional extras are installed."""
-    import importlib.util
-
     import torch
-
-    from tes_grpo.processes import process_count
-    from tes_grpo.script_config import SettingsError
 
     check_visible_gpus(torch.cuda.device_count(), process_count())
     have = {name: importlib.util.find_spec(name) is not None for name in ("vllm", "kernels", "liger_kernel")}
@@ -411,123 +417,6 @@ def check_machine(use_vllm: bool, say=print) -> None:
         raise SettingsError("USE_VLLM=1 needs vllm (pip install -r requirements-gpu.txt); it is not installed")
     say("optional extras installed: " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in have.items())
         + " (kernels/liger are not used by this script)")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Adapters, the training run they come from, and how a model's experts were loaded (train, evaluation and export)
-# ---------------------------------------------------------------------------------------------------------------
-
-ADAPTER_CONFIG = "adapter_config.json"
-TRAIN_CONFIG = "train_config.json"  # train_grpo.py's resolved settings, in the run folder (a checkpoint's parent)
-AUTO = "auto"  # an evaluation setting that follows the training run (from_training_run)
-
-
-def adapter_config(adapter_path: str | Path) -> dict:
-    """The adapter's adapter_config.json; InputError when the folder or the file is missing or unreadable."""
-    from tes_grpo.fileio import InputError
-
-    folder = Path(adapter_path)
-    if not folder.is_dir():
-        raise InputError(folder, "adapter folder does not exist (train one with train_grpo.py or set ADAPTER_PATH)")
-    path = folder / ADAPTER_CONFIG
-    if not path.is_file():
-        raise InputError(path, "missing: this folder is not a PEFT adapter (no adapter_config.json)")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise InputError(path, f"not valid JSON ({err})") from None
-
-
-def adapter_base_model(adapter_path: str | Path) -> str:
-    """The base model the adapter was trained on (its `base_model_name_or_path`)."""
-    from tes_grpo.fileio import InputError
-
-    base = adapter_config(adapter_path).get("base_model_name_or_path")
-    if not base:
-        raise InputError(Path(adapter_path) / ADAPTER_CONFIG, "no base_model_name_or_path; set BASE_MODEL_ID",
-                         column="base_model_name_or_path", value=base)
-    return str(base)
-
-
-def adapter_expert_layers(adapter_path: str | Path) -> list[int]:
-    """The layers whose MoE experts the adapter adapts (PEFT `target_parameters` such as
-    "layers.7.mlp.experts.gate_up_proj", as train_grpo's LORA_EXPERT_LAYERS writes them), sorted."""
-    import re
-
-    targets = adapter_config(adapter_path).get("target_parameters") or []
-    return sorted({int(m.group(1)) for t in targets if (m := re.search(r"layers\.(\d+)\.mlp\.experts", str(t)))})
-
-
-def adapter_run_name(adapter_path: str | Path) -> str:
-    """A short name for output folders: "grpo-tiny" for runs/grpo-tiny, "grpo-tiny-checkpoint-000010" for a
-    checkpoint."""
-    folder = Path(adapter_path).resolve()
-    return f"{folder.parent.name}-{folder.name}" if folder.parent.name not in ("", "runs") else folder.name
-
-
-def training_config(folder: str | Path) -> tuple[dict, Path | None]:
-    """train_grpo.py's train_config.json for an adapter or a merged export: in the folder, or in the run folder
-    above a checkpoint; ({}, None) when neither has one."""
-    from tes_grpo.fileio import InputError
-
-    folder = Path(folder)
-    for candidate in (folder / TRAIN_CONFIG, folder.parent / TRAIN_CONFIG):
-        if candidate.is_file():
-            try:
-                return json.loads(candidate.read_text(encoding="utf-8")), candidate
-            except json.JSONDecodeError as err:
-                raise InputError(candidate, f"not valid JSON ({err})") from None
-    return {}, None
-
-
-def from_training_run(name: str, requested, folder: str | Path, fallback):
-    """(value, where it came from) of an evaluation setting that follows training: `requested` as set unless it is
-    "auto", then the training run's value of setting `name` (train_config.json of the adapter or export in
-    `folder`), else `fallback` (the dataset's or the recipe's value).
-    """
-    if requested != AUTO:
-        return requested, "as set"
-    if folder:
-        config, path = training_config(folder)
-        if path is not None and name in config:
-            return config[name], f"the training run's {name} ({path})"
-    return fallback, "no training run recorded; the recipe's default"
-
-
-def _whole_number(text) -> int:
-    value = int(str(text))
-    if value < 1:
-        raise ValueError("must be at least 1")
-    return value
-
-
-def _temperature(text) -> float:
-    value = float(str(text))
-    if not math.isfinite(value) or value < 0:
-        raise ValueError("must be a finite number >= 0 (0 decodes greedily)")
-    return value
-
-
-# evaluation settings that can follow the training run, and how a value of each is read
-FOLLOWS_TRAINING = {"MAX_COMPLETION_LEN": _whole_number, "TEMPERATURE": _temperature}
-
-
-def checked_training_settings(s, names, folder: str | Path, say=print) -> dict:
-    """{name: value} for evaluation settings that default to "auto" (see FOLLOWS_TRAINING): the value set, else the
-    training run's from train_config.json in or above `folder`; says where each came from. ValueError naming the
-    setting for a value that does not parse, or for "auto" with no training run to follow."""
-    values = {}
-    for name in names:
-        value, origin = from_training_run(name, s[name], folder, None)
-        if value is None:
-            raise ValueError(f"{name}=auto follows the training run, but {folder or 'no adapter'} has no "
-                             f"{TRAIN_CONFIG}; set --{name}=... (train_grpo.py --help shows the recipe's)")
-        try:
-            values[name] = FOLLOWS_TRAINING[name](value)
-        except ValueError as err:
-            raise ValueError(f"{name}={value!r} ({origin}): {err}") from None
-        say(f"{name}={values[name]} ({origin})")
-    return values
 
 
 def experts_are_mxfp4(model) -> bool:

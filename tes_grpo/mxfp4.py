@@ -123,6 +123,13 @@ def mxfp4_to_expert_param(blocks: torch.Tensor, scales: torch.Tensor,
     return dequantize_mxfp4(blocks, scales, dtype).transpose(-1, -2).contiguous()
 
 
+def expert_rounding_bound(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Per-element bound of the MXFP4 rounding of an expert parameter in transformers' `[E, in, out]` layout, from
+    its checkpoint blocks/scales: 2**exponent of each value's block."""
+    step = torch.ldexp(torch.ones(scales.shape), scales.int() - E8M0_BIAS).repeat_interleave(BLOCK_SIZE, dim=-1)
+    return step.transpose(-1, -2)
+
+
 def fake_quantize_expert_param(param: torch.Tensor) -> torch.Tensor:
     """The expert parameter as it reads back after an MXFP4 round trip, same dtype and shape."""
     return mxfp4_to_expert_param(*expert_param_to_mxfp4(param), dtype=param.dtype)

@@ -17,7 +17,7 @@ generation_config.json (stop tokens <|return|>, <|endoftext|>, <|call|>). Traini
 
 The warm-up (why and what): a random model never writes a Harmony answer, so every reward would be NaN and GRPO
 would have nothing to learn from. Before writing, a short supervised warm-up (WARMUP_STEPS AdamW steps, ~1.5 min
-on 2 CPU cores, on task prompts built by tes_env.build_prompt from random series and rendered like the datasets
+on 2 CPU cores, on task prompts built by task_prompt.build_prompt from random series and rendered like the datasets
 by harmony.render_harmony_prompt; no dataset is read) teaches the answer FORMAT only:
 
     <|channel|>analysis<|message|>Compare load and CO2 for the hours left.<|end|><|start|>assistant
@@ -138,21 +138,21 @@ def random_series(rng: torch.Generator):
 
 
 def warmup_prompt(tokenizer, rng: torch.Generator) -> str:
-    """A task prompt (tes_env.build_prompt, rendered like the datasets by harmony.render_harmony_prompt) on a random
-    series.
+    """A task prompt (task_prompt.build_prompt, rendered like the datasets by harmony.render_harmony_prompt) on a
+    random series.
 
     Same instructions, table layout and length (~850 tokens) as the training prompts, with random numbers and a
     random reasoning effort, so the format the warm-up teaches carries over to the real prompts.
     """
     import torch
 
-    from tes_grpo import tes_env
+    from tes_grpo import task_prompt, tes_env
 
     series = random_series(rng)
     decisions = [t for t in range(tes_env.EPISODE_HOURS) if tes_env.is_business_hour(t)]
     t = decisions[int(torch.randint(0, len(decisions), (1,), generator=rng))]
     energy = round(float(torch.rand(1, generator=rng)) * tes_env.CAPACITY_KWH, 1)
-    system, user = tes_env.build_prompt(series, t, energy)
+    system, user = task_prompt.build_prompt(series, t, energy)
     effort = harmony.REASONING_EFFORTS[int(torch.randint(0, len(harmony.REASONING_EFFORTS), (1,), generator=rng))]
     return harmony.render_harmony_prompt(system, user, tokenizer, effort)
 

@@ -1,6 +1,6 @@
 """Training-data fixtures for the GRPO tests: real TES prompts in Harmony, prompt-specific rewards.
 
-The prompts are the task's own (tes_env.build_prompt on a fixed synthetic series), rendered to Harmony by the
+The prompts are the task's own (task_prompt.build_prompt on a fixed synthetic series), rendered to Harmony by the
 gpt-oss chat template exactly as the datasets are (harmony.render_harmony_prompt). Each prompt has its
 own reward row and its own optimal action, so a completion scored with another prompt's rewards shows up as a
 wrong reward in the completion log. Action 1 is also good on average (mean reward 0.51 against 0.16 for the
@@ -40,10 +40,10 @@ def fixture_series():
 
 
 def harmony_prompt(tokenizer, timestep: int, energy: float, reasoning_effort: str = "medium") -> str:
-    from tes_grpo import tes_env
+    from tes_grpo import task_prompt
     from tes_grpo.harmony import render_harmony_prompt
 
-    system, user = tes_env.build_prompt(fixture_series(), timestep, energy)
+    system, user = task_prompt.build_prompt(fixture_series(), timestep, energy)
     return render_harmony_prompt(system, user, tokenizer, reasoning_effort)
 
 

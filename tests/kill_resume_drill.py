@@ -13,12 +13,16 @@ group) at the drill's moment, then resumed in the same folder until it finishes.
 - and reported, not required: whether the completions, rewards and final adapter equal the uninterrupted run's
   (on a CPU they do; on a GPU, nondeterministic kernels may make later steps differ).
 The moments: `mid-step` kills a few seconds after step KILL_AFTER_STEP's line, while the next step trains; `mid-save`
-kills as soon as the Trainer's checkpoint folder for step SAVE_STEPS*2 appears, before it is complete. Prints a
-table last; writes each run's output under OUT_DIR. Exits 1 if a check fails.
+kills as soon as the Trainer's checkpoint folder for step SAVE_STEPS*2 appears, before it is complete; `oom` (GPU
+only) caps the process's GPU memory just above what it holds when step KILL_AFTER_STEP+1 begins
+(torch.cuda.set_per_process_memory_fraction), so that step runs out of memory: the run must stop with one
+"error: out of GPU memory in step ..." line and exit 1, and --RESUME=1 (uncapped) must finish it. Prints a table
+last; writes each run's output under OUT_DIR. Exits 1 if a check fails.
 """
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import os
 import signal
@@ -30,6 +34,8 @@ from pathlib import Path
 _REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO))
 
+from transformers import TrainerCallback  # noqa: E402
+
 from tes_grpo.script_config import resolve  # noqa: E402
 
 MODEL_ID = "tiny"  # train_grpo.py's MODEL_ID
@@ -40,7 +46,7 @@ KILL_AFTER_STEP = 3  # mid-step: kill while the step after this one runs (the ch
 KILL_DELAY_S = 2.0  # mid-step: seconds after that step's progress line
 MAX_COMPLETION_LEN = 48  # tokens per completion
 NUM_GENERATIONS = 8  # completions per prompt
-DRILLS = ["mid-step", "mid-save"]  # which kills to try
+DRILLS = ["mid-step", "mid-save", "oom"]  # which kills to try (oom: GPU only, skipped without CUDA)
 TIMEOUT_S = 1800  # a run that takes longer is stopped and counted as failed
 
 
@@ -96,8 +102,6 @@ def log_rows(out: Path) -> list[str]:
     path = out / "completions.csv"
     if not path.exists():
         return []
-    import csv
-
     with path.open(newline="", encoding="utf-8") as f:
         rows = list(csv.reader(f))
     return ["\x1f".join(row) for row in rows[1:]]
@@ -108,7 +112,8 @@ def step_of(row: str, header: list[str]) -> int:
 
 
 def header_of(out: Path) -> list[str]:
-    return (out / "completions.csv").read_text(encoding="utf-8").splitlines()[0].split(",")
+    with (out / "completions.csv").open(newline="", encoding="utf-8") as f:
+        return next(csv.reader(f))
 
 
 def digest(path: Path) -> str | None:
@@ -122,19 +127,56 @@ def global_step(out: Path) -> int | None:
     return json.loads(path.read_text())["global_step"] if path.exists() else None
 
 
+class CapMemoryAt(TrainerCallback):
+    """When optimizer step `step` begins: frees the allocator's cache and caps the process's GPU memory a little above
+    what it holds, so the step's next large allocation fails (torch.OutOfMemoryError)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        import torch
+
+        if state.global_step + 1 == self.step:
+            torch.cuda.empty_cache()
+            total = torch.cuda.get_device_properties(0).total_memory
+            torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + (16 << 20)) / total)
+
+
+def capped_run(argv: list[str], step: int) -> int:
+    """train_grpo.main(argv) with CapMemoryAt(step): what the oom drill runs in a fresh process."""
+    import train_grpo
+
+    return train_grpo.main(argv, callbacks=[CapMemoryAt(step)])
+
+
+def capped_command(s, out: Path) -> list[str]:
+    argv = train_command(s, out, resume=False)[2:]
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import kill_resume_drill as d; "
+            f"sys.exit(d.capped_run({argv!r}, {s.KILL_AFTER_STEP + 1}))")
+    return [sys.executable, "-c", code]
+
+
 def drill(s, name: str, root: Path, reference: Path) -> dict:
     out = root / name
     first_log, resumed_log = root / f"{name}-killed.log", root / f"{name}-resumed.log"
-    process = start(train_command(s, out, resume=False), first_log)
-    if name == "mid-step":
+    process = start(capped_command(s, out) if name == "oom" else train_command(s, out, resume=False), first_log)
+    if name == "oom":
+        code = finish(process, s.TIMEOUT_S)
+        errors = [line for line in first_log.read_text(errors="replace").splitlines() if line.startswith("error:")]
+        reached = alive = code == 1 and len(errors) == 1 and errors[0].startswith(
+            f"error: out of GPU memory in step {s.KILL_AFTER_STEP + 1} ") and "Traceback" not in first_log.read_text()
+        moment = f"memory capped at step {s.KILL_AFTER_STEP + 1}: " + (errors[0][:160] if errors else "no error line")
+    elif name == "mid-step":
         reached = wait_for(step_line_seen(first_log, s.KILL_AFTER_STEP, s.TOTAL_STEPS), process, s.TIMEOUT_S)
         time.sleep(s.KILL_DELAY_S)
         moment = f"{s.KILL_DELAY_S:g} s after step {s.KILL_AFTER_STEP}'s line"
     else:
         reached = wait_for(save_started(out, 2 * s.SAVE_STEPS), process, s.TIMEOUT_S, poll=0.001)
         moment = f"checkpoint-{2 * s.SAVE_STEPS} being written"
-    alive = process.poll() is None
-    kill(process)
+    if name != "oom":
+        alive = process.poll() is None
+        kill(process)
     header = header_of(out)
     killed_rows = log_rows(out)
     partial = sorted(p.name for p in out.glob("checkpoint-*") if not (p / "trainer_state.json").exists())
@@ -148,7 +190,7 @@ def drill(s, name: str, root: Path, reference: Path) -> dict:
     reference_rows = log_rows(reference)
     kept = [r for r in killed_rows if resumed_from is not None and step_of(r, header) <= resumed_from]
     checks = {
-        "killed in time": reached and alive,
+        "stopped as planned": reached and alive,  # killed in time; oom: one out-of-memory line and exit 1
         "resumed run finished": code == 0 and global_step(out) == s.TOTAL_STEPS and (out / "adapter_model.safetensors")
         .exists(),
         "every step once": sorted(set(steps)) == list(range(1, s.TOTAL_STEPS + 1))
@@ -176,8 +218,13 @@ def main(argv: list[str] | None = None) -> int:
     if code != 0:
         print(f"error: the uninterrupted run failed (exit {code}); see {root / 'uninterrupted.log'}", file=sys.stderr)
         return 1
-    results = [drill(s, name, root, reference) for name in s.DRILLS]
-    required = ("killed in time", "resumed run finished", "every step once", "log before the checkpoint untouched")
+    import torch
+
+    drills = [name for name in s.DRILLS if name != "oom" or torch.cuda.is_available()]
+    if drills != list(s.DRILLS):
+        print("oom drill skipped: it caps GPU memory, and there is no CUDA device here")
+    results = [drill(s, name, root, reference) for name in drills]
+    required = ("stopped as planned", "resumed run finished", "every step once", "log before the checkpoint untouched")
     print(f"\nkill-and-resume drill: MODEL_ID={s.MODEL_ID}, {s.TOTAL_STEPS} steps, checkpoint every {s.SAVE_STEPS}; "
           f"logs under {root}")
     for result in results:

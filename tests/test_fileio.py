@@ -21,10 +21,36 @@ from tes_grpo.fileio import (
     read_csv_header,
     read_csv_table,
     read_csv_text,
+    replace_folder,
     temporary_folder,
     text_writer,
     write_files_atomic,
 )
+
+
+def test_replace_folder_puts_the_new_one_in_place_and_the_old_one_back_on_failure(tmp_path, monkeypatch):
+    target = tmp_path / "export"
+    first = temporary_folder(target)
+    (first / "a.txt").write_text("first")
+    replace_folder(first, target)  # no folder there yet
+    assert (target / "a.txt").read_text() == "first" and not first.exists()
+    second = temporary_folder(target)
+    (second / "b.txt").write_text("second")
+    replace_folder(second, target)  # over the old one, which is then deleted
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"] and (target / "b.txt").read_text() == "second"
+    third = temporary_folder(target)
+    real_replace = os.replace
+
+    def fail_onto_target(source, destination):
+        if Path(source) == third:
+            raise OSError(errno.EXDEV, "cross-device link")
+        return real_replace(source, destination)
+
+    monkeypatch.setattr(fileio.os, "replace", fail_onto_target)
+    with pytest.raises(OSError, match="cross-device"):
+        replace_folder(third, target)
+    assert (target / "b.txt").read_text() == "second"  # the old folder is back under its name
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["export", third.name])
 
 
 def test_temporary_folder_then_default_modes(tmp_path):

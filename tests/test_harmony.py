@@ -18,7 +18,7 @@ from openai_harmony import Conversation, DeveloperContent, Message, ReasoningEff
 
 import convert_to_harmony as ch
 import make_series
-from tes_grpo import harmony, tes_env
+from tes_grpo import harmony, task_prompt, tes_env
 from tes_grpo.fileio import InputError
 from tes_grpo.harmony import harmony_encoding
 
@@ -63,7 +63,7 @@ AGREEMENT_CASES = [
 
 @pytest.mark.parametrize("t, energy, effort, date", AGREEMENT_CASES)
 def test_template_rendering_agrees_with_openai_harmony(tokenizer, series, t, energy, effort, date):
-    system, user = tes_env.build_prompt(series, t, energy)
+    system, user = task_prompt.build_prompt(series, t, energy)
     ours = harmony.render_harmony_prompt(system, user, tokenizer, reasoning_effort=effort, date=date)
     theirs, their_tokens = openai_harmony_text(system, user, effort, date)
     assert ours != theirs  # the named difference exists ...
@@ -106,7 +106,7 @@ def legacy_csv(path: Path, prompts: list[str]) -> Path:
 
 
 def test_convert_keeps_other_columns_and_refuses_existing_output(tokenizer, tmp_path):
-    prompts = [tes_env.legacy_prompt("sys one", "user one"), tes_env.legacy_prompt("sys two", "user two")]
+    prompts = [task_prompt.legacy_prompt("sys one", "user one"), task_prompt.legacy_prompt("sys two", "user two")]
     source = legacy_csv(tmp_path / "x_q_dataset.csv", prompts)
     [written] = ch.convert_files([source], tokenizer=tokenizer, progress=False)
     assert written == tmp_path / "x_q_dataset_harmony.csv"
@@ -133,7 +133,7 @@ BAD_PROMPT_CASES = [
 
 @pytest.mark.parametrize("prompt, message", BAD_PROMPT_CASES)
 def test_bad_prompts_are_refused_and_nothing_is_written(tokenizer, tmp_path, prompt, message):
-    source = legacy_csv(tmp_path / "y.csv", [tes_env.legacy_prompt("s", "u"), prompt])
+    source = legacy_csv(tmp_path / "y.csv", [task_prompt.legacy_prompt("s", "u"), prompt])
     with pytest.raises(InputError) as info:
         ch.convert_files([source], tokenizer=tokenizer, progress=False)
     assert f"{source}, {message}" in str(info.value)
@@ -141,7 +141,7 @@ def test_bad_prompts_are_refused_and_nothing_is_written(tokenizer, tmp_path, pro
 
 
 def test_cli_refuses_existing_output_without_overwrite(tmp_path):
-    source = legacy_csv(tmp_path / "z.csv", [tes_env.legacy_prompt("s", "u")])
+    source = legacy_csv(tmp_path / "z.csv", [task_prompt.legacy_prompt("s", "u")])
     (tmp_path / "z_harmony.csv").write_text("mine\n")
     result = subprocess.run([sys.executable, str(REPO / "convert_to_harmony.py"), str(source)], cwd=REPO,
                             capture_output=True, text=True)
@@ -151,7 +151,7 @@ def test_cli_refuses_existing_output_without_overwrite(tmp_path):
 
 
 def test_folder_input_skips_harmony_outputs(tmp_path):
-    legacy_csv(tmp_path / "a_q_dataset.csv", [tes_env.legacy_prompt("s", "u")])
+    legacy_csv(tmp_path / "a_q_dataset.csv", [task_prompt.legacy_prompt("s", "u")])
     (tmp_path / "a_q_dataset_harmony.csv").write_text("prompt\nx\n")
     (tmp_path / "series.csv").write_text("datetime,co2_kg_per_kwh,cooling_load_kw\n")
     assert ch.expand_paths([tmp_path]) == [tmp_path / "a_q_dataset.csv"]
@@ -161,7 +161,7 @@ def test_main_follows_the_settings(tokenizer, tmp_path, monkeypatch, capsys):
     """--TOKENIZER, --DATE and --REASONING_EFFORT reach the rendering (nothing is bound at definition)."""
     loaded = []
     monkeypatch.setattr(ch, "load_tokenizer", lambda source=None: loaded.append(source) or tokenizer)
-    source = legacy_csv(tmp_path / "m.csv", [tes_env.legacy_prompt("s", "u")])
+    source = legacy_csv(tmp_path / "m.csv", [task_prompt.legacy_prompt("s", "u")])
     folder = tmp_path / "my-tokenizer"
     folder.mkdir()
     assert ch.main([str(source), f"--TOKENIZER={folder}", "--DATE=2030-01-02", "--REASONING_EFFORT=low"]) == 0
@@ -198,3 +198,13 @@ def test_a_tokenizer_that_cannot_load_names_the_setting(tmp_path):
     empty.mkdir()
     with pytest.raises(ValueError, match=rf"--TOKENIZER='{empty}': cannot load a tokenizer"):
         ch.get_tokenizer(str(empty))
+
+
+def test_the_random_gpt_oss_shapes_use_harmonys_special_tokens():
+    """gpt_oss_shapes' configs (benchmarks' random models) end generation on harmony's <|return|>, not a copied id."""
+    from tes_grpo.gpt_oss_shapes import gpt_oss_config
+
+    for size in ("20b", "120b"):
+        config = gpt_oss_config(size)
+        assert (config.eos_token_id, config.pad_token_id, config.bos_token_id) == (
+            harmony.RETURN_ID, harmony.PAD_ID, harmony.BOS_ID)

@@ -11,7 +11,7 @@ import pytest
 
 import make_q_dataset
 import make_series
-from tes_grpo import tes_env
+from tes_grpo import task_prompt, tes_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -42,8 +42,8 @@ def test_rows_follow_the_optimal_trajectory_with_exact_q(series_file):
         assert q == pytest.approx(solver.q_values(t, energy), abs=5e-7)  # 6 decimals
         action = int(row.optimal_action)
         assert q[action] == pytest.approx(max(q), abs=1e-6)
-        system, user = tes_env.parse_legacy_prompt(row.prompt)
-        assert (system, user) == tes_env.build_prompt(series, t, energy)
+        system, user = task_prompt.parse_legacy_prompt(row.prompt)
+        assert (system, user) == task_prompt.build_prompt(series, t, energy)
         energy = tes_env.step(series, t, energy, action).energy
         for night in range(t + 1, t + 24):
             if tes_env.is_business_hour(night) or night >= 72:

@@ -186,3 +186,91 @@ def test_progress_line_gives_the_latest_steps_seconds_then_the_average():
     for seconds, step, expected in PROGRESS_TIMES:
         state = SimpleNamespace(global_step=step, max_steps=6)
         assert "  ".join(line.progress_parts(state, {"reward": 0.5}, 100.0 + seconds)) == expected
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The one adapter-folder check (lora_adapter_config), shared by evaluation and both exporters
+# ---------------------------------------------------------------------------------------------------------------
+
+def make_adapter(folder: Path, config: dict | str | None = None, weights: bool = True) -> Path:
+    """An adapter folder: adapter_config.json (a dict as JSON, a string as written; None: no file) and, with
+    weights, an adapter_model.safetensors (its content is never read by the check)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if config is not None:
+        text = config if isinstance(config, str) else json.dumps(config)
+        (folder / "adapter_config.json").write_text(text, encoding="utf-8")
+    if weights:
+        (folder / "adapter_model.safetensors").write_bytes(b"")
+    return folder
+
+
+LORA = {"peft_type": "LORA", "base_model_name_or_path": "openai/gpt-oss-20b", "lora_alpha": 8}
+
+# (what the folder holds, the message's start after the path it names, the file it names)
+BAD_ADAPTERS = [
+    ("no folder", "adapter folder does not exist", ""),
+    ("no config", "missing: this is not a PEFT adapter folder (no adapter_config.json)", "adapter_config.json"),
+    ("torn config", "not valid JSON", "adapter_config.json"),
+    ("no weights", "missing: the adapter has no weights saved as safetensors", "adapter_model.safetensors"),
+    ("not LoRA", "peft_type is 'IA3': only LoRA adapters", "adapter_config.json"),
+    ("no peft_type", "peft_type is None: only LoRA adapters", "adapter_config.json"),
+]
+
+
+def bad_adapter(tmp_path: Path, case: str) -> Path:
+    folder = tmp_path / "adapter"
+    if case == "no config":
+        make_adapter(folder)
+    elif case == "torn config":
+        make_adapter(folder, '{"peft_type": "LO')
+    elif case == "no weights":
+        make_adapter(folder, LORA, weights=False)
+    elif case == "not LoRA":
+        make_adapter(folder, {**LORA, "peft_type": "IA3"})
+    elif case == "no peft_type":
+        make_adapter(folder, {"base_model_name_or_path": "x"})
+    return folder
+
+
+@pytest.mark.parametrize("case, message, file", BAD_ADAPTERS)
+def test_lora_adapter_config_names_the_file_and_the_problem(tmp_path, case, message, file):
+    from tes_grpo.run_folder import lora_adapter_config
+
+    folder = bad_adapter(tmp_path, case)
+    with pytest.raises(InputError) as caught:
+        lora_adapter_config(folder)
+    where = folder / file if file else folder
+    assert str(caught.value).startswith(f"{where}: {message}"), str(caught.value)
+
+
+def test_lora_adapter_config_returns_the_config_of_a_good_folder(tmp_path):
+    from tes_grpo.run_folder import adapter_base_model, lora_adapter_config
+
+    folder = make_adapter(tmp_path / "adapter", LORA)
+    assert lora_adapter_config(folder) == LORA
+    assert adapter_base_model(folder) == "openai/gpt-oss-20b"
+
+
+@pytest.mark.parametrize("case, message, file", BAD_ADAPTERS)
+def test_evaluation_and_both_exporters_refuse_a_bad_adapter_with_the_same_words(tmp_path, case, message, file):
+    """One check: each consumer reports lora_adapter_config's own message, before any model is loaded."""
+    import export_gguf_adapter
+    import export_quantized_model
+    from tes_grpo import llm_policy
+    from tes_grpo.run_folder import lora_adapter_config
+    from tes_grpo.script_config import settings_from
+
+    folder = bad_adapter(tmp_path, case)
+    with pytest.raises(InputError) as expected:
+        lora_adapter_config(folder)
+    with pytest.raises(InputError) as evaluation:
+        llm_policy.load_policy_model(adapter_path=str(folder))
+    with pytest.raises(export_gguf_adapter.GGUFExportError) as gguf:
+        export_gguf_adapter.write_gguf_lora(folder, tmp_path / "lora.gguf")
+    settings = settings_from(vars(export_quantized_model),
+                             {"ADAPTER_PATH": str(folder), "OUT_DIR": str(tmp_path / "o")})
+    with pytest.raises(export_quantized_model.ExportError) as merged:
+        export_quantized_model.run_export(settings)
+    assert str(evaluation.value) == str(gguf.value) == str(merged.value) == str(expected.value)
+    assert message in str(expected.value)
+    assert not (tmp_path / "lora.gguf").exists() and not (tmp_path / "o").exists()

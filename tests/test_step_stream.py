@@ -139,10 +139,49 @@ def test_preview_prints_each_micro_step_of_the_first_steps(capsys):
     import step_stream
 
     assert step_stream.main(["--STEPS=2", "--GRADIENT_ACCUMULATION_STEPS=3"]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    header, *lines = capsys.readouterr().out.splitlines()
+    assert header.startswith("MODEL_ID=openai/gpt-oss-20b: 3 micro-step(s) per optimizer step, 1 prompt(s) each, "
+                             "16 completions sampled per prompt")
     assert [line.split(":")[0] for line in lines] == [f"step {s} micro-step {m}" for s in (1, 2) for m in range(3)]
     sources = [line.split(": ", 1)[1] for line in lines[:3]]
     assert len(set(sources)) == 3  # the prompts of one optimizer step are distinct
+
+
+def test_tiny_preview_is_the_tiny_runs_stream(capsys):
+    """--MODEL_ID=tiny takes train_grpo's tiny preset: its micro-steps per step and generations, and its prompts."""
+    import step_stream
+    import train_grpo
+
+    assert step_stream.main(["--MODEL_ID=tiny", "--STEPS=2"]) == 0
+    header, *lines = capsys.readouterr().out.splitlines()
+    tiny = train_grpo.default_settings(MODEL_ID="tiny")
+    assert header.startswith(f"MODEL_ID=tiny: {tiny.GRADIENT_ACCUMULATION_STEPS} micro-step(s) per optimizer step, "
+                             f"{tiny.PROMPTS_PER_STEP} prompt(s) each, {tiny.NUM_GENERATIONS} completions")
+    assert [line.split(":")[0] for line in lines] == [
+        f"step {s} micro-step {m}" for s in (1, 2) for m in range(tiny.GRADIENT_ACCUMULATION_STEPS)]
+    # the same draws as train_grpo's stream for the tiny run on one process
+    from data_reward import load_training_frames
+
+    frame = load_training_frames(tiny.DATA_DIR, tiny.EVAL_DIR)
+    source_of = dict(zip(frame["prompt"], frame["source"], strict=True))
+    stream = train_grpo.build_stream(frame, tiny, processes=1).micro_steps()
+    drawn = [source_of[row["prompt"]] for _ in range(len(lines)) for row in next(stream)]
+    assert [line.split(": ", 1)[1].split(" (optimal")[0] for line in lines] == drawn
+
+
+def test_step_stream_and_train_grpo_share_one_preset_table():
+    import step_stream
+    import train_grpo
+    from tes_grpo import presets
+
+    assert train_grpo.PRESETS == presets.TRAINING_PRESETS  # every preset name is a train_grpo setting
+    tiny_stream = step_stream.PRESETS["MODEL_ID"]["tiny"]
+    assert set(tiny_stream) == set(presets.TINY_RUN) & set(vars(step_stream))
+    assert {"NUM_GENERATIONS", "GRADIENT_ACCUMULATION_STEPS"} <= set(tiny_stream)
+    assert all(tiny_stream[name] == train_grpo.PRESETS["MODEL_ID"]["tiny"][name] for name in tiny_stream)
+    for name in ("PROMPTS_PER_STEP", "NUM_GENERATIONS", "GRADIENT_ACCUMULATION_STEPS", "SEED", "DATA_DIR", "EVAL_DIR",
+                 "MODEL_ID"):
+        assert getattr(step_stream, name) == getattr(train_grpo, name), name  # the untouched defaults agree too
 
 
 @pytest.mark.parametrize("steps", [0, -1])

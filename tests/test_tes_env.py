@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tes_grpo import tes_env
+from tes_grpo import task_prompt, tes_env
 from tes_grpo.fileio import InputError
 
 START = datetime(2024, 6, 3)
@@ -485,7 +485,7 @@ def test_series_needs_the_exact_columns_and_96_rows(tmp_path):
 def test_prompt_marks_past_and_current_hours_and_gives_next_day_metrics():
     series = random_series(4)
     t = 24 + 11  # day 2, 11:00
-    system, user = tes_env.build_prompt(series, t, 142.25)
+    system, user = task_prompt.build_prompt(series, t, 142.25)
     assert "minimise the cumulative CO2" in system
     assert "[0] off: 0 kW" in system and "[3] full: 100 kW" in system
     assert "100 kW" in system and "COP 4.0" in system and "300 kWh" in system
@@ -503,29 +503,29 @@ def test_prompt_marks_past_and_current_hours_and_gives_next_day_metrics():
     assert f"minimum CO2 factor {next_co2[0]:.3f} kg/kWh" in user
     assert user.rstrip().endswith("Answer with a single line [k], k in 0..3.")
     assert "after the horizon" not in user
-    assert "after the horizon" in tes_env.build_prompt(series, 60, 10.0)[1]
+    assert "after the horizon" in task_prompt.build_prompt(series, 60, 10.0)[1]
 
 
 def test_prompt_refuses_off_business_hours():
     with pytest.raises(ValueError, match="not a business hour"):
-        tes_env.build_prompt(random_series(0), 3, 10.0)
+        task_prompt.build_prompt(random_series(0), 3, 10.0)
 
 
 def test_legacy_prompt_round_trips_and_rejects_malformed_text():
     series = random_series(2)
-    system, user = tes_env.build_prompt(series, 8, 150.0)
-    text = tes_env.legacy_prompt(system, user)
+    system, user = task_prompt.build_prompt(series, 8, 150.0)
+    text = task_prompt.legacy_prompt(system, user)
     assert text.startswith("system:\n") and "\n\nuser:\n" in text
-    assert tes_env.parse_legacy_prompt(text) == (system, user)
+    assert task_prompt.parse_legacy_prompt(text) == (system, user)
     with pytest.raises(ValueError, match="starts with 'system:'"):
-        tes_env.parse_legacy_prompt("user:\nhello")
+        task_prompt.parse_legacy_prompt("user:\nhello")
     with pytest.raises(ValueError, match="exactly one 'user:'"):
-        tes_env.parse_legacy_prompt("system:\nhello")
+        task_prompt.parse_legacy_prompt("system:\nhello")
 
 
 def test_all_four_business_days_prompts_build_for_every_decision():
     series = random_series(3)
-    prompts = {tes_env.build_prompt(series, t, 0.0)[1] for t in tes_env.business_timesteps()}
+    prompts = {task_prompt.build_prompt(series, t, 0.0)[1] for t in tes_env.business_timesteps()}
     assert len(prompts) == 30
     assert all(len(p) < 2000 for p in prompts)
 

@@ -586,3 +586,62 @@ def test_all_rewards_none_filter(message, shown):
     from tes_grpo.patches.trl_patches import AllRewardsNoneFilter
 
     assert AllRewardsNoneFilter().filter(record) is shown
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The checkpoint's config.json is read once per run, and the loaders take the config they are given
+# ---------------------------------------------------------------------------------------------------------------
+
+class _Loaded(Exception):
+    """Raised by the stand-in loader: the run has gone as far as this test looks."""
+
+
+def config_reads(monkeypatch) -> list[str]:
+    """Every config.json transformers reads from now on (AutoConfig, a model's from_pretrained): the list of paths."""
+    from transformers.configuration_utils import PreTrainedConfig
+
+    reads = []
+    original = PreTrainedConfig.get_config_dict.__func__
+
+    def counting(cls, pretrained_model_name_or_path, **kwargs):
+        reads.append(str(pretrained_model_name_or_path))
+        return original(cls, pretrained_model_name_or_path, **kwargs)
+
+    monkeypatch.setattr(PreTrainedConfig, "get_config_dict", classmethod(counting))
+    return reads
+
+
+def test_a_run_reads_the_checkpoints_config_once_and_hands_it_to_the_loader(tmp_path, tokenizer, monkeypatch):
+    from tes_grpo import model_loading
+    from tes_grpo.harmony import load_tokenizer
+
+    seen = {}
+
+    def loader(path, *args, **kwargs):
+        seen.update(kwargs, path=path, reads=list(reads))
+        raise _Loaded
+
+    monkeypatch.setattr(model_loading, "load_training_model", loader)
+    data = write_fixture_data(tmp_path, tokenizer)
+    model_path = resolve_model_path("tiny")
+    load_tokenizer(model_path)  # cached per process: transformers' AutoTokenizer reads config.json on its own
+    reads = config_reads(monkeypatch)
+    with pytest.raises(_Loaded):
+        train_grpo.main(["--MODEL_ID=tiny", f"--DATA_DIR={data}", f"--EVAL_DIR={data / 'eval'}",
+                         f"--OUT_DIR={tmp_path / 'run'}"])
+    assert seen["path"] == model_path and seen["reads"] == [model_path]  # AutoConfig's, before the data
+    assert seen["config"].model_type == "gpt_oss" and seen["config"].quantization_config["quant_method"] == "mxfp4"
+
+
+@pytest.mark.parametrize("experts", ["mxfp4", "bf16"])
+def test_the_training_loader_reads_no_config_when_given_one(experts, monkeypatch, capsys):
+    from transformers import AutoConfig
+
+    model_path = resolve_model_path("tiny")
+    config = AutoConfig.from_pretrained(model_path)
+    reads = config_reads(monkeypatch)
+    model = load_training_model(model_path, experts=experts, config=config)
+    assert reads == []
+    assert model.config.num_hidden_layers == config.num_hidden_layers
+    assert config.quantization_config["quant_method"] == "mxfp4"  # the caller's config is left as it was
+    assert ("resident" in capsys.readouterr().out) == (experts == "mxfp4")
