@@ -12,9 +12,9 @@ group) at the drill's moment, then resumed in the same folder until it finishes.
   resumed from are the killed run's rows, byte for byte;
 - and reported, not required: whether the completions, rewards and final adapter equal the uninterrupted run's
   (on a CPU they do; on a GPU, nondeterministic kernels may make later steps differ).
-The moments: `mid-step` kills a few seconds after step KILL_AFTER_STEP's line, while the next step trains; `mid-save`
-kills as soon as the Trainer's checkpoint folder for step SAVE_STEPS*2 appears, before it is complete; `oom` (GPU
-only) caps the process's GPU memory just above what it holds when step KILL_AFTER_STEP+1 begins
+The moments: `mid-step` kills while the step after KILL_AFTER_STEP runs (KILL_AT of a step's time after its line);
+`mid-save` kills as soon as the Trainer's checkpoint folder for step SAVE_STEPS*2 appears, before it is complete;
+`oom` (GPU only) caps the process's GPU memory just above what it holds when step KILL_AFTER_STEP+1 begins
 (torch.cuda.set_per_process_memory_fraction), so that step runs out of memory: the run must stop with one
 "error: out of GPU memory in step ..." line and exit 1, and --RESUME=1 (uncapped) must finish it. Prints a table
 last; writes each run's output under OUT_DIR. Exits 1 if a check fails.
@@ -44,7 +44,7 @@ OUT_DIR = "runs/kill-resume-drill"  # one folder per run under it (emptied first
 TOTAL_STEPS = 6  # optimizer steps of each run
 SAVE_STEPS = 2  # checkpoint every this many steps
 KILL_AFTER_STEP = 3  # mid-step: kill while the step after this one runs (the checkpoint resumed from: step 2)
-KILL_DELAY_S = 2.0  # mid-step: seconds after that step's progress line
+KILL_AT = 0.5  # mid-step: how far into the next step to kill, as a share of the time the previous step took
 MAX_COMPLETION_LEN = 48  # tokens per completion
 NUM_GENERATIONS = 8  # completions per prompt
 DRILLS = ["mid-step", "mid-save", "oom"]  # which kills to try (oom: GPU only, skipped without CUDA)
@@ -169,9 +169,13 @@ def drill(s, name: str, root: Path, reference: Path) -> dict:
             f"error: out of GPU memory in step {s.KILL_AFTER_STEP + 1} ") and "Traceback" not in first_log.read_text()
         moment = f"memory capped at step {s.KILL_AFTER_STEP + 1}: " + (errors[0][:160] if errors else "no error line")
     elif name == "mid-step":
-        reached = wait_for(step_line_seen(first_log, s.KILL_AFTER_STEP, s.TOTAL_STEPS), process, s.TIMEOUT_S)
-        time.sleep(s.KILL_DELAY_S)
-        moment = f"{s.KILL_DELAY_S:g} s after step {s.KILL_AFTER_STEP}'s line"
+        reached = wait_for(step_line_seen(first_log, s.KILL_AFTER_STEP - 1, s.TOTAL_STEPS), process, s.TIMEOUT_S)
+        before = time.monotonic()
+        reached = reached and wait_for(step_line_seen(first_log, s.KILL_AFTER_STEP, s.TOTAL_STEPS), process,
+                                       s.TIMEOUT_S)
+        took = time.monotonic() - before  # a GPU step can take under a second: kill relative to it
+        time.sleep(s.KILL_AT * took)
+        moment = f"{s.KILL_AT * took:.2f} s after step {s.KILL_AFTER_STEP}'s line (a step took {took:.2f} s)"
     else:
         reached = wait_for(save_started(out, 2 * s.SAVE_STEPS), process, s.TIMEOUT_S, poll=0.001)
         moment = f"checkpoint-{2 * s.SAVE_STEPS} being written"

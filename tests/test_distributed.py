@@ -495,7 +495,10 @@ def test_fsdp2_keeps_resident_experts_whole_on_every_process(tmp_path):
     resolve_model_path("tiny")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GRPO_", "ACCELERATE_"))}
     paths = [str(REPO), str(REPO / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])]
-    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=os.pathsep.join(paths))
+    # a CPU probe (gloo) of accelerate's FSDP2 preparation, GPUs hidden: fully_shard would put the shards on a GPU
+    # that the worker's CPU tensors are not on; on GPUs the fsdp2.yaml launches of this file train the real path
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=os.pathsep.join(paths),
+               CUDA_VISIBLE_DEVICES="")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                "--master_port", str(free_port()), str(Path(__file__).resolve()), "fsdp2-worker"]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

@@ -244,7 +244,22 @@ def test_a_changed_function_fails_the_fingerprint():
     from tes_grpo.patches.registry import code_fingerprint
 
     before = 'def target(x):\n    """One docstring."""\n    return x + 1\n'
-    reworded = ('    def target(x):\n        """Another docstring."""\n'
-                '        return (x\n                + 1)  # a comment\n')
+    reworded = ('    def target(x):\n        """Another docstring,\n        on two lines."""\n'
+                '        # a comment\n        return  x + 1  # and another\n')
     changed = 'def target(x):\n    """One docstring."""\n    return x + 2\n'
     assert code_fingerprint(before) == code_fingerprint(reworded) != code_fingerprint(changed)
+
+
+def test_a_version_not_installed_is_fingerprinted_from_its_files(tmp_path):
+    """How the GPU machine's versions got their fingerprints here: from the files of an unpacked wheel, the same
+    digits as from the installed module."""
+    from tes_grpo.patches import registry
+
+    package = tmp_path / "lib"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "mod.py").write_text("import os\n\n\nclass Thing:\n    @staticmethod\n    def method(x):\n"
+                                    "        '''Doc.'''\n        return x\n")
+    installed = registry.code_fingerprint("@staticmethod\ndef method(x):\n    '''Doc.'''\n    return x\n")
+    assert registry.fingerprint_in_folder(tmp_path, "lib.mod:Thing.method") == installed
+    assert registry.fingerprint_in_folder(tmp_path, "lib.mod:Thing.missing") is None

@@ -1,7 +1,8 @@
 """Every library patch with the function it relies on, the versions it was checked on and that function's
 fingerprints (see tes_grpo/patches/__init__.py); tests/test_patches.py holds the installed libraries to it.
 
-    python -m tes_grpo.patches.registry    # each patch's fingerprint on the installed libraries
+    python -m tes_grpo.patches.registry                 # each patch's fingerprint on the installed libraries
+    python -m tes_grpo.patches.registry UNPACKED_WHEEL  # the same from another version's files
 """
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ import hashlib
 import importlib
 import importlib.metadata
 import inspect
+import io
 import textwrap
+import tokenize
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -29,46 +33,46 @@ class Patched:
 PATCHED = (  # patch, library, target, ((version, fingerprint), ...)
     Patched("patches.torch_patches.saved_tensors_hooks_now", "torch",
             "torch._C._autograd:_top_saved_tensors_default_hooks",
-            (("2.13.0", "111024718bb8"),)),
+            (("2.13.0", "111024718bb8"), ("2.11.0", "111024718bb8"))),
     Patched("patches.torch_patches.leave_process_group", "torch",
-            "torch.distributed:destroy_process_group",
-            (("2.13.0", "279094e17d77"),)),
+            "torch.distributed.distributed_c10d:destroy_process_group",
+            (("2.13.0", "fdc2acfcea70"), ("2.11.0", "fdc2acfcea70"))),
     Patched("patches.transformers_patches.keep_grouped_mm_experts_for_decode", "transformers",
             "transformers.generation.utils:GenerationMixin._optimize_model_for_decode",
-            (("5.24.0", "033efa024e61"),)),
+            (("5.24.0", "19ab4e651fd2"), ("5.17.0", "19ab4e651fd2"))),
     Patched("patches.transformers_patches.point_tensorboard", "transformers",
             "transformers.integrations.integration_utils:TensorBoardCallback._init_summary_writer",
-            (("5.24.0", "54947037bb84"),)),
+            (("5.24.0", "8f51734bc71a"), ("5.17.0", "8f51734bc71a"))),
     Patched("patches.transformers_patches.flex_masks_with_padding_bounds", "transformers",
             "transformers.masking_utils:flex_attention_mask",
-            (("5.24.0", "923647fd3f9a"),)),
+            (("5.24.0", "4f71cf65fad7"), ("5.17.0", "17c85ab8e856"))),
     Patched("patches.trl_patches.score_only_completion_tokens_on_cpu", "trl",
             "trl.kernels.chunked_logprob:_use_triton",
-            (("1.16.0", "24be4bb5dc29"),)),
+            (("1.16.0", "41e2bdaf9a65"),)),
     Patched("patches.trl_patches.quiet_all_rewards_none_warning", "trl",
             "trl.trainer.grpo_trainer:GRPOTrainer._calculate_rewards",
-            (("1.16.0", "998e87670197"),)),
+            (("1.16.0", "d5df91194300"),)),
     Patched("patches.trl_patches.quiet_is_gradient_checkpointing_deprecation", "trl",
             "trl.models.utils:_unwrap_model_for_generation",
-            (("1.16.0", "bc9972a54fe0"),)),
+            (("1.16.0", "2b31cd6ad2f7"),)),
     Patched("patches.accelerate_patches.give_trainable_weights_storage", "accelerate",
             "accelerate.utils.fsdp_utils:fsdp2_switch_optimizer_parameters",
-            (("1.15.0", "23c5c2da694d"),)),
+            (("1.15.0", "ef718eb8b1b5"),)),
     Patched("sampler.SyncedGenerate", "transformers",
             "transformers.generation.utils:GenerationMixin.generate",
-            (("5.24.0", "dc62012b39ba"),)),
+            (("5.24.0", "5eb11517091e"), ("5.17.0", "89fe0eae9dc9"))),
     Patched("sampler.BaseWeightsKept", "trl",
             "trl.generation.vllm_generation:VLLMGeneration.sync_weights",
-            (("1.16.0", "3e327f709687"),)),
+            (("1.16.0", "891eefcde1cb"),)),
     Patched("sampling_fidelity.FidelityHook.generate_single_turn", "trl",
             "trl.trainer.grpo_trainer:GRPOTrainer._generate_single_turn",
-            (("1.16.0", "90c129d19460"),)),
+            (("1.16.0", "00f3a766d295"),)),
     Patched("sampling_fidelity.FidelityHook.compute_loss", "trl",
             "trl.trainer.grpo_trainer:GRPOTrainer._compute_loss",
-            (("1.16.0", "a0773aa2fda0"),)),
+            (("1.16.0", "24eeba60c27c"),)),
     Patched("sampling_fidelity.FidelityHook.per_token_logps", "trl",
             "trl.trainer.grpo_trainer:GRPOTrainer._get_per_token_logps_and_entropies",
-            (("1.16.0", "2e6159c321dd"),)),
+            (("1.16.0", "90405f3bc44e"),)),
 )
 
 
@@ -82,19 +86,30 @@ def resolve(target: str):
     return obj
 
 
-def _without_docstrings(tree: ast.AST) -> ast.AST:
+def _docstring_lines(tree: ast.AST) -> set[int]:
+    """0-based line numbers of every module, class and function docstring in a parsed source."""
+    lines = set()
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
         if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Module)) and body
                 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
                 and isinstance(body[0].value.value, str)):
-            node.body = body[1:] or [ast.Pass()]
-    return tree
+            lines.update(range(body[0].lineno - 1, body[0].end_lineno))
+    return lines
 
 
 def code_fingerprint(source: str) -> str:
-    """12 hex digits that change when the code in `source` changes, not its docstrings, comments or formatting."""
-    text = ast.dump(_without_docstrings(ast.parse(textwrap.dedent(source))))
+    """12 hex digits that change when the code in `source` changes, not its docstrings, comments or whitespace.
+    Made from the text, not the syntax tree, so that every Python version gives the same digits for the same code
+    (ast.dump differs between 3.11 and 3.12)."""
+    source = textwrap.dedent(source)
+    skip = _docstring_lines(ast.parse(source))
+    lines = source.splitlines()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            row, col = token.start
+            lines[row - 1] = lines[row - 1][:col]
+    text = " ".join(" ".join(line for i, line in enumerate(lines) if i not in skip).split())
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -109,7 +124,45 @@ def fingerprint(target: str) -> str:
     return code_fingerprint(source)
 
 
-if __name__ == "__main__":
+def source_in_file(path, qualified: str) -> str | None:
+    """The source of the function or class `qualified` (e.g. "Class.method") in a Python file, decorators included
+    as inspect.getsource gives them, or None: how a library version that is not installed is fingerprinted from its
+    files (a downloaded wheel, unpacked)."""
+    text = Path(path).read_text(encoding="utf-8")
+    scope = ast.parse(text).body
+    node = None
+    for part in qualified.split("."):
+        node = next((n for n in scope if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                     and n.name == part), None)
+        if node is None:
+            return None
+        scope = node.body
+    first = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+    return "\n".join(text.splitlines()[first - 1:node.end_lineno]) + "\n"
+
+
+def fingerprint_in_folder(folder, target: str) -> str | None:
+    """fingerprint of `target` as the package files under `folder` (an unpacked wheel) hold it, or None."""
+    module, _, qualified = target.partition(":")
+    base = Path(folder, *module.split("."))
+    path = base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+    source = source_in_file(path, qualified) if path.is_file() else None
+    return code_fingerprint(source) if source is not None else None
+
+
+def main(argv: list[str]) -> int:
+    """Prints each patch's fingerprint on the installed libraries, or, given a folder (an unpacked wheel of another
+    version), on the files there."""
     for entry in PATCHED:
-        version = importlib.metadata.version(entry.library)
-        print(f"{entry.patch}: {entry.library} {version} {entry.target} {fingerprint(entry.target)}")
+        if argv:
+            print(f"{entry.patch}: {argv[0]} {entry.target} {fingerprint_in_folder(argv[0], entry.target)}")
+        else:
+            version = importlib.metadata.version(entry.library)
+            print(f"{entry.patch}: {entry.library} {version} {entry.target} {fingerprint(entry.target)}")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))
