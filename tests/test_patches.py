@@ -263,3 +263,25 @@ def test_a_version_not_installed_is_fingerprinted_from_its_files(tmp_path):
     installed = registry.code_fingerprint("@staticmethod\ndef method(x):\n    '''Doc.'''\n    return x\n")
     assert registry.fingerprint_in_folder(tmp_path, "lib.mod:Thing.method") == installed
     assert registry.fingerprint_in_folder(tmp_path, "lib.mod:Thing.missing") is None
+
+
+# (message, hidden?)
+DEPRECATIONS = [
+    ("`is_gradient_checkpointing` is deprecated and will be removed in v6.", True),  # TRL reads it every generate
+    ("`gradient_checkpointing_disable` is deprecated and will be removed in v6.", True),  # TRL, around generate
+    ("`gradient_checkpointing_enable` is deprecated and will be removed in v6.", True),
+    ("`gradient_checkpointing_kwargs` is deprecated and will be removed in v6.", False),  # the project's to fix
+]
+
+
+@pytest.mark.parametrize("message, hidden", DEPRECATIONS)
+def test_only_trls_deprecation_warnings_are_hidden(message, hidden):
+    import warnings
+
+    from tes_grpo.patches.trl_patches import quiet_is_gradient_checkpointing_deprecation
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_is_gradient_checkpointing_deprecation()
+        warnings.warn(message, FutureWarning, stacklevel=1)
+    assert (not caught) is hidden
