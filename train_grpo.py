@@ -397,9 +397,9 @@ def main(argv: list[str] | None = None, callbacks=()) -> int:
     settings = resolve(globals(), argv, presets=PRESETS, allow_nan={"INVALID_REWARD"}, choices=CHOICES)
     import torch  # after resolve: --help needs no torch
 
+    from tes_grpo.memory_plan import no_plan_reason
     from tes_grpo.oom import StepWatch, out_of_memory_message
     from tes_grpo.patches.torch_patches import leave_process_group
-    from tes_grpo.processes import uses_fsdp
 
     watch = StepWatch()
     try:
@@ -409,8 +409,8 @@ def main(argv: list[str] | None = None, callbacks=()) -> int:
         leave_process_group(wait=False)
         return 1
     except torch.OutOfMemoryError as err:  # one message, no traceback; the newest checkpoint stays resumable
-        planned = torch.cuda.is_available() and not (uses_fsdp() or settings.USE_VLLM)  # as memory_plan.plan_run
-        print(out_of_memory_message(settings, watch.step, err, planned), file=sys.stderr)
+        planned = no_plan_reason(settings) is None
+        print(out_of_memory_message(settings, watch.step, err, planned, watch.ended), file=sys.stderr)
         leave_process_group(wait=False)
         return 1
     leave_process_group(wait=True)

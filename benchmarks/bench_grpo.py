@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     import train_grpo
     from benchmarks.decode_limit import DecodeLimit, copy_rate_line, experts_format, measure_copy_rate
     from benchmarks.grpo_timers import GenerationTimer, StepTimer
+    from tes_grpo import fast_paths
     from tes_grpo.gpt_oss_shapes import build_random_model, stack_versions
     from tes_grpo.sampling_fidelity import GEN_KL, LOGP_MAX, LOGP_MEAN
 
@@ -208,16 +209,17 @@ def main(argv: list[str] | None = None) -> None:
     step_timer = StepTimer(None, None, prompt_tokens, results, bench, layout, model.config)
     dataset = train_grpo.build_stream(frame, settings).to_iterable_dataset()
     trainer = train_grpo.build_trainer(settings, model, tokenizer, dataset, layout, callbacks=[step_timer])
-    step_timer.timer = GenerationTimer(model)  # outermost, around whichever generate() build_trainer installed
-    # graph_decode's generate says how it reads the experts; transformers' reads the model's own
-    decode_experts = getattr(step_timer.timer.inner, "experts", "model")
-    step_timer.limit = DecodeLimit(model.config, experts_format(decode_experts, bench.EXPERTS == "mxfp4"),
-                                   settings.LORA_R, copy_rate)
     if bench.SAMPLING_METRICS:
         step_timer.fidelity = trainer.sampling_fidelity
-    else:
+    else:  # before the timer wraps generate(): detach gives back the generate() it wrapped
         trainer.sampling_fidelity.detach()
         say("sampling metrics: off (SAMPLING_METRICS=0), to time what they cost")
+    step_timer.timer = GenerationTimer(model)  # outermost, around whichever generate() build_trainer installed
+    # the sampler build_trainer built, decided again (the same settings, model and machine give the same choice)
+    spec = fast_paths.choose(settings, trainer, torch.cuda.is_available(), layout["generation_sequences"]).sampler
+    decode_experts = spec.experts if spec.backend == "graph_decode" else "model"
+    step_timer.limit = DecodeLimit(model.config, experts_format(decode_experts, bench.EXPERTS == "mxfp4"),
+                                   settings.LORA_R, copy_rate)
     if bench.LORA_RHO:
         from benchmarks.decode_compare import draw_lora_b
 

@@ -281,8 +281,8 @@ def attention_function(like: torch.Tensor):
 
     Why: one_query_attention's scores for 64 sequences x 64 heads x the cache length go through memory several times
     (float32, + mask, the sink column, max, softmax, bf16), eagerly and still when compiled; flex attention's
-    decoding kernel reads the cache once and keeps the scores on chip (BENCHMARKS.md, "Speed at the recipe, fourth
-    session", times both; the eager sink step adds ~6 small kernels a layer). CPUs run it eagerly:
+    decoding kernel reads the cache once and keeps the scores on chip (BENCHMARKS.md times both; the sink step
+    stays eager, a few small kernels a layer). CPUs run it eagerly:
     torch 2.13's inductor compiles flex attention on CPUs for inference only, without the log-sum-exp the sink needs
     (and the CPU trains with eager attention, which one_query_attention mirrors). Both follow the training forward's
     attention of their device: flex attention's float32 scores on GPUs, eager attention on CPUs.

@@ -128,7 +128,9 @@ def choose(s, trainer, cuda: bool, generation_sequences: int | None = None) -> F
     backend = "vllm" if s.USE_VLLM else "graph_decode" if graphs else "generate"
     spec = SamplerSpec(backend, experts=experts, lora=s.DECODE_LORA, max_batch=generation_sequences if split else None,
                        autocast=training_autocast(trainer), synced=sharded and process_count() > 1)
-    reasons.append(f"decoding: {'graph_decode.py, static KV cache' if graphs else 'transformers generate'} ({why}"
+    label = {"graph_decode": "graph_decode.py, static KV cache", "generate": "transformers generate",
+             "vllm": "vLLM, colocated"}[backend]
+    reasons.append(f"decoding: {label} ({why}"
                    + (f"; experts: {experts_why}; LoRA: DECODE_LORA={s.DECODE_LORA}" if graphs else "")
                    + (f"; {generation_sequences} of the {batch} sequences a call, as memory allows" if split else "")
                    + ")")

@@ -21,7 +21,7 @@ from transformers import GptOssConfig, GptOssForCausalLM
 
 from tes_grpo.harmony import BOS_ID, PAD_ID, RETURN_ID
 from tes_grpo.mxfp4 import BLOCK_SIZE, E8M0_BIAS, mxfp4_to_expert_param
-from tes_grpo.mxfp4_experts import expected_shapes, is_resident, make_resident
+from tes_grpo.mxfp4_experts import expected_shapes, is_resident, make_resident, resident_state
 
 # openai/gpt-oss-20b's config.json, less the quantization block (these weights are bf16 from the start); its
 # special token ids are harmony's (eos: <|return|>).
@@ -144,8 +144,6 @@ def build_random_model(attn_implementation: str = "flex_attention", device: str 
             random_mxfp4_experts(model, seed)
     model.eval()
     # a resident expert weight is two FP4 values a blocks byte (its scales are not weights)
-    from tes_grpo.mxfp4_experts import resident_state
-
     held = {**dict(model.named_parameters()), **resident_state(model)}
     n = sum(p.numel() * (2 if name.endswith("_blocks") else 0 if name.endswith("_scales") else 1)
             for name, p in held.items())

@@ -275,16 +275,22 @@ def recipe_facts(s, m: ModelShape, loaded: bool, experts_resident_mxfp4: bool, m
         trainable_params=lora_params(m, s.LORA_R))
 
 
+def no_plan_reason(s) -> str | None:
+    """Why this run has no memory plan ("no GPU", "FSDP" or "vLLM": memory this estimate does not model), or None."""
+    if not model_loading.cuda_available():
+        return "no GPU"
+    return "FSDP" if uses_fsdp() else "vLLM" if s.USE_VLLM else None
+
+
 def plan_run(s, config, longest_prompt: int, steps_per_generation: int | None, experts_resident_mxfp4: bool,
              loaded: bool, say=print) -> MemoryPlan | None:
     """train_grpo's memory plan for a model `config` on this process's GPU: None (and why, through `say`) where
     there is nothing to plan (no GPU; FSDP and vLLM hold memory this estimate does not model). Before loading
     (loaded=False) it only checks that the run can fit, so a run that cannot stops with a SettingsError before
     minutes of loading; after loading it says the budget and both choices."""
-    cuda = model_loading.cuda_available()
-    if not cuda or uses_fsdp() or s.USE_VLLM:
+    why = no_plan_reason(s)
+    if why is not None:
         if loaded:
-            why = "no GPU" if not cuda else "FSDP" if uses_fsdp() else "vLLM"
             say(f"memory: no plan ({why}): TRAIN_TOKENS_PER_PASS sizes the training passes, generation takes the "
                 "whole batch")
         return None

@@ -58,6 +58,8 @@ parameter in place, and a trained weight has no fixed MXFP4 form.
 from __future__ import annotations
 
 import functools
+import importlib.util
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -66,6 +68,7 @@ import torch
 
 from tes_grpo.mxfp4 import BLOCK_SIZE, dequantize_mxfp4, quantize_mxfp4
 from tes_grpo.patches.torch_patches import saved_tensors_hooks_now, saved_tensors_hooks_readable
+from tes_grpo.processes import say
 
 PROJECTIONS = ("gate_up_proj", "down_proj")
 # the Triton kernel's tile: rows (outputs) x columns (inputs) per program, warps; benchmarks/bench_mxfp4_load.py times
@@ -88,8 +91,6 @@ _SAID: set = set()
 def _say_once(key: str, message: str) -> None:
     if key not in _SAID:
         _SAID.add(key)
-        from tes_grpo.processes import say
-
         say(message)
 
 
@@ -151,8 +152,6 @@ def dequantize_with_triton(blocks: torch.Tensor, scales: torch.Tensor, dtype: to
                            tile: tuple[int, int, int] = TILE) -> torch.Tensor:
     """dequantize_experts through the Triton kernel (a CUDA device, or CPU tensors under TRITON_INTERPRET=1); tile:
     (rows, columns, warps) of a program."""
-    import os
-
     block_r, block_c, num_warps = tile
     _check_layout(blocks, scales)
     experts, rows, groups, _ = blocks.shape
@@ -178,8 +177,6 @@ def dequantize_with_torch(blocks: torch.Tensor, scales: torch.Tensor, dtype: tor
 
 
 def _has_triton() -> bool:
-    import importlib.util
-
     return importlib.util.find_spec("triton") is not None
 
 

@@ -25,13 +25,18 @@ from tes_grpo.run_folder import checkpoint_step, newest_complete_checkpoint
 
 
 class StepWatch(TrainerCallback):
-    """Knows the optimizer step in progress (None before training starts)."""
+    """Knows where training is: `step`, the optimizer step in progress (None before training starts), and `ended`,
+    whether the last step is done (what fails then is the final save)."""
 
     def __init__(self):
         self.state = None
+        self.ended = False
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.state = state
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.ended = True
 
     @property
     def step(self) -> int | None:
@@ -56,12 +61,15 @@ def settings_to_lower(s, memory_plan: bool) -> list[str]:
     return [first, f"MAX_COMPLETION_LEN (now {s.MAX_COMPLETION_LEN} tokens)"]
 
 
-def out_of_memory_message(s, step: int | None, error: BaseException, memory_plan: bool) -> str:
-    """One message for a run stopped by torch.OutOfMemoryError: the step, what the allocator said (its first line),
-    the settings to lower, and whether and from where --RESUME=1 continues (the newest complete checkpoint in
-    s.OUT_DIR)."""
+def out_of_memory_message(s, step: int | None, error: BaseException, memory_plan: bool, ended: bool = False) -> str:
+    """One message for a run stopped by torch.OutOfMemoryError: the step (ended: after the last one, while saving),
+    what the allocator said (its first line), the settings to lower, and whether and from where --RESUME=1 continues
+    (the newest complete checkpoint in s.OUT_DIR)."""
     out = Path(s.OUT_DIR)
-    where = f"in step {step} of {s.TOTAL_STEPS}" if step is not None else "before the first training step"
+    if ended:
+        where = f"after the last step ({s.TOTAL_STEPS}), while saving the adapter"
+    else:
+        where = f"in step {step} of {s.TOTAL_STEPS}" if step is not None else "before the first training step"
     said = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     lower = settings_to_lower(s, memory_plan)
     checkpoint = newest_complete_checkpoint(out, say=lambda line: None) if out.is_dir() else None

@@ -59,6 +59,10 @@ def install(trainer, spec: SamplerSpec, correction: sampling_fidelity.Correction
     trainer.sampling_fidelity (correction None: IMPORTANCE_SAMPLING off). The parts, from the inside out, as the
     module docstring lists them."""
     correction = correction or sampling_fidelity.Correction()
+    sampling_fidelity.check_trainer(trainer, say)  # before anything is wrapped
+    if (spec.backend == "vllm") != bool(getattr(trainer, "use_vllm", False)):
+        raise ValueError(f"sampler: backend {spec.backend!r}, but the trainer's use_vllm is "
+                         f"{getattr(trainer, 'use_vllm', False)} (USE_VLLM and the trainer's config disagree)")
     recording = None
     if spec.backend == "vllm":
         guard_base_weights(trainer, say)
@@ -180,8 +184,8 @@ def guard_base_weights(trainer, say=print) -> bool:
     sync moves some base elements by an ulp, and the frozen base, the policy's starting point, drifts a little more
     every step (tests/test_sampling_fidelity.py measures it). Here the adapter layers' base weights are copied
     before each sync and written back after it, so vLLM still gets the merged weights and the trainer's base never
-    changes. Costs a copy of those weights to pinned CPU memory and back per sync (1.3 GB for gpt-oss-20b's attention
-    projections). Returns False (and says so) when the trainer has no vLLM weight sync to wrap.
+    changes. Costs a copy of those weights (the attention projections') to pinned CPU memory and back per sync.
+    Returns False (and says so) when the trainer has no vLLM weight sync to wrap.
     """
     generation = getattr(trainer, "vllm_generation", None)
     sync = getattr(generation, "sync_weights", None)

@@ -238,11 +238,9 @@ class FidelityHook:
                     self.trainer._metrics[mode][name].append(value)
 
 
-def hook_trainer(trainer, correction: Correction, recording=None, say=print) -> FidelityHook:
-    """Measures the sampler-trainer gap on `trainer` every step (and applies `correction`): hooks TRL 1.16's
-    _generate_single_turn, _compute_loss and _get_per_token_logps_and_entropies on this instance, reading the
-    sampler's log-probabilities from `recording` (sampler.install builds it; None under vLLM). The hook is also kept
-    as trainer.sampling_fidelity."""
+def check_trainer(trainer, say=print) -> None:
+    """Raises when `trainer` lacks the TRL 1.16 private methods the hooks replace, or measures vLLM's gap itself;
+    says when its TRL version is another one. sampler.install calls it before it changes anything."""
     missing = [name for name in ("_generate_single_turn", "_compute_loss", "_get_per_token_logps_and_entropies",
                                  "_metrics") if not hasattr(trainer, name)]
     if missing:
@@ -254,6 +252,13 @@ def hook_trainer(trainer, correction: Correction, recording=None, say=print) -> 
     if getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_importance_sampling_correction", False):
         raise ValueError("sampling_fidelity: TRL's own vLLM importance sampling is on; set "
                          "vllm_importance_sampling_correction=False (IMPORTANCE_SAMPLING corrects every path)")
+
+
+def hook_trainer(trainer, correction: Correction, recording=None, say=print) -> FidelityHook:
+    """Measures the sampler-trainer gap on `trainer` every step (and applies `correction`): hooks TRL 1.16's
+    _generate_single_turn, _compute_loss and _get_per_token_logps_and_entropies on this instance, reading the
+    sampler's log-probabilities from `recording` (sampler.install builds it; None under vLLM). Checked first by
+    check_trainer. The hook is also kept as trainer.sampling_fidelity."""
     hook = FidelityHook(trainer, correction, recording, say)
     hook.attach()
     trainer.sampling_fidelity = hook

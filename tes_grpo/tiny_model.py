@@ -27,6 +27,9 @@ with k drawn uniformly at random for every example, independent of the prompt. S
 answers in the right format with each action about equally likely, and any later rise in reward comes from GRPO
 learning which actions are better. The expert weights are rounded to the MXFP4 grid first and frozen during
 the warm-up, so the written checkpoint holds exactly the experts the warm-up used.
+
+torch and transformers are imported inside the functions that build the model: model_loading (imported by the
+scripts before they parse their settings) imports this module for its cache path, and `--help` stays fast.
 """
 
 from __future__ import annotations

@@ -79,3 +79,11 @@ def test_out_of_memory_mid_run_is_one_message_and_the_run_resumes(tmp_path, toke
     assert json.loads((out / "trainer_state.json").read_text())["global_step"] == TOTAL
     log = pd.read_csv(out / "completions.csv", dtype=str, keep_default_na=False)
     assert log.groupby("step").size().to_dict() == {str(step): 2 for step in range(1, TOTAL + 1)}
+
+
+def test_message_after_the_last_step(tmp_path):
+    # the final save can run out of memory too: then no step is in progress, and "step 31 of 30" would mislead
+    settings = train_grpo.default_settings(OUT_DIR=str(tmp_path / "run"), TOTAL_STEPS=30)
+    message = out_of_memory_message(settings, 31, torch.OutOfMemoryError(ALLOCATOR_SAYS), True, ended=True)
+    assert message.startswith("error: out of GPU memory after the last step (30), while saving the adapter")
+    assert "step 31" not in message

@@ -444,3 +444,24 @@ def test_detach_gives_back_what_install_wrapped():
     hook.detach()
     assert inner.generate == generate and not hasattr(trainer, "sampling_fidelity")
     assert all(getattr(trainer, name) is method for name, method in before.items())
+
+
+# (what is wrong with the trainer, words of the error)
+REFUSED = [
+    ({"vllm_importance_sampling_correction": True}, "TRL's own vLLM importance sampling is on"),
+    ({"use_vllm": False}, "use_vllm is False"),  # a vLLM sampler for a trainer that does not generate with vLLM
+]
+
+
+@pytest.mark.parametrize("changes, words", REFUSED)
+def test_a_sampler_that_cannot_work_is_refused_before_anything_is_wrapped(changes, words):
+    model = bf16_lora_model()
+    generation, _ = mocked_vllm_generation(model)
+    trainer = vllm_trainer(model, generation)
+    sync = generation.sync_weights
+    for name, value in changes.items():
+        setattr(trainer, name, value)
+    with pytest.raises(ValueError, match=words):
+        sampler.install(trainer, SamplerSpec("vllm"), say=lambda text: None)
+    assert generation.sync_weights == sync and not isinstance(generation.sync_weights, sampler.BaseWeightsKept)
+    assert not hasattr(trainer, "sampling_fidelity")

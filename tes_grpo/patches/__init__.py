@@ -4,15 +4,17 @@
 - transformers_patches: decode-time experts switch, TensorBoard folder and resume, flex attention's padded masks
 - trl_patches: CPU scoring of completion positions, warnings a user cannot act on
 - accelerate_patches: FSDP2 storage for trainable weights left on the meta device
+- fixes: the corrections every run needs, applied by `quiet_library_warnings()` (before the trainer is built) and
+  `install(trainer, ...)`; the patches that only buy speed are applied by fast_paths.py, which decides them
+- registry: every patch with the library function it relies on, the versions it was checked on, and that
+  function's fingerprint on each of them
 
 The sampler's own wrappers around library calls (cross-process sync, vLLM's base-weight guard) live in sampler.py,
-and sampling_fidelity.py's hooks of TRL's private GRPOTrainer methods there; both are listed in PATCHED below too.
+and sampling_fidelity.py's hooks of TRL's private GRPOTrainer methods there; registry.PATCHED lists them too.
 
-`fixes.install(trainer)` is the one call that applies the corrections every run needs; the patches that only buy
-speed are applied by fast_paths.py, which decides them. registry.PATCHED names, for every patch, the library function it
-relies on, the versions it was checked on, and that function's fingerprint on each of them (`fingerprint`: a hash
-of its code with docstrings and formatting left out, or of a builtin's signature). tests/test_patches.py fails when
-the installed library's function has a fingerprint not listed, naming the patch to re-check: a version bump then
-says what to look at instead of misbehaving silently. After re-checking a patch on a new version, add the new
-fingerprint (`python -m tes_grpo.patches.registry` prints them all) and the version to its entry.
+A fingerprint is a hash of a function's code with docstrings, comments and whitespace left out (or of a builtin's
+signature). tests/test_patches.py fails when an installed library's function has a fingerprint not listed, naming
+the patch to re-check: a version bump then says what to look at instead of misbehaving silently. After re-checking
+a patch on a new version, add its fingerprint and the version to the entry: `python -m tes_grpo.patches.registry`
+prints them for the installed libraries, `python -m tes_grpo.patches.registry FOLDER` for an unpacked wheel.
 """

@@ -49,6 +49,9 @@ PATCHED = (  # patch, library, target, ((version, fingerprint), ...)
     Patched("patches.trl_patches.score_only_completion_tokens_on_cpu", "trl",
             "trl.kernels.chunked_logprob:_use_triton",
             (("1.16.0", "41e2bdaf9a65"),)),
+    Patched("patches.trl_patches.score_only_completion_tokens_on_cpu", "trl",
+            "trl.trainer.utils:add_fused_lm_head",  # the call site of _use_triton the patch changes
+            (("1.16.0", "2e2a772e2e61"),)),
     Patched("patches.trl_patches.quiet_all_rewards_none_warning", "trl",
             "trl.trainer.grpo_trainer:GRPOTrainer._calculate_rewards",
             (("1.16.0", "d5df91194300"),)),

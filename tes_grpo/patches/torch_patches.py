@@ -1,6 +1,6 @@
 """Patches and private reads of torch, each with the torch versions it was checked on and why.
 
-FINGERPRINTS (tes_grpo/patches/__init__.py) records the shape of every torch function these rely on;
+registry.PATCHED (tes_grpo/patches/registry.py) records the shape of every torch function these rely on;
 tests/test_patches.py fails when an installed torch changes one, naming the patch to re-check.
 """
 

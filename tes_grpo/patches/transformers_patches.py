@@ -1,5 +1,5 @@
 """Patches of transformers, each with the versions it was checked on and why. Which of them a run takes is decided
-by fast_paths.py (the speed choices) or tes_grpo.patches.install_fixes (the corrections)."""
+by fast_paths.py (the speed choices) or tes_grpo.patches.fixes (the corrections)."""
 
 from __future__ import annotations
 
@@ -9,22 +9,19 @@ import torch
 import transformers.masking_utils as masking_utils
 from transformers.integrations import TensorBoardCallback
 
+from tes_grpo.lm_head import causal_lm
 from tes_grpo.processes import say as _say
-
-
-def _causal_lm(model):
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def keep_grouped_mm_experts_for_decode(model, say=_say) -> bool:
     """transformers 5.17-5.24: stops generate() from switching grouped_mm experts to batched_mm for decoding.
 
     transformers (on GPUs) swaps in `batched_mm` for the decode phase, which gathers every token's expert weights:
-    fast for a few sequences, but GRPO decodes 64 at once, where it ran out of memory on an H100 and was slower
-    (BENCHMARKS.md, "Generation alone: which experts implementation decodes"). Permanent for this model object;
+    fast for a few sequences, but GRPO decodes 64 at once, where it needs more memory and is slower (BENCHMARKS.md,
+    "Generation alone: which experts implementation decodes"). Permanent for this model object;
     returns whether there was a switch to turn off.
     """
-    inner = _causal_lm(model)
+    inner = causal_lm(model)
     if not hasattr(inner, "_optimize_model_for_decode"):
         say("note: this transformers has no decode-time experts switch; nothing to keep")
         return False
@@ -35,7 +32,7 @@ def keep_grouped_mm_experts_for_decode(model, say=_say) -> bool:
 @contextlib.contextmanager
 def grouped_mm_experts_for_decode(model, say=_say):
     """keep_grouped_mm_experts_for_decode for the duration of a with-block (transformers' switch comes back after)."""
-    inner = _causal_lm(model)
+    inner = causal_lm(model)
     kept = keep_grouped_mm_experts_for_decode(model, say)
     try:
         yield model
@@ -109,9 +106,9 @@ def flex_masks_with_padding_bounds(say=_say) -> bool:
     """transformers 5.17-5.24 + torch 2.11-2.13: builds flex attention's padded block masks from each row's bounds.
 
     For a padded batch transformers' flex_attention_mask adds `attention_mask[batch, kv]` (the 2-D 0/1 mask, int64
-    from TRL) to the mask function; with it, flex attention's forward kernel was several times slower than for the
-    same mask written as `start[batch] <= kv < end[batch]`, its backward the same either way (BENCHMARKS.md, "Speed
-    at the recipe, third session"; benchmarks/bench_train_pass.py). A row of TRL's batches is one run of ones
+    from TRL) to the mask function; with it, flex attention's forward kernel is slower than for the same mask
+    written as `start[batch] <= kv < end[batch]`, its backward the same either way (BENCHMARKS.md times both;
+    benchmarks/bench_train_pass.py). A row of TRL's batches is one run of ones
     (prompt left-padded, completion right-padded), so its bounds give the same mask; a mask with holes inside a row
     keeps transformers' lookup.
     Installed into transformers' mask registry for the process (idempotent); returns False, and says so, if this
