@@ -79,7 +79,7 @@ from tes_grpo.processes import uses_fsdp
 from tes_grpo.script_config import SettingsError
 
 GIB = 2**30
-MARGIN_FRACTION = 0.10  # of the room: the caching allocator's fragmentation (reserved ran 10-16 % over allocated)
+MARGIN_FRACTION = 0.10  # of the room: the caching allocator's fragmentation (BENCHMARKS.md: reserved vs allocated)
 MARGIN_GIB = 0.5  # GiB: CUDA/cuBLAS workspaces and small tensors the formula leaves out
 ACTIVATION_SCALE = 1.0  # measured / derived training bytes per token (benchmarks/bench_memory.py prints it)
 DECODE_VOCAB_BUFFERS = 4  # float32 [sequences, V] tensors alive while a token is sampled: logits, warped, probs, head
