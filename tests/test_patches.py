@@ -294,3 +294,10 @@ def test_only_trls_deprecation_warnings_are_hidden(message, hidden):
         quiet_is_gradient_checkpointing_deprecation()
         warnings.warn(message, FutureWarning, stacklevel=1)
     assert (not caught) is hidden
+
+
+def test_fingerprints_of_a_folder_that_is_not_there_are_an_error(tmp_path, capsys):
+    from tes_grpo.patches import registry
+
+    assert registry.main([str(tmp_path / "no-such-wheel")]) == 2
+    assert "not a folder" in capsys.readouterr().err

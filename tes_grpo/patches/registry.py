@@ -13,6 +13,7 @@ import importlib
 import importlib.metadata
 import inspect
 import io
+import sys
 import textwrap
 import tokenize
 from dataclasses import dataclass
@@ -156,6 +157,10 @@ def fingerprint_in_folder(folder, target: str) -> str | None:
 def main(argv: list[str]) -> int:
     """Prints each patch's fingerprint on the installed libraries, or, given a folder (an unpacked wheel of another
     version), on the files there."""
+    if argv and not Path(argv[0]).is_dir():
+        print(f"error: {argv[0]}: not a folder (give an unpacked wheel's folder, or nothing for the installed "
+              "libraries)", file=sys.stderr)
+        return 2
     for entry in PATCHED:
         if argv:
             print(f"{entry.patch}: {argv[0]} {entry.target} {fingerprint_in_folder(argv[0], entry.target)}")
@@ -166,6 +171,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    import sys
-
     sys.exit(main(sys.argv[1:]))
