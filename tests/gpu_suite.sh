@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The test suite on the GPU machine, in parts that each finish within 10 minutes (TESTING.md):
 #   bash tests/gpu_suite.sh PART [TOKENIZER_DIR]
-# PART: kernels | train | ddp | fsdp2 | rest | list (prints the parts). TOKENIZER_DIR: gpt-oss's tokenizer folder
-# (default: $GPT_OSS_TOKENIZER, else .tok, else ../shared/gpt-oss-tokenizer); the GPU machine has no ../shared,
-# so copy it into the project (e.g. .tok) and carry it there. ddp and fsdp2 need 2 GPUs.
+# PART: one-gpu (cuda and cpu at once, a log each under LOG_DIR) | cuda | cpu | ddp | fsdp2 | list.
+# cuda: the tests that use a GPU where one is visible; cpu: the whole suite (CI's tests) with the GPUs hidden, on the
+# GPU machine's own versions; ddp, fsdp2: tests/test_distributed.py on 2 GPUs.
+# TOKENIZER_DIR: gpt-oss's tokenizer folder (default: $GPT_OSS_TOKENIZER, else .tok, else ../shared/gpt-oss-tokenizer);
+# the GPU machine has no ../shared, so copy it into the project (e.g. .tok) and carry it there.
 # Packages the GPU machine lacks come from wheels: begin the command with the pip line of ../shared/device/wheels.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,26 +19,35 @@ if [ "$part" != list ]; then
   export GPT_OSS_TOKENIZER=$(cd "$tok" && pwd)
 fi
 export NCCL_NVLS_ENABLE=0  # NVLink multicast off, as the launches of tests/test_distributed.py set it
-# kernels: CUDA variants, the resident experts' bit-for-bit training step on CUDA, the decode kernel, fused experts
-KERNELS="tests/gpu_cuda_test.py tests/test_mxfp4_experts.py tests/test_mxfp4_decode.py tests/test_fused_experts.py tests/test_graph_decode.py tests/test_lm_head.py tests/test_mxfp4.py"
-# train: the tiny end-to-end run and resume on the GPU, out-of-memory handling, sampler fidelity, adapter evaluation
-TRAIN="tests/test_train_grpo.py tests/test_oom.py tests/test_sampling_fidelity.py tests/test_adapter_eval.py"
+# cuda: the files whose tests run on CUDA when a GPU is visible: the CUDA-only tests, the resident experts' training
+# step bit for bit, the compiled fused experts, the tiny end-to-end run with its resume, out of memory, sampler fidelity
+CUDA="tests/gpu_cuda_test.py tests/test_mxfp4_experts.py tests/test_fused_experts.py tests/test_train_grpo.py tests/test_oom.py tests/test_sampling_fidelity.py"
 run_pytest() {  # a part's pytest, stopped at 590 s so the part ends within 10 minutes
   local start=$SECONDS
-  timeout 590 python3 -m pytest -q -p no:cacheprovider "$@"
+  timeout 590 python3 -m pytest -q -p no:cacheprovider -rs "$@"
   local code=$?
   echo "part $part: exit $code after $((SECONDS - start)) s"
   return $code
 }
 case "$part" in
-  kernels) run_pytest $KERNELS ;;
-  train) run_pytest $TRAIN ;;
+  cuda) run_pytest $CUDA ;;
+  cpu) CUDA_VISIBLE_DEVICES= run_pytest tests ;;
+  one-gpu)
+    logs=${LOG_DIR:-runs/gpu-suite}
+    mkdir -p "$logs"
+    # the tiny checkpoint is built once, before two processes would each build it
+    python3 -m tes_grpo.tiny_model > "$logs/tiny-model.log" 2>&1 || { echo "error: building the tiny model failed (see $logs/tiny-model.log)" >&2; exit 1; }
+    pids=()
+    for each in cuda cpu; do
+      OMP_NUM_THREADS=${THREADS_PER_PART:-8} bash "$0" "$each" "$tok" > "$logs/$each.log" 2>&1 &
+      pids+=($!)
+    done
+    code=0
+    for pid in "${pids[@]}"; do wait "$pid" || code=1; done
+    for each in cuda cpu; do echo "$each: $(tail -n 2 "$logs/$each.log" | head -n 1)"; done
+    exit $code ;;
   ddp) GRPO_TEST_ACCELERATE_CONFIG=ddp.yaml run_pytest tests/test_distributed.py ;;
   fsdp2) GRPO_TEST_ACCELERATE_CONFIG=fsdp2.yaml run_pytest tests/test_distributed.py -k "not two-hosts" ;;
-  rest)
-    ignore=()
-    for file in $KERNELS $TRAIN tests/test_distributed.py; do ignore+=(--ignore "$file"); done
-    run_pytest tests "${ignore[@]}" ;;
-  list) echo "parts: kernels ($KERNELS), train ($TRAIN), ddp, fsdp2 (tests/test_distributed.py on 2 GPUs), rest" ;;
-  *) echo "error: unknown part '$part' (kernels, train, ddp, fsdp2, rest, list)" >&2; exit 2 ;;
+  list) echo "parts: one-gpu (cuda and cpu at once), cuda ($CUDA), cpu (tests/, GPUs hidden), ddp, fsdp2 (tests/test_distributed.py on 2 GPUs)" ;;
+  *) echo "error: unknown part '$part' (one-gpu, cuda, cpu, ddp, fsdp2, list)" >&2; exit 2 ;;
 esac

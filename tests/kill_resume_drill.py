@@ -3,7 +3,8 @@ compares every run with an uninterrupted one. Not collected by pytest (it launch
 where the question is asked, on the GPU machine or here:
 
     .venv/bin/python tests/kill_resume_drill.py                       # the tiny model, CPU or GPU, a few minutes
-    .venv/bin/python tests/kill_resume_drill.py --MODEL_ID=/path/to/20b-shaped-checkpoint --MAX_COMPLETION_LEN=64
+    .venv/bin/python tests/kill_resume_drill.py --MODEL_ID=/path/to/20b-shaped-checkpoint --MAX_COMPLETION_LEN=64 \
+        --PARALLEL=1 --EXTRA=--MEMORY_BUDGET_GB=20                    # three 20B runs at once on one 80 GB GPU
 
 Each drill: the reference run trains TOTAL_STEPS uninterrupted; a second run is killed (SIGKILL to its process
 group) at the drill's moment, then resumed in the same folder until it finishes. Checked, for each drill:
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 _REPO = Path(__file__).resolve().parents[1]
@@ -49,13 +51,15 @@ MAX_COMPLETION_LEN = 48  # tokens per completion
 NUM_GENERATIONS = 8  # completions per prompt
 DRILLS = ["mid-step", "mid-save", "oom"]  # which kills to try (oom: GPU only, skipped without CUDA)
 TIMEOUT_S = 1800  # a run that takes longer is stopped and counted as failed
+PARALLEL = False  # run the drills alongside the uninterrupted run (a GPU with room for several copies of the model)
+EXTRA = ""  # more train_grpo.py overrides for every run, space-separated (e.g. "--MEMORY_BUDGET_GB=20")
 
 
 def train_command(s, out: Path, resume: bool) -> list[str]:
     return [sys.executable, str(_REPO / "train_grpo.py"), f"--MODEL_ID={s.MODEL_ID}", f"--OUT_DIR={out}",
             f"--TOTAL_STEPS={s.TOTAL_STEPS}", f"--SAVE_STEPS={s.SAVE_STEPS}", f"--NUM_GENERATIONS={s.NUM_GENERATIONS}",
             f"--MAX_COMPLETION_LEN={s.MAX_COMPLETION_LEN}", "--GRADIENT_ACCUMULATION_STEPS=2", "--REPORT_TO=none",
-            *(["--RESUME=1"] if resume else [])]
+            *s.EXTRA.split(), *(["--RESUME=1"] if resume else [])]
 
 
 def start(command: list[str], log: Path) -> subprocess.Popen:
@@ -65,7 +69,10 @@ def start(command: list[str], log: Path) -> subprocess.Popen:
 
 
 def kill(process: subprocess.Popen) -> None:
-    os.killpg(process.pid, signal.SIGKILL)
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:  # it ended by itself (the drill reports that as not stopped as planned)
+        pass
     process.wait()
 
 
@@ -158,7 +165,9 @@ def capped_command(s, out: Path) -> list[str]:
     return [sys.executable, "-c", code]
 
 
-def drill(s, name: str, root: Path, reference: Path) -> dict:
+def drill(s, name: str, root: Path, reference: Path, reference_run: Future) -> dict:
+    """Kills (or caps) a run at the drill's moment, resumes it, and checks it against the uninterrupted run, once
+    reference_run (its exit code) is done."""
     out = root / name
     first_log, resumed_log = root / f"{name}-killed.log", root / f"{name}-resumed.log"
     process = start(capped_command(s, out) if name == "oom" else train_command(s, out, resume=False), first_log)
@@ -181,6 +190,8 @@ def drill(s, name: str, root: Path, reference: Path) -> dict:
         moment = f"checkpoint-{2 * s.SAVE_STEPS} being written"
     if name != "oom":
         alive = process.poll() is None
+        if not alive:
+            moment += f" (not reached: the run ended by itself, exit {process.returncode})"
         kill(process)
     header = header_of(out)
     killed_rows = log_rows(out)
@@ -192,6 +203,7 @@ def drill(s, name: str, root: Path, reference: Path) -> dict:
                          if line.startswith("resuming from ")), None)
     rows = log_rows(out)
     steps = [step_of(r, header) for r in rows]
+    reference_run.result()
     reference_rows = log_rows(reference)
     kept = [r for r in killed_rows if resumed_from is not None and step_of(r, header) <= resumed_from]
     checks = {
@@ -220,16 +232,23 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     reference = root / "uninterrupted"
-    code = finish(start(train_command(s, reference, resume=False), root / "uninterrupted.log"), s.TIMEOUT_S)
-    if code != 0:
-        print(f"error: the uninterrupted run failed (exit {code}); see {root / 'uninterrupted.log'}", file=sys.stderr)
-        return 1
     import torch
 
     drills = [name for name in s.DRILLS if name != "oom" or torch.cuda.is_available()]
     if drills != list(s.DRILLS):
         print("oom drill skipped: it caps GPU memory, and there is no CUDA device here")
-    results = [drill(s, name, root, reference) for name in drills]
+    with ThreadPoolExecutor(max_workers=1 + len(drills) if s.PARALLEL else 1) as pool:
+        # one worker runs them in order, the uninterrupted run first
+        reference_run = pool.submit(lambda: finish(start(train_command(s, reference, resume=False),
+                                                         root / "uninterrupted.log"), s.TIMEOUT_S))
+        if not s.PARALLEL and reference_run.result() != 0:
+            drills = []
+        results = [future.result() for future in
+                   [pool.submit(drill, s, name, root, reference, reference_run) for name in drills]]
+    if reference_run.result() != 0:
+        print(f"error: the uninterrupted run failed (exit {reference_run.result()}); see "
+              f"{root / 'uninterrupted.log'}", file=sys.stderr)
+        return 1
     required = ("stopped as planned", "resumed run finished", "every step once", "log before the checkpoint untouched")
     print(f"\nkill-and-resume drill: MODEL_ID={s.MODEL_ID}, {s.TOTAL_STEPS} steps, checkpoint every {s.SAVE_STEPS}; "
           f"logs under {root}")

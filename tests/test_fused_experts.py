@@ -194,22 +194,29 @@ def test_a_bias_made_trainable_later_falls_back(monkeypatch):
 
 
 @pytest.mark.slow
-def test_compiled_forward_keeps_eager_bf16_roundings():
-    """What the GPU runs: the functions through torch.compile (here inductor's CPU backend)."""
-    module = experts_module(torch.bfloat16, hidden=128, inter=96)
+@pytest.mark.parametrize("device", [
+    "cuda",  # where train_grpo compiles them (fused_experts._kernel)
+    "cpu",  # inductor's CPU backend, the same functions and options (CI has no GPU)
+])
+def test_compiled_forward_keeps_eager_bf16_roundings(device):
+    """What the GPU runs: the functions through torch.compile, against the same functions eagerly."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device: the CPU case compiles the same functions with inductor's CPU backend")
+    module = experts_module(torch.bfloat16, hidden=128, inter=96).to(device)
     hidden, index, weights = routed_inputs(module, tokens=64, dtype=torch.bfloat16)
+    index, weights = index.to(device), weights.to(device)
     expert_ids, perm = torch.sort(index.reshape(-1))
-    gate_up = torch.randn(perm.numel(), 2 * module.intermediate_size, dtype=torch.bfloat16) * 6
+    gate_up = torch.randn(perm.numel(), 2 * module.intermediate_size, dtype=torch.bfloat16).to(device) * 6
     args = (gate_up, module.gate_up_proj_bias, expert_ids, module.alpha, module.limit)
     compiled = torch.compile(fe.bias_swiglu, fullgraph=True, options={"emulate_precision_casts": True})
     assert torch.equal(compiled(*args), fe.bias_swiglu(*args))
-    down = torch.randn(perm.numel(), module.hidden_size, dtype=torch.bfloat16)
+    down = torch.randn(perm.numel(), module.hidden_size, dtype=torch.bfloat16).to(device)
     inv_perm = torch.empty_like(perm)
-    inv_perm[perm] = torch.arange(perm.numel())
+    inv_perm[perm] = torch.arange(perm.numel(), device=device)
     args = (down, module.down_proj_bias, expert_ids, weights.detach().reshape(-1)[perm], inv_perm, 4)
     compiled = torch.compile(fe.bias_weight_combine, fullgraph=True, options={"emulate_precision_casts": True})
     assert torch.equal(compiled(*args), fe.bias_weight_combine(*args))
-    grad = torch.randn(perm.numel(), module.intermediate_size, dtype=torch.bfloat16)
+    grad = torch.randn(perm.numel(), module.intermediate_size, dtype=torch.bfloat16).to(device)
     args = (grad, gate_up, module.gate_up_proj_bias, expert_ids, module.alpha, module.limit)
     compiled = torch.compile(fe.bias_swiglu_backward, fullgraph=True, options={"emulate_precision_casts": True})
     got, eager = compiled(*args).float(), fe.bias_swiglu_backward(*args).float()

@@ -249,7 +249,11 @@ def test_tiny_checkpoint_is_in_the_real_mxfp4_layout():
     # through Mxfp4Config(dequantize=True), like the 20B with EXPERTS=bf16
     model = load_training_model(resolve_model_path("tiny"), experts="bf16")
     experts = model.model.layers[0].mlp.experts.gate_up_proj.detach()
-    assert model.dtype == torch.float32 and model.config._attn_implementation == "eager"
+    from tes_grpo.model_loading import resolve_attention, resolve_dtype
+
+    device = model.device.type  # the loader's choice: CUDA where there is one
+    assert model.dtype == resolve_dtype("auto", device)
+    assert model.config._attn_implementation == resolve_attention("auto", device)
     assert torch.equal(fake_quantize_expert_param(experts).float(), experts)  # exactly on the MXFP4 grid
 
 
@@ -263,7 +267,8 @@ def test_generation_uses_kv_cache_with_gradient_checkpointing(tmp_path, tokenize
     settings = train_grpo.default_settings(
         MODEL_ID="tiny", DATA_DIR=str(data), EVAL_DIR=str(data / "eval"), OUT_DIR=str(tmp_path / "run"), TOTAL_STEPS=1,
         NUM_GENERATIONS=2, GRADIENT_ACCUMULATION_STEPS=1, MAX_COMPLETION_LEN=6, GRADIENT_CHECKPOINTING=True,
-        TRAIN_EXPERTS="fused")  # the GPU's training experts, run eagerly: recomputed under checkpointing too
+        TRAIN_EXPERTS="fused",  # the GPU's training experts (eager on a CPU): recomputed under checkpointing too
+        DECODE_GRAPHS="off")  # transformers' generate and its cache (graph_decode, a GPU's default, has its own)
     model = load_training_model(resolve_model_path("tiny"))
     frame = train_grpo.load_training_data(settings, tokenizer)
     layout = memory_plan.batch_layout(settings, int(frame["prompt_tokens"].max()))
