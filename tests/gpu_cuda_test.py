@@ -41,9 +41,10 @@ def test_mxfp4_decode_kernel_matches_the_mlp_on_cuda(tokens):
     with torch.no_grad():
         for name, param in mlp.named_parameters():
             param.normal_(0.0, 0.5 if "bias" in name else 0.1)
-        mlp = mlp.to("cuda", torch.bfloat16)
-        for name in ("gate_up_proj", "down_proj"):
+        mlp = mlp.to(torch.bfloat16)
+        for name in ("gate_up_proj", "down_proj"):  # exactly MXFP4, as loaded from a checkpoint
             getattr(mlp.experts, name).copy_(fake_quantize_expert_param(getattr(mlp.experts, name)))
+        mlp = mlp.to("cuda")
     mlp.requires_grad_(False)
     x = torch.randn(1, tokens, 96, device="cuda").to(torch.bfloat16)
     ours = md.moe_forward(mlp, md.pack_experts(mlp.experts), x).float()
@@ -51,7 +52,11 @@ def test_mxfp4_decode_kernel_matches_the_mlp_on_cuda(tokens):
     torch.testing.assert_close(ours, reference, rtol=2e-2, atol=2e-2 * float(reference.abs().max()))
 
 
-def test_graph_decode_with_cuda_graphs_gives_generates_greedy_tokens():
+def test_graph_decode_replays_its_steps_as_cuda_graphs_and_starts_where_generate_does():
+    """bf16, as models load on a GPU (float32 grouped_mm on CUDA copies through the host in torch 2.11, which a
+    graph capture refuses; train_grpo never runs it). The captured steps must give the tokens the same steps give
+    eagerly, bit for bit; against transformers' generate, whose kernels differ in bf16, the first token (the
+    prefill's) must agree. The CPU tests compare graph_decode's steps with generate's token for token in float32."""
     from tes_grpo import graph_decode
 
     pad = 5
@@ -62,7 +67,7 @@ def test_graph_decode_with_cuda_graphs_gives_generates_greedy_tokens():
         attn_implementation="eager")
     config._experts_implementation = "grouped_mm"
     torch.manual_seed(0)
-    model = GptOssForCausalLM(config).float().eval().cuda()
+    model = GptOssForCausalLM(config).to("cuda", torch.bfloat16).eval()
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(10, 512, (3, 13), generator=generator)
     mask = torch.ones_like(ids)
@@ -73,5 +78,26 @@ def test_graph_decode_with_cuda_graphs_gives_generates_greedy_tokens():
     generation = GenerationConfig(max_new_tokens=20, do_sample=False, pad_token_id=pad, bos_token_id=1,
                                   eos_token_id=[3], use_cache=True, disable_compile=True)
     expected = model.generate(input_ids=ids, attention_mask=mask, generation_config=generation)
-    got = graph_decode.generate(model, ids, mask, generation, graphs=True, say=lambda line: None)
-    assert torch.equal(got, expected)
+    replayed = graph_decode.generate(model, ids, mask, generation, graphs=True, say=lambda line: None)
+    eager = graph_decode.generate(model, ids, mask, generation, graphs=False, say=lambda line: None)
+    assert torch.equal(replayed, eager)
+    assert torch.equal(replayed[:, :ids.shape[1] + 1], expected[:, :ids.shape[1] + 1])
+
+
+def test_mxfp4_codec_on_cuda_gives_the_cpus_codes():
+    """quantize_mxfp4 packs a non-resident layer for the decode kernel on the GPU (mxfp4_decode.pack_experts): its
+    codes and scales must be the CPU's, and exactly MXFP4 weights must come back bit for bit."""
+    from tes_grpo.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+    generator = torch.Generator().manual_seed(0)
+    weight = (torch.randn(8, 160, 96, generator=generator) * 0.1).to(torch.bfloat16)  # [E, in, out]
+    weight[0, :32, 0] = 0.0  # an all-zero block
+    # the packed layout: [E, out, in], blocks of 32 inputs (as mxfp4_decode._pack_param quantizes)
+    exact = fake_quantize_expert_param(weight).transpose(1, 2).contiguous()
+    weight = weight.transpose(1, 2).contiguous()
+    for w in (weight, exact):
+        cpu_blocks, cpu_scales = quantize_mxfp4(w)
+        blocks, scales = quantize_mxfp4(w.cuda())
+        assert torch.equal(blocks.cpu(), cpu_blocks) and torch.equal(scales.cpu(), cpu_scales)
+    blocks, scales = quantize_mxfp4(exact.cuda())
+    assert torch.equal(dequantize_mxfp4(blocks, scales, torch.bfloat16).cpu(), exact)

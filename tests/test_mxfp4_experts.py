@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tes_grpo import memory_plan
 from tes_grpo import mxfp4_experts as mx
-from tes_grpo.model_loading import load_training_model, resolve_experts, resolve_model_path
+from tes_grpo.model_loading import load_training_model, resolve_attention, resolve_experts, resolve_model_path
 from tes_grpo.script_config import SettingsError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -285,7 +285,8 @@ def test_loader_builds_no_bf16_expert_and_matches_from_pretrained(tiny, dtype):
     assert model.config.to_dict() == reference.config.to_dict()
     assert model.generation_config.to_dict() == reference.generation_config.to_dict()
     assert (model.training, model.name_or_path, model.config._attn_implementation,
-            model.config._experts_implementation) == (False, reference.name_or_path, "eager", "grouped_mm")
+            model.config._experts_implementation) == (False, reference.name_or_path,
+                                                      resolve_attention("auto", DEVICE), "grouped_mm")
     assert mx.resident_bytes(model) == sum(checkpoint[n].numel() for n in checkpoint if n.endswith(("_blocks",
                                                                                                     "_scales")))
     assert any(line.startswith("experts: 2 layer(s) resident as MXFP4") for line in said)

@@ -268,6 +268,9 @@ def test_grpo_config_leaves_trls_vllm_correction_off(tmp_path):
 ])
 def test_tiny_run_logs_the_gap(tmp_path, tokenizer, capsys, graphs, mode):
     # CPU, float32: sampler and trainer do the same arithmetic, so the gap is float32 rounding (measured 3.6e-7)
+    if torch.cuda.is_available():
+        pytest.skip("bounds the gap at float32 rounding, the CPU's dtype; on a GPU (bf16) the gap is measured by "
+                    "benchmarks/bench_generate.py --COMPARE_SEQS (BENCHMARKS.md)")
     from grpo_fixtures import write_fixture_data
 
     data = write_fixture_data(tmp_path, tokenizer)

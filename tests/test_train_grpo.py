@@ -404,7 +404,11 @@ def test_run_writes_adapter_checkpoints_config_and_logs(run):
     assert list((out / "tensorboard").rglob("events.out.tfevents.*"))
     config = json.loads((out / "train_config.json").read_text())
     assert config["MODEL_ID"] == "tiny" and config["NUM_GENERATIONS"] == 16 and config["REASONING_EFFORT"] == "medium"
-    assert config["derived"]["completions_per_step"] == 16 and config["derived"]["attn_implementation"] == "eager"
+    from tes_grpo.model_loading import resolve_attention
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert config["derived"]["completions_per_step"] == 16
+    assert config["derived"]["attn_implementation"] == resolve_attention("auto", device)
     metrics = [json.loads(line) for line in first["metrics"]]
     assert [m["step"] for m in metrics if "reward" in m] == list(range(1, FIRST_STEPS + 1))
 
@@ -428,7 +432,7 @@ def test_adapter_loads_with_peft_and_only_lora_weights_changed(run):
     for name, tensor in saved.items():
         if "lora_B" in name:
             key = name.replace(".weight", ".default.weight")
-            assert torch.equal(tensor, trained[key])  # the first run's final adapter is what it trained
+            assert torch.equal(tensor, trained[key].cpu())  # the first run's final adapter is what it trained
 
 
 @pytest.mark.slow
@@ -475,9 +479,9 @@ def expected_reward(model, tokenizer, contexts) -> float:
     total = 0.0
     with torch.no_grad():
         for text, rewards in contexts:
-            ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+            ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids.to(model.device)
             logits = model(input_ids=ids, logits_to_keep=1).logits[0, -1, ACTION_TOKEN_IDS]
-            total += float(torch.softmax(logits.float(), dim=0) @ torch.tensor(rewards))
+            total += float(torch.softmax(logits.float(), dim=0).cpu() @ torch.tensor(rewards))
     return total / len(contexts)
 
 
