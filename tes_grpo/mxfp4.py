@@ -46,14 +46,21 @@ _MAGNITUDES = torch.tensor(FP4_VALUES[:8], dtype=torch.float32)
 _MIDPOINTS = (_MAGNITUDES[1:] + _MAGNITUDES[:-1]) / 2
 
 
+def _powers_of_two(exp: torch.Tensor) -> torch.Tensor:
+    """2**exp in float64, exactly, for integer exp in [-1022, 1023]: built from the exponent bits. With torch.ldexp
+    (a float64 exponent) in these comparisons, a block whose maximum is exactly 6 x 2**-4 got 2**-3 on CUDA (torch
+    2.11) and 2**-4 on the CPU: the two codecs chose different scales."""
+    return ((exp.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+
 def _shared_exponents(amax: torch.Tensor) -> torch.Tensor:
     """Smallest exponent e per block with amax / 2**e <= 6, so no value clips (triton's ROUND_UP rule)."""
     amax = amax.double()
     safe = torch.where(amax > 0, amax, torch.ones_like(amax))
-    exp = torch.ceil(torch.log2(safe / FP4_MAX))
-    # log2 in floating point can be off by one next to powers of two; fix with exact ldexp comparisons.
-    exp = torch.where(torch.ldexp(torch.full_like(safe, FP4_MAX), exp) < safe, exp + 1, exp)
-    exp = torch.where(torch.ldexp(torch.full_like(safe, FP4_MAX), exp - 1) >= safe, exp - 1, exp)
+    exp = torch.ceil(torch.log2(safe / FP4_MAX)).to(torch.int64)
+    # log2 in floating point can be off by one next to powers of two; fix with exact comparisons.
+    exp = torch.where(FP4_MAX * _powers_of_two(exp) < safe, exp + 1, exp)
+    exp = torch.where(FP4_MAX * _powers_of_two(exp - 1) >= safe, exp - 1, exp)
     exp = torch.where(amax > 0, exp, torch.full_like(exp, -E8M0_BIAS))
     return exp.clamp(-E8M0_BIAS, E8M0_BIAS).to(torch.int32)
 
@@ -88,8 +95,9 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     for start in range(0, flat.shape[0], ROWS_PER_CHUNK):
         chunk = flat[start:start + ROWS_PER_CHUNK].float()
         exp = _shared_exponents(chunk.abs().amax(dim=1))
-        # multiplying by a power of two is exact in float32 unless the result is subnormal (|w| < 2**-126)
-        scaled = chunk * torch.ldexp(torch.ones_like(exp, dtype=torch.float32), -exp).unsqueeze(1)
+        # a power of two times a bf16 value is exact in float64; back in float32 only values far below FP4's
+        # smallest step (0.5) can lose bits, and they round to code 0 either way
+        scaled = (chunk.double() * _powers_of_two(-exp).unsqueeze(1)).float()
         codes = _fp4_codes(scaled)
         blocks[start:start + ROWS_PER_CHUNK] = codes[:, 0::2] | (codes[:, 1::2] << 4)
         scales[start:start + ROWS_PER_CHUNK] = (exp + E8M0_BIAS).to(torch.uint8)
