@@ -211,6 +211,9 @@ def load_training_model(path: str, attn_implementation: str = "auto", dtype=None
     model = AutoModelForCausalLM.from_pretrained(
         path, config=config, quantization_config=Mxfp4Config(dequantize=True), dtype=dtype, attn_implementation=attn,
         device_map=device_map)
+    from tes_grpo.patches.transformers_patches import dequantized_experts_in_dtype  # imports torch: not before here
+
+    dequantized_experts_in_dtype(model, dtype, say)
     # Generation keeps its KV cache although gradient checkpointing is on for training (TRL's generation_kwargs).
     model.config.use_cache = True
     return model

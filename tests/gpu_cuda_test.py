@@ -52,13 +52,14 @@ def test_mxfp4_decode_kernel_matches_the_mlp_on_cuda(tokens):
     torch.testing.assert_close(ours, reference, rtol=2e-2, atol=2e-2 * float(reference.abs().max()))
 
 
-def test_graph_decode_replays_its_steps_as_cuda_graphs_and_starts_where_generate_does():
+def test_graph_decode_replays_its_steps_as_cuda_graphs_from_the_models_best_first_token():
     """bf16, as models load on a GPU (float32 grouped_mm on CUDA copies through the host in torch 2.11, which a
     graph capture refuses; train_grpo never runs it). The captured steps must give the tokens the same steps give
     eagerly for the first 10 tokens of every row (a stale cache or a wrong position diverges at once; after that,
-    bf16 sums in another order may flip a near tie: seen once, at token 20); against transformers' generate, whose
-    kernels differ in bf16, the first token (the prefill's) must agree. The CPU tests compare graph_decode's steps
-    with generate's token for token in float32."""
+    bf16 sums in another order may flip a near tie: seen once, at token 20). Against transformers: the first token
+    (from graph_decode's prefill, left padding included) must be one the model's own forward rates within bf16
+    rounding of its best; a bf16 near tie made it differ from generate's pick once. The CPU tests compare
+    graph_decode's steps with generate's token for token in float32."""
     from tes_grpo import graph_decode
 
     pad = 5
@@ -79,12 +80,16 @@ def test_graph_decode_replays_its_steps_as_cuda_graphs_and_starts_where_generate
     ids, mask = ids.cuda(), mask.cuda()
     generation = GenerationConfig(max_new_tokens=20, do_sample=False, pad_token_id=pad, bos_token_id=1,
                                   eos_token_id=[3], use_cache=True, disable_compile=True)
-    expected = model.generate(input_ids=ids, attention_mask=mask, generation_config=generation)
     replayed = graph_decode.generate(model, ids, mask, generation, graphs=True, say=lambda line: None)
     eager = graph_decode.generate(model, ids, mask, generation, graphs=False, say=lambda line: None)
     agree = ids.shape[1] + 10
     assert torch.equal(replayed[:, :agree], eager[:, :agree])
-    assert torch.equal(replayed[:, :ids.shape[1] + 1], expected[:, :ids.shape[1] + 1])
+    with torch.no_grad():  # positions as generate gives them to left-padded rows
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    logprobs = logits[:, -1].float().log_softmax(-1)
+    first = replayed[:, ids.shape[1]]
+    shortfall = logprobs.max(-1).values - logprobs.gather(1, first[:, None]).squeeze(1)
+    assert (shortfall < 0.05).all(), shortfall  # a near tie in bf16, not another distribution
 
 
 def test_mxfp4_codec_on_cuda_gives_the_cpus_codes():

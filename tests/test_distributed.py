@@ -46,6 +46,13 @@ ROWS_PER_STEP = PROCESSES * ACCUMULATION * GENERATIONS  # 1 prompt per micro-ste
 LAUNCH_TIMEOUT_S = 900
 
 
+def transformers_older_than(version: str) -> bool:
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__) < Version(version)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -139,6 +146,9 @@ LAUNCHES = [("one-host", 1), ("two-hosts", 2)]
 @pytest.fixture(scope="module", params=LAUNCHES, ids=[name for name, _ in LAUNCHES])
 def run(request, tmp_path_factory, tokenizer):
     name, hosts = request.param
+    if not torch.cuda.is_available() and transformers_older_than("5.24"):
+        pytest.skip("transformers 5.17 (fixed by 5.24) resumes the optimizer onto map_location=args.device, which is "
+                    "'cpu:N' under a CPU launch, and torch refuses it; on GPUs (cuda:N) it resumes: gpu_suite.sh ddp")
     root = tmp_path_factory.mktemp(name)
     data = write_fixture_data(root, tokenizer)
     out = root / "run"  # one run folder for all hosts: the shared folder of a multi-host run

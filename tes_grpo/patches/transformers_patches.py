@@ -41,6 +41,23 @@ def grouped_mm_experts_for_decode(model, say=_say):
             del inner._optimize_model_for_decode
 
 
+def dequantized_experts_in_dtype(model, dtype, say=_say) -> int:
+    """transformers 5.17-5.24: puts the experts that Mxfp4Config(dequantize=True) dequantized into the model's dtype.
+
+    5.17's Mxfp4Dequantize.convert dequantizes to bf16 whatever dtype the model loads in (5.24 takes the dtype of the
+    parameter it fills), so a float32 load (the CPU's) got bf16 experts in a float32 model: other numbers than the
+    resident experts give (seen on the GPU machine with its GPUs hidden). bf16 -> float32 is exact. Returns how many
+    parameters it cast (0 where the library already did it)."""
+    cast = 0
+    for name, param in model.named_parameters():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")) and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+            cast += 1
+    if cast:
+        say(f"note: this transformers dequantized {cast} expert weights to bf16; cast to {dtype} as asked")
+    return cast
+
+
 def point_tensorboard(trainer, log_dir, resume_step: int | None = None) -> bool:
     """transformers 5.17-5.24: sends the Trainer's TensorBoard events to log_dir, and after a resume hides the events
     of the steps that will be redone.
