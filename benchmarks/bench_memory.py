@@ -19,6 +19,15 @@ ACTIVATION_SCALE over the fused cases: set memory_plan.ACTIVATION_SCALE to it.
 MEMORY_BUDGET_GB > 0 then plans train_grpo's default step (64 completions) for that budget with the memory held
 now, caps this process at the budget (torch.cuda.set_per_process_memory_fraction, as a card of that size), and
 runs the planned pass: its peak must stay under the budget.
+
+FSDP_TABLE=1 prints, without a GPU and without running anything, what each GPU must hold for the weights of
+gpt-oss-20b and -120b (LoRA r 4), experts resident as MXFP4 or bf16: on one GPU or under DDP (the whole model:
+memory_plan.weights_bytes and LoRA's optimizer state; with bf16 experts also DECODE_EXPERTS=auto's MXFP4 decode
+copy) and under FSDP2 over 1, 2, 4 and 8 GPUs (memory_plan.fsdp_weights_per_gpu), which card sizes hold that
+before any activations, and with bf16 experts the fewest GPUs of each size FSDP2 needs
+(memory_plan.fewest_fsdp_processes):
+
+    python benchmarks/bench_memory.py --FSDP_TABLE=1
 """
 
 from __future__ import annotations
@@ -45,6 +54,8 @@ TRAIN_EXPERTS = "auto"  # train_grpo's TRAIN_EXPERTS (auto: fused on a GPU with 
 MEMORY_BUDGET_GB = 0.0  # > 0: plan the default step for this budget and run the planned pass capped at it
 OUT_DIR = "runs/bench-memory"  # the trainer's output folder (nothing is trained or saved)
 RESULTS = "runs/bench-memory/results.jsonl"  # one JSON line per case is appended here
+FSDP_TABLE = False  # print the weights a GPU holds (DDP, FSDP2 over 1-8 GPUs; 20B, 120B) and stop; no GPU needed
+CARDS_GB = [24, 40, 48, 80, 141]  # card sizes of FSDP_TABLE, in GB (10**9 bytes: the least a card sold so has)
 
 
 def enable_checkpointing(trainer) -> None:
@@ -126,8 +137,42 @@ def run_budget(s, trainer, shape, settings) -> dict:
     return {"plan": plan.describe(), "rows": plan.train_batch_size, "peak_gib": peak}
 
 
+def weights_table(cards_gb=CARDS_GB, lora_r: int = 4) -> str:
+    """FSDP_TABLE's lines: per model, experts and layout, the weights a GPU holds and what it needs before any
+    activations (the weights and, with resident experts, one layer's experts dequantized for training: what
+    memory_plan checks under FSDP; on one GPU with bf16 experts, graph_decode's MXFP4 decode copy instead), and for
+    each card size whether that fits."""
+    from tes_grpo import memory_plan
+    from tes_grpo.gpt_oss_shapes import SIZES, gpt_oss_config
+
+    gib = memory_plan.gib
+    lines = [f"{'model':<6}{'experts':<8}{'layout':<14}{'weights GiB':>12}{'needs GiB':>10}  "
+             + " ".join(f"{c:>3}GB" for c in cards_gb)]
+    for size in SIZES:
+        m = memory_plan.ModelShape.from_config(gpt_oss_config(size))
+        for resident in (True, False):
+            whole = (memory_plan.weights_bytes(m, experts_mxfp4=resident)
+                     + memory_plan.lora_params(m, lora_r) * memory_plan.OPTIMIZER_BYTES_PER_PARAM)
+            # what the one-GPU plan adds (recipe_facts): a dequantized expert layer, or the MXFP4 decode copy
+            extra = memory_plan.expert_layer_bytes(m) if resident else memory_plan.expert_bytes(m, mxfp4=True)
+            rows = [("1 GPU / DDP", whole, whole + extra)]
+            for n in (1, 2, 4, 8):
+                w = memory_plan.fsdp_weights_per_gpu(m, n, resident, lora_r)
+                rows.append((f"FSDP2 x {n}", w.weights_bytes, w.needs_bytes))
+            for layout, weights, needs in rows:
+                fits = " ".join(f"{'yes' if needs <= c * 10**9 else 'no':>5}" for c in cards_gb)
+                lines.append(f"{size:<6}{'mxfp4' if resident else 'bf16':<8}{layout:<14}{gib(weights):>12}"
+                             f"{gib(needs):>10}  {fits}")
+        fewest = [memory_plan.fewest_fsdp_processes(m, False, lora_r, c * 10**9) for c in cards_gb]
+        lines.append(f"{size:<6}{'bf16':<8}{'FSDP2, fewest GPUs':<36}  " + " ".join(f"{n or '-':>5}" for n in fewest))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     s = resolve(globals(), argv)
+    if s.FSDP_TABLE:
+        print(weights_table(s.CARDS_GB))
+        return 0
     import torch
 
     import train_grpo

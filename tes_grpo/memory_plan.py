@@ -64,6 +64,13 @@ full-attention layer and a ring of sliding_window slots in each sliding one; the
 
 When the room cannot hold a whole generation batch the plan gives the most sequences a call can take (a divisor
 of the batch); whoever generates then splits the batch into calls of that many.
+
+Under FSDP2 (configs/accelerate/fsdp2.yaml) there is no plan for the passes and generate calls; what each GPU must
+hold for the weights is still known (`fsdp_weights_per_gpu`: the resident MXFP4 experts replicated on every GPU,
+the rest sharded 1/N, two FSDP units gathered at a time), and plan_run stops with a SettingsError before loading
+when that does not fit this process's GPU. The figures for gpt-oss-20b and -120b over 1 to 8 GPUs, without a GPU:
+
+    python benchmarks/bench_memory.py --FSDP_TABLE=1
 """
 
 from __future__ import annotations
@@ -75,7 +82,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tes_grpo import model_loading  # the module: tests stand in for its cuda_available
-from tes_grpo.processes import uses_fsdp
+from tes_grpo.processes import local_rank, process_count, uses_fsdp
 from tes_grpo.script_config import SettingsError
 
 GIB = 2**30
@@ -235,6 +242,86 @@ def lora_params(m: ModelShape, r: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# FSDP2: the weights each GPU holds
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GpuWeights:
+    """Bytes of the weights one GPU holds under FSDP2 over `processes` GPUs (fsdp_weights_per_gpu)."""
+
+    processes: int
+    replicated_bytes: int  # resident MXFP4 experts: whole on every GPU (0 when the experts are bf16 parameters)
+    sharded_bytes: int  # this GPU's 1/processes of every parameter and of LoRA's optimizer state
+    gathered_bytes: int  # unsharded copies alive at once: the FSDP unit running and the next one
+    train_transient_bytes: int  # one layer's resident experts dequantized while training runs it
+
+    @property
+    def weights_bytes(self) -> int:
+        return self.replicated_bytes + self.sharded_bytes + self.gathered_bytes
+
+    @property
+    def needs_bytes(self) -> int:
+        """What the GPU must hold before any activation, KV cache or sampling buffer."""
+        return self.weights_bytes + self.train_transient_bytes
+
+    def describe(self, transient: bool = False) -> str:
+        """The sum in words: "~X GiB a GPU (MXFP4 experts replicated Y GiB + 1/N of the rest Z GiB + two gathered
+        units W GiB)"; transient: needs_bytes, with the dequantized expert layer as one more part."""
+        share = f"1/{self.processes} of the {'rest' if self.replicated_bytes else 'weights'}"
+        parts = ([f"MXFP4 experts replicated {gib(self.replicated_bytes)} GiB"] if self.replicated_bytes else []) + [
+            f"{share} {gib(self.sharded_bytes)} GiB", f"two gathered units {gib(self.gathered_bytes)} GiB"]
+        if transient and self.train_transient_bytes:
+            parts.append(f"one layer's experts dequantized for training {gib(self.train_transient_bytes)} GiB")
+        total = self.needs_bytes if transient else self.weights_bytes
+        return f"~{gib(total)} GiB a GPU ({' + '.join(parts)})"
+
+
+def fsdp_weights_per_gpu(m: ModelShape, processes: int, experts_resident_mxfp4: bool, lora_r: int = 0,
+                         b: int = 2) -> GpuWeights:
+    """The weights one GPU holds when FSDP2 (configs/accelerate/fsdp2.yaml) shards the model over `processes` GPUs.
+
+    Counted:
+    - replicated: the resident MXFP4 experts (expert_bytes, mxfp4=True). They are non-persistent buffers
+      (mxfp4_experts.py), which FSDP2 does not shard, so every GPU holds all of them. Without them (bf16 experts)
+      nothing is replicated: the experts are parameters like the rest.
+    - sharded: 1/processes of every parameter (weights_bytes less the replicated experts) and of LoRA rank
+      lora_r's float32 weights, gradients and AdamW moments (OPTIMIZER_BYTES_PER_PARAM a parameter).
+    - gathered: the unsharded copies of two FSDP units at once, the one running and the next, which FSDP2
+      all-gathers while the first computes (its prefetch). The units are the decoder layers (each with its share of
+      LoRA, gathered in the compute dtype) and, as accelerate's FSDP2 preparation carves them, the input
+      embeddings and the LM head with the final norm: the larger of one vocabulary matrix and one layer, plus one
+      layer.
+    - train_transient: one layer's experts dequantized to the compute dtype while training runs that layer
+      (expert_layer_bytes), on every GPU, when the experts are resident; 0 otherwise.
+    Left out: activations, KV cache and sampling buffers (per process, as on one GPU), the gradient
+    reduce-scatter buffers of LoRA, and the padding that makes each shard a whole 1/processes.
+    """
+    if processes < 1:
+        raise ValueError(f"processes must be at least 1, got {processes}")
+    replicated = expert_bytes(m, mxfp4=True) if experts_resident_mxfp4 else 0
+    rest = weights_bytes(m, experts_mxfp4=experts_resident_mxfp4, b=b) - replicated
+    lora = lora_params(m, lora_r)
+    vocab_unit = (m.vocab + 1) * m.hidden * b  # the LM head and the final norm (the embeddings: one norm less)
+    layer_unit = (rest - 2 * m.vocab * m.hidden * b - m.hidden * b + lora * b) // m.layers
+    return GpuWeights(processes=processes, replicated_bytes=replicated,
+                      sharded_bytes=-(-(rest + lora * OPTIMIZER_BYTES_PER_PARAM) // processes),
+                      gathered_bytes=max(vocab_unit, layer_unit) + layer_unit,
+                      train_transient_bytes=expert_layer_bytes(m, b) if experts_resident_mxfp4 else 0)
+
+
+def fsdp_over(processes: int) -> str:
+    return f"FSDP2 over {processes} process{'es' if processes > 1 else ''}"
+
+
+def fewest_fsdp_processes(m: ModelShape, experts_resident_mxfp4: bool, lora_r: int, available: int,
+                          up_to: int = 1024) -> int | None:
+    """The fewest processes whose FSDP2 share (fsdp_weights_per_gpu's needs_bytes) fits `available` bytes a GPU;
+    None if none up to `up_to` does (replicated experts or the gathered units alone do not fit)."""
+    return next((n for n in range(1, up_to + 1)
+                 if fsdp_weights_per_gpu(m, n, experts_resident_mxfp4, lora_r).needs_bytes <= available), None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # The plan
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -276,10 +363,49 @@ def recipe_facts(s, m: ModelShape, loaded: bool, experts_resident_mxfp4: bool, m
 
 
 def no_plan_reason(s) -> str | None:
-    """Why this run has no memory plan ("no GPU", "FSDP" or "vLLM": memory this estimate does not model), or None."""
+    """Why this run has no memory plan for its passes and generate calls ("no GPU", "FSDP", "FSDP and vLLM" or
+    "vLLM": memory this estimate does not model), or None."""
     if not model_loading.cuda_available():
         return "no GPU"
-    return "FSDP" if uses_fsdp() else "vLLM" if s.USE_VLLM else None
+    if uses_fsdp():
+        return "FSDP and vLLM" if s.USE_VLLM else "FSDP"
+    return "vLLM" if s.USE_VLLM else None
+
+
+def check_fsdp_weights(s, m: ModelShape, processes: int, experts_resident_mxfp4: bool,
+                       facts: MemoryFacts) -> GpuWeights:
+    """fsdp_weights_per_gpu for this run, checked against the GPU's free memory (facts.free_bytes) or, when set,
+    MEMORY_BUDGET_GB less what this process holds (facts.held_bytes). SettingsError when the weights and one
+    dequantized expert layer alone do not fit: it names the need, the limit and what would fit."""
+    weights = fsdp_weights_per_gpu(m, processes, experts_resident_mxfp4, s.LORA_R)
+    budget = budget_bytes_of(s)
+    binds = budget is not None and budget - facts.held_bytes < facts.free_bytes
+    available = budget - facts.held_bytes if binds else facts.free_bytes
+    if weights.needs_bytes <= available:
+        return weights
+    if binds:
+        limit = f"MEMORY_BUDGET_GB={s.MEMORY_BUDGET_GB:g} leaves {gib(max(0, available))} GiB"
+    else:
+        limit = f"the GPU has {gib(facts.free_bytes)} GiB free" + (
+            f" of {gib(facts.total_bytes)} GiB" if facts.total_bytes else "")
+    options = ["raise MEMORY_BUDGET_GB (0 = all the GPU's free memory)"] if binds else []
+    like = "at this budget" if binds else "like this one"
+    fewest_bf16 = fewest_fsdp_processes(m, False, s.LORA_R, available)
+    if experts_resident_mxfp4:
+        bf16 = fsdp_weights_per_gpu(m, processes, False, s.LORA_R)
+        options += [f"use GPUs with at least {gib(weights.needs_bytes)} GiB free: the resident MXFP4 experts "
+                    f"({gib(weights.replicated_bytes)} GiB) are replicated on every GPU, so more GPUs shrink only "
+                    "the sharded part",
+                    f"EXPERTS=bf16: dequantized at load, the experts are parameters that FSDP2 shards, "
+                    f"{bf16.describe()} over {processes}, which "
+                    + (f"fits {fewest_bf16} or more GPUs {like}" if fewest_bf16 else f"fits no number of GPUs {like}")
+                    + f"; rank 0's host then needs RAM for the whole bf16 model "
+                    f"({gib(weights_bytes(m, experts_mxfp4=False))} GiB) while loading"]
+    else:
+        options.append((f"use {fewest_bf16} or more GPUs {like} (--num_processes), or " if fewest_bf16 else "")
+                       + "use GPUs with more memory")
+    raise SettingsError(f"memory: {fsdp_over(processes)} needs {weights.describe(transient=True)} before any "
+                        f"activations (memory_plan.fsdp_weights_per_gpu), but {limit}; " + "; or ".join(options))
 
 
 def plan_run(s, config, longest_prompt: int, steps_per_generation: int | None, experts_resident_mxfp4: bool,
@@ -287,8 +413,23 @@ def plan_run(s, config, longest_prompt: int, steps_per_generation: int | None, e
     """train_grpo's memory plan for a model `config` on this process's GPU: None (and why, through `say`) where
     there is nothing to plan (no GPU; FSDP and vLLM hold memory this estimate does not model). Before loading
     (loaded=False) it only checks that the run can fit, so a run that cannot stops with a SettingsError before
-    minutes of loading; after loading it says the budget and both choices."""
+    minutes of loading; after loading it says the budget and both choices.
+
+    Under FSDP (without vLLM) there is no plan for the passes and generate calls either, but the weights each GPU
+    will hold (check_fsdp_weights) are checked against this process's GPU, before loading and after (the weights
+    reach the GPUs only when the trainer prepares the model), and said after loading."""
     why = no_plan_reason(s)
+    if why == "FSDP":
+        facts = MemoryFacts.measured(local_rank())
+        processes = process_count()
+        weights = check_fsdp_weights(s, ModelShape.from_config(config), processes, experts_resident_mxfp4, facts)
+        if loaded:
+            dequantized = (f", {gib(weights.needs_bytes)} GiB with one layer's experts dequantized for training"
+                           if weights.train_transient_bytes else "")  # the check counts it too
+            say(f"memory: {fsdp_over(processes)}: weights {weights.describe()}{dequantized}, of "
+                f"{gib(facts.free_bytes)} GiB free; no plan for passes (TRAIN_TOKENS_PER_PASS sizes them, "
+                "generation takes the whole batch)")
+        return None
     if why is not None:
         if loaded:
             say(f"memory: no plan ({why}): TRAIN_TOKENS_PER_PASS sizes the training passes, generation takes the "

@@ -8,7 +8,7 @@ import torch
 
 import train_grpo
 from tes_grpo import memory_plan
-from tes_grpo.gpt_oss_shapes import gpt_oss_20b_config
+from tes_grpo.gpt_oss_shapes import gpt_oss_20b_config, gpt_oss_120b_config
 from tes_grpo.memory_plan import GIB, MemoryFacts, ModelShape, SettingsError, plan_memory
 
 M20B = ModelShape.from_config(gpt_oss_20b_config())
@@ -324,3 +324,166 @@ def test_the_plan_is_said_and_sizes_the_passes_and_generate_calls(monkeypatch, t
     layout = seen["layout"]
     assert layout["train_batch_size"] == after.train_batch_size < layout["completions_per_step"]
     assert layout["generation_sequences"] == after.generation_sequences
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FSDP2: the weights each GPU holds, checked against the GPU (made-up facts)
+# ---------------------------------------------------------------------------------------------------------------
+
+M120B = ModelShape.from_config(gpt_oss_120b_config())
+SHAPES = {"20b": M20B, "120b": M120B}
+
+# (model, processes, experts resident as MXFP4; GiB a GPU: replicated, sharded, gathered, weights, needs with one
+#  dequantized expert layer), LoRA r 4
+FSDP_WEIGHTS = [
+    ("20b", 1, True, 9.5, 3.4, 1.1, 14.0, 15.5),  # one process: the whole rest, gathered copies on top
+    ("20b", 2, True, 9.5, 1.7, 1.1, 12.3, 13.8),  # the default fsdp2.yaml
+    ("20b", 4, True, 9.5, 0.8, 1.1, 11.4, 12.9),
+    ("20b", 8, True, 9.5, 0.4, 1.1, 11.0, 12.5),  # the replicated experts dominate
+    ("20b", 1, False, 0.0, 39.0, 3.1, 42.1, 42.1),  # bf16 experts are parameters: nothing replicated
+    ("20b", 2, False, 0.0, 19.5, 3.1, 22.6, 22.6),
+    ("20b", 4, False, 0.0, 9.7, 3.1, 12.8, 12.8),
+    ("20b", 8, False, 0.0, 4.9, 3.1, 7.9, 7.9),  # two gathered layers of bf16 experts
+    ("120b", 1, True, 56.7, 4.1, 1.1, 61.9, 67.9),
+    ("120b", 2, True, 56.7, 2.0, 1.1, 59.9, 65.8),  # fits an 80 GB card, not a 48 GB one
+    ("120b", 4, True, 56.7, 1.0, 1.1, 58.9, 64.8),
+    ("120b", 8, True, 56.7, 0.5, 1.1, 58.4, 64.3),  # more GPUs hardly help: the experts are replicated
+    ("120b", 1, False, 0.0, 217.7, 12.0, 229.6, 229.6),
+    ("120b", 2, False, 0.0, 108.8, 12.0, 120.8, 120.8),
+    ("120b", 4, False, 0.0, 54.4, 12.0, 66.4, 66.4),
+    ("120b", 8, False, 0.0, 27.2, 12.0, 39.2, 39.2),  # sharded bf16 experts fit 48 GB cards from 7 GPUs on
+]
+
+
+@pytest.mark.parametrize("size, processes, resident, replicated, sharded, gathered, weights, needs", FSDP_WEIGHTS)
+def test_fsdp_weights_per_gpu(size, processes, resident, replicated, sharded, gathered, weights, needs):
+    m = SHAPES[size]
+    w = memory_plan.fsdp_weights_per_gpu(m, processes, resident, lora_r=4)
+    got = [round(v / GIB, 1) for v in (w.replicated_bytes, w.sharded_bytes, w.gathered_bytes, w.weights_bytes,
+                                       w.needs_bytes)]
+    assert got == [replicated, sharded, gathered, weights, needs]
+    # the parts are the whole model's: what is replicated and N shares make up weights_bytes and LoRA's optimizer
+    whole = (memory_plan.weights_bytes(m, resident)
+             + memory_plan.lora_params(m, 4) * memory_plan.OPTIMIZER_BYTES_PER_PARAM)
+    assert 0 <= w.replicated_bytes + processes * w.sharded_bytes - whole < processes
+    assert w.replicated_bytes == (memory_plan.expert_bytes(m, mxfp4=True) if resident else 0)
+    assert w.train_transient_bytes == (memory_plan.expert_layer_bytes(m) if resident else 0)
+
+
+def card(gb: float, budget: float = 0.0, **overrides):
+    """A GPU of `gb` GB (10**9 bytes) with nothing allocated, and train_grpo's settings."""
+    return (train_grpo.default_settings(MEMORY_BUDGET_GB=budget, **overrides),
+            MemoryFacts(free_bytes=int(gb * 10**9), total_bytes=int(gb * 10**9)))
+
+
+# (model, processes, experts resident, card GB, MEMORY_BUDGET_GB, words of the SettingsError; None = fits)
+FSDP_CHECKS = [
+    ("120b", 2, True, 80, 0, None),  # 2 x H100: the replicated experts fit
+    ("120b", 8, True, 141, 0, None),
+    ("20b", 2, True, 24, 0, None),  # the 20B's experts fit a 24 GB card
+    ("120b", 2, True, 48, 0, "needs ~65.8 GiB a GPU (MXFP4 experts replicated 56.7 GiB + 1/2 of the rest 2.0 GiB"
+                              " + two gathered units 1.1 GiB + one layer's experts dequantized for training 5.9 GiB)"),
+    ("120b", 2, True, 48, 0, "the GPU has 44.7 GiB free of 44.7 GiB"),
+    ("120b", 2, True, 48, 0, "use GPUs with at least 65.8 GiB free: the resident MXFP4 experts (56.7 GiB) are "
+                             "replicated on every GPU, so more GPUs shrink only the sharded part"),
+    ("120b", 2, True, 48, 0, "EXPERTS=bf16: dequantized at load, the experts are parameters that FSDP2 shards, "
+                             "~120.8 GiB a GPU (1/2 of the weights 108.8 GiB + two gathered units 12.0 GiB) over 2, "
+                             "which fits 7 or more GPUs like this one; rank 0's host then needs RAM for the whole "
+                             "bf16 model (217.6 GiB)"),
+    ("120b", 8, True, 48, 0, "FSDP2 over 8 processes needs ~64.3 GiB"),  # 8 x 48 GB do not help either
+    ("120b", 2, False, 48, 0, "use 7 or more GPUs like this one (--num_processes), or use GPUs with more memory"),
+    ("120b", 2, True, 80, 40, "MEMORY_BUDGET_GB=40 leaves 40.0 GiB; raise MEMORY_BUDGET_GB"),  # the budget binds
+    ("120b", 2, True, 80, 40, "which fits 8 or more GPUs at this budget"),
+    ("20b", 1, False, 24, 0, "use 3 or more GPUs like this one"),  # bf16 experts: more GPUs do help (2: 22.6 GiB)
+]
+
+
+@pytest.mark.parametrize("size, processes, resident, gb, budget, words", FSDP_CHECKS)
+def test_fsdp_check(size, processes, resident, gb, budget, words):
+    s, facts_now = card(gb, budget)
+    if words is None:
+        w = memory_plan.check_fsdp_weights(s, SHAPES[size], processes, resident, facts_now)
+        assert w == memory_plan.fsdp_weights_per_gpu(SHAPES[size], processes, resident, 4)
+        return
+    with pytest.raises(SettingsError) as caught:
+        memory_plan.check_fsdp_weights(s, SHAPES[size], processes, resident, facts_now)
+    assert words in str(caught.value), str(caught.value)
+
+
+def test_fewest_fsdp_processes():
+    needs = [memory_plan.fsdp_weights_per_gpu(M120B, n, False, 4).needs_bytes for n in (6, 7)]
+    assert needs[0] > 48 * 10**9 >= needs[1]
+    assert memory_plan.fewest_fsdp_processes(M120B, False, 4, 48 * 10**9) == 7
+    assert memory_plan.fewest_fsdp_processes(M120B, True, 4, 48 * 10**9) is None  # replicated: no number helps
+
+
+def _fsdp_gpu(monkeypatch, free_gib: float, processes: int = 2, rank: int = 1, vllm: bool = False):
+    """This process as rank `rank` of an FSDP launch of `processes` on a GPU with free_gib free; records which device
+    the memory was read from."""
+    from tes_grpo import model_loading
+
+    seen = []
+
+    def mem_get_info(device=None):
+        seen.append(device)
+        return int(free_gib * GIB), int(free_gib * GIB)
+
+    for name, value in (("ACCELERATE_USE_FSDP", "true"), ("WORLD_SIZE", str(processes)), ("RANK", str(rank)),
+                        ("LOCAL_RANK", str(rank))):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(model_loading, "cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    return train_grpo.default_settings(USE_VLLM=vllm), seen
+
+
+def test_fsdp_plan_run_stops_before_loading(monkeypatch):
+    s, seen = _fsdp_gpu(monkeypatch, 44.7)
+    with pytest.raises(SettingsError, match=r"FSDP2 over 2 processes needs ~65\.8 GiB a GPU"):
+        memory_plan.plan_run(s, gpt_oss_120b_config(), 871, None, True, loaded=False)
+    assert seen == [1]  # this process's GPU (LOCAL_RANK), not the first one
+
+
+def test_fsdp_plan_run_says_the_weights(monkeypatch):
+    s, seen = _fsdp_gpu(monkeypatch, 79.2)
+    said = []
+    assert memory_plan.plan_run(s, gpt_oss_120b_config(), 871, None, True, loaded=False, say=said.append) is None
+    assert said == []  # before loading: checked only
+    assert memory_plan.plan_run(s, gpt_oss_120b_config(), 871, None, True, loaded=True, say=said.append) is None
+    assert said == ["memory: FSDP2 over 2 processes: weights ~59.9 GiB a GPU (MXFP4 experts replicated 56.7 GiB + "
+                    "1/2 of the rest 2.0 GiB + two gathered units 1.1 GiB), 65.8 GiB with one layer's experts "
+                    "dequantized for training, of 79.2 GiB free; no plan for passes (TRAIN_TOKENS_PER_PASS sizes "
+                    "them, generation takes the whole batch)"]
+
+
+@pytest.mark.parametrize("fsdp, vllm, cuda, reason", [
+    (True, False, True, "FSDP"),  # the weights are checked, the passes not planned
+    (True, True, True, "FSDP and vLLM"),  # vLLM's share of the GPU is not modelled: not even the weights
+    (False, True, True, "vLLM"),
+    (True, False, False, "no GPU"),  # on the CPU nothing changes
+    (False, False, True, None),
+])
+def test_no_plan_reason(monkeypatch, fsdp, vllm, cuda, reason):
+    from tes_grpo import model_loading
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true" if fsdp else "false")
+    monkeypatch.setattr(model_loading, "cuda_available", lambda: cuda)
+    assert memory_plan.no_plan_reason(train_grpo.default_settings(USE_VLLM=vllm)) == reason
+
+
+def test_fsdp_and_vllm_only_say_no_plan(monkeypatch):
+    s, seen = _fsdp_gpu(monkeypatch, 10, vllm=True)  # too small for the 120B, but vLLM's share is not modelled
+    said = []
+    assert memory_plan.plan_run(s, gpt_oss_120b_config(), 871, None, True, loaded=True, say=said.append) is None
+    assert seen == [] and said == ["memory: no plan (FSDP and vLLM): TRAIN_TOKENS_PER_PASS sizes the training "
+                                   "passes, generation takes the whole batch"]
+
+
+def test_bench_memory_prints_the_function_s_figures():
+    from benchmarks.bench_memory import weights_table
+
+    lines = weights_table([48, 80]).splitlines()
+    row = next(line.split() for line in lines if line.startswith("120b  mxfp4   FSDP2 x 2"))
+    w = memory_plan.fsdp_weights_per_gpu(M120B, 2, True, 4)
+    assert row[-4:] == [memory_plan.gib(w.weights_bytes), memory_plan.gib(w.needs_bytes), "no", "yes"]
