@@ -297,9 +297,13 @@ def log_rows(prompts, texts, actions, rewards, truncated, optimal_action, reward
     """Completion-log rows for one reward call (one generation batch).
 
     step: the optimizer step these completions train (1-based, as in metrics.jsonl and TensorBoard); taken from
-    TRL's trainer_state, else a count of calls. micro_step: the gradient-accumulation slot (0-based) of the row's
-    prompt in this generation batch, rows_per_slot completions each, in generation order (the forward/backward
-    passes TRAIN_BATCH_SIZE makes, and TRL's shuffling of completions across them, do not change it).
+    TRL's trainer_state, else a count of calls. With train_grpo's GENERATION_STEPS=k a generation batch feeds k
+    steps and TRL shuffles its completions across them, so which of them trains a row is not known here: step is
+    the batch's first (the step whose policy sampled it; resume drops the rows of batches after its checkpoint).
+    micro_step: the gradient-accumulation slot (0-based) of the row's prompt in this generation batch (k x
+    GRADIENT_ACCUMULATION_STEPS slots with GENERATION_STEPS=k), rows_per_slot completions each, in generation order
+    (the forward/backward passes TRAIN_BATCH_SIZE makes, and TRL's shuffling of completions across them, do not
+    change it).
     """
     count = len(texts)
     step = trainer_state.global_step + 1 if trainer_state is not None else next(_calls_without_state)

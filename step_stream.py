@@ -7,8 +7,9 @@
 It draws the prompts of `steps_per_draw` micro-steps at a time, PROMPTS_PER_STEP per micro-step, all distinct
 (without replacement within a draw, with replacement across draws), and yields each one as a record carrying its
 own reward columns. TRL's GRPOTrainer then samples NUM_GENERATIONS completions per record. train_grpo.py makes one
-draw cover one optimizer step on every process (GRADIENT_ACCUMULATION_STEPS x number of processes micro-steps), so
-no prompt is trained twice in one optimizer step and, on several GPUs, each process gets different prompts.
+draw cover one generation batch on every process (GRADIENT_ACCUMULATION_STEPS x number of processes micro-steps, x
+GENERATION_STEPS when one batch feeds several optimizer steps), so no prompt is trained twice in one optimizer step
+and, on several GPUs, each process gets different prompts.
 
 Who makes the NUM_GENERATIONS copies: TRL 1.16 wraps an `IterableDataset` train set in
 `trl.trainer.utils.repeat_iterable_dataset`, which repeats each record `num_generations` times in a row (the
@@ -102,6 +103,7 @@ EVAL_DIR = "data/eval"  # evaluation split, never trained on
 PROMPTS_PER_STEP = 1  # as train_grpo.py
 NUM_GENERATIONS = 16  # as train_grpo.py: completions TRL samples from each prompt (said in the preview's first line)
 GRADIENT_ACCUMULATION_STEPS = 4  # as train_grpo.py: micro-steps whose prompts are drawn together
+GENERATION_STEPS = 1  # as train_grpo.py: optimizer steps one generation batch feeds (their prompts drawn together)
 SEED = 42  # as train_grpo.py
 
 # the settings above that MODEL_ID=tiny replaces, from train_grpo.py's table (tes_grpo/presets.py)
@@ -110,16 +112,19 @@ PRESETS = presets_for(globals())
 
 def preview(settings) -> list[str]:
     """What one optimizer step holds, then one line per micro-step of the first STEPS optimizer steps: which rows
-    (file:row) and optimal actions."""
+    (file:row) and optimal actions. With GENERATION_STEPS=k the prompts of k steps are drawn together and TRL
+    shuffles their completions across those steps: a line's step is the step its prompt was drawn for."""
     from data_reward import load_training_frames
 
     frame = load_training_frames(settings.DATA_DIR, settings.EVAL_DIR)
     stream = StepStream(frame, settings.PROMPTS_PER_STEP, seed=settings.SEED, columns=["source", "optimal_action"],
-                        steps_per_draw=settings.GRADIENT_ACCUMULATION_STEPS)
+                        steps_per_draw=settings.GRADIENT_ACCUMULATION_STEPS * settings.GENERATION_STEPS)
     micro = stream.micro_steps()
+    together = (f"; {settings.GENERATION_STEPS} steps' prompts drawn together (one generation batch), their "
+                "completions shuffled across those steps" if settings.GENERATION_STEPS > 1 else "")
     lines = [f"MODEL_ID={settings.MODEL_ID}: {settings.GRADIENT_ACCUMULATION_STEPS} micro-step(s) per optimizer step, "
              f"{settings.PROMPTS_PER_STEP} prompt(s) each, {settings.NUM_GENERATIONS} completions sampled per prompt "
-             f"(SEED={settings.SEED})"]
+             f"(SEED={settings.SEED}){together}"]
     for step in range(1, settings.STEPS + 1):
         for slot in range(settings.GRADIENT_ACCUMULATION_STEPS):
             rows = next(micro)

@@ -11,14 +11,14 @@ The recipe (README "The recipe" says where each value comes from): the MXFP4 che
 resident as MXFP4 and the rest loads in bf16 (EXPERTS), PEFT adds LoRA to every Linear layer (the attention
 projections), `StepStream` draws the prompts, TRL's `GRPOTrainer` samples NUM_GENERATIONS completions per prompt
 and scores each with `data_reward.reward_fn`. One optimizer step = PROMPTS_PER_STEP x NUM_GENERATIONS x
-GRADIENT_ACCUMULATION_STEPS completions (64), generated as one batch, trained TRAIN_BATCH_SIZE at a time ("auto":
-as many as the GPU's memory holds when every completion is at MAX_COMPLETION_LEN, at most TRAIN_TOKENS_PER_PASS
-tokens; memory_plan.py). Every step logs the sampler-trainer gap (sampling_fidelity.py). Under `accelerate
-launch` with N processes these are per process.
+GRADIENT_ACCUMULATION_STEPS completions (64), generated as one batch (GENERATION_STEPS=k: k steps' in one), trained
+TRAIN_BATCH_SIZE at a time ("auto": as many as the GPU's memory holds when every completion is at
+MAX_COMPLETION_LEN, at most TRAIN_TOKENS_PER_PASS tokens; memory_plan.py). Every step logs the sampler-trainer gap
+(sampling_fidelity.py). Under `accelerate launch` with N processes these are per process.
 
 Environment (the seed's interface, read once here): GRPO_LOG_COMPLETIONS=0 turns the completion log off,
 GRPO_COMPLETION_LOG_PATH=file.csv writes it elsewhere, GRPO_STEPS_PER_GENERATION=k generates every k micro-steps
-instead of once per optimizer step, GPT_OSS_TOKENIZER names the tokenizer folder.
+instead of once per optimizer step (GENERATION_STEPS left at 1), GPT_OSS_TOKENIZER names the tokenizer folder.
 
 Written to OUT_DIR: checkpoint-000020-style folders every SAVE_STEPS, train_config.json (resolved settings and what
 was derived), metrics.jsonl, completions.csv, tensorboard/, and at the end the adapter + tokenizer.
@@ -50,6 +50,7 @@ MAX_COMPLETION_LEN = 4000  # tokens generated per completion; one cut here score
 NUM_GENERATIONS = 16  # completions sampled per prompt (the GRPO group)
 PROMPTS_PER_STEP = 1  # distinct prompts per micro-step (per gradient-accumulation slot)
 GRADIENT_ACCUMULATION_STEPS = 4  # micro-steps per optimizer step (one generation batch feeds them all)
+GENERATION_STEPS = 1  # optimizer steps per generation batch (2, 4: faster decoding, later steps slightly off-policy)
 TRAIN_BATCH_SIZE = "auto"  # completions per forward/backward: a number, or auto = most that memory and the cap allow
 TRAIN_TOKENS_PER_PASS = 40000  # auto's cap: completions x (longest prompt + MAX_COMPLETION_LEN) tokens a pass
 MEMORY_BUDGET_GB = 0.0  # GiB the run may hold on the GPU, weights included (24 = a 24 GB card); 0 = all it has free
@@ -128,8 +129,13 @@ def check_settings(s) -> None:
     from tes_grpo.trackers import report_to_problem
 
     for name in ("MAX_PROMPT_LEN", "MAX_COMPLETION_LEN", "TOTAL_STEPS", "SAVE_STEPS", "LORA_R", "LOGGING_STEPS",
-                 "PROMPTS_PER_STEP", "GRADIENT_ACCUMULATION_STEPS", "TRAIN_TOKENS_PER_PASS"):
+                 "PROMPTS_PER_STEP", "GRADIENT_ACCUMULATION_STEPS", "GENERATION_STEPS", "TRAIN_TOKENS_PER_PASS"):
         _need(s[name] >= 1, name, s[name], "must be at least 1")
+    # a generation batch feeds GENERATION_STEPS steps: a checkpoint inside one would make a resumed run generate it
+    # again, and a run ending inside one would sample completions that no step trains
+    for name in ("SAVE_STEPS", "TOTAL_STEPS"):
+        _need(s[name] % s.GENERATION_STEPS == 0, name, s[name],
+              f"must be a multiple of GENERATION_STEPS={s.GENERATION_STEPS} (the steps one generation batch feeds)")
     _need(s.NUM_GENERATIONS >= 2, "NUM_GENERATIONS", s.NUM_GENERATIONS,
           "must be at least 2 (GRPO compares completions of the same prompt)")
     _need(s.KEEP_CHECKPOINTS >= 0 and s.SEED >= 0, "KEEP_CHECKPOINTS/SEED", (s.KEEP_CHECKPOINTS, s.SEED),
@@ -201,18 +207,20 @@ def load_training_data(s, tokenizer):
 
 
 def build_stream(frame, s, processes: int | None = None):
-    """StepStream over the rows, one draw of distinct prompts per optimizer step across all processes (every process
-    builds the same stream; accelerate hands each a contiguous slice, so each prompt's group stays on one process)."""
+    """StepStream over the rows, one draw of distinct prompts per generation batch across all processes: one
+    optimizer step, or GENERATION_STEPS of them (every process builds the same stream; accelerate hands each a
+    contiguous slice, so each prompt's group stays on one process, and TRL's shuffle of a generation batch across its
+    steps mixes distinct prompts only)."""
     from data_reward import RECORD_COLUMNS
     from step_stream import StepStream
 
     processes = process_count() if processes is None else processes
     try:
         return StepStream(frame, s.PROMPTS_PER_STEP, seed=s.SEED, columns=RECORD_COLUMNS,
-                          steps_per_draw=s.GRADIENT_ACCUMULATION_STEPS * processes)
+                          steps_per_draw=s.GRADIENT_ACCUMULATION_STEPS * processes * s.GENERATION_STEPS)
     except ValueError as err:
-        raise SettingsError(f"{err} (PROMPTS_PER_STEP x GRADIENT_ACCUMULATION_STEPS x {processes} process(es))") \
-            from None
+        raise SettingsError(f"{err} (PROMPTS_PER_STEP x GRADIENT_ACCUMULATION_STEPS x {processes} process(es) x "
+                            f"GENERATION_STEPS={s.GENERATION_STEPS})") from None
 
 
 def build_lora_config(r: int, alpha: float, expert_layer_ids=()):
@@ -301,12 +309,20 @@ def build_trainer(s, model, tokenizer, train_dataset, layout: dict, completion_l
 
 def describe_run(s, layout: dict, trainer, completion_log) -> None:
     processes, passes, micro = process_count(), layout["gradient_accumulation_steps"], layout["train_batch_size"]
+    steps = layout["generation_steps"]
+    generated = (f"generated in {passes // layout['steps_per_generation']} batch(es)" if steps == 1 else
+                 f"generated {steps} steps at a time ({layout['generation_batch']} a batch)")
     say(f"batch: {layout['completions_per_step']} completions per optimizer step = {layout['prompts_per_step']} "
-        f"prompts x {s.NUM_GENERATIONS} generations, generated in {passes // layout['steps_per_generation']} "
-        f"batch(es); {micro} per forward/backward x {passes} (TRAIN_BATCH_SIZE={s.TRAIN_BATCH_SIZE}: worst case "
+        f"prompts x {s.NUM_GENERATIONS} generations, {generated}; "
+        f"{micro} per forward/backward x {passes} (TRAIN_BATCH_SIZE={s.TRAIN_BATCH_SIZE}: worst case "
         f"{layout['worst_case_tokens_per_pass']} tokens a pass)"
         + (f"; per process: the {processes} processes train {processes * layout['completions_per_step']} completions "
            f"of {processes * layout['prompts_per_step']} distinct prompts per optimizer step" if processes > 1 else ""))
+    if steps > 1:  # TRL computes old_per_token_logps whenever a generation batch outlasts an optimizer step
+        say(f"generation: GENERATION_STEPS={steps}: one batch of {layout['generation_batch']} completions feeds "
+            f"{steps} optimizer steps, shuffled across them; the later steps train on completions sampled before "
+            "their latest update(s), which GRPO's clipped ratio to the log-probabilities of one extra forward pass "
+            "over the batch (at generation) corrects; the completion log's step is the batch's first step")
     say(f"reward: invalid or truncated completions score INVALID_REWARD={s.INVALID_REWARD}"
         + (" (left out of the group statistics: no gradient)" if math.isnan(s.INVALID_REWARD) else ""))
     say(f"completion log: {completion_log.path}" if completion_log else "completion log: off (GRPO_LOG_COMPLETIONS)")
@@ -325,7 +341,7 @@ def train(s, environ=None, callbacks=()) -> Path:
     from transformers import AutoConfig
 
     from data_reward import CompletionLog
-    from tes_grpo.memory_plan import batch_layout, plan_run
+    from tes_grpo.memory_plan import batch_layout, check_generation_cadence, plan_run
     from tes_grpo.model_loading import (
         check_machine,
         load_tokenizer_for,
@@ -338,6 +354,7 @@ def train(s, environ=None, callbacks=()) -> Path:
 
     check_settings(s)
     env = read_environment(os.environ if environ is None else environ)
+    check_generation_cadence(s, env["steps_per_generation"])
     out = Path(s.OUT_DIR)
     log_path = Path(env["completion_log_path"]) if env["completion_log_path"] else out / "completions.csv"
     # Settings, folder, resume: all from files, before anything slow.
@@ -347,6 +364,10 @@ def train(s, environ=None, callbacks=()) -> Path:
         say(f"nothing to train: {checkpoint} is at step {step} of TOTAL_STEPS={s.TOTAL_STEPS}, and its adapter is "
             "there (raise TOTAL_STEPS to train on); the run folder is left as it is")
         return out
+    if checkpoint is not None and step % s.GENERATION_STEPS:  # only a checkpoint of other settings: SAVE_STEPS
+        say(f"note: {checkpoint} (step {step}) is inside a generation batch of GENERATION_STEPS={s.GENERATION_STEPS} "
+            "steps: TRL generates at the resumed run's first step, from that batch's prompts again, so its batches "
+            f"fall {step % s.GENERATION_STEPS} step(s) off those of the uninterrupted run")
     check_machine(s.USE_VLLM, say)
     start_process_group()
     for name, (default, value) in s.preset.items():

@@ -9,6 +9,7 @@ Run on the GPU machine (the tokenizer folder must be reachable: GPT_OSS_TOKENIZE
         --LORA_RHO=1e-3 --DECODE_LORA=merged   # or --SAMPLING_METRICS=0: the cost of exact LoRA / of the metrics
     python benchmarks/bench_grpo.py --STEPS=2 --MAX_COMPLETION_LEN=512 --EXPERTS=mxfp4      # resident MXFP4 experts
     python benchmarks/bench_grpo.py --STEPS=2 --MAX_COMPLETION_LEN=512 --MODEL_SIZE=120b    # gpt-oss-120b (H200)
+    python benchmarks/bench_grpo.py --STEPS=4 --GENERATION_STEPS=2    # 2 steps' completions in one generation batch
     accelerate launch --config_file configs/accelerate/ddp.yaml benchmarks/bench_grpo.py --STEPS=2     # several GPUs
     accelerate launch --config_file configs/accelerate/fsdp2.yaml benchmarks/bench_grpo.py --STEPS=2   # sharded weights
 
@@ -22,7 +23,10 @@ peak memory, the sampler-trainer gap (sampling_fidelity.py's metrics: mean |log 
 and the ratios to the limits (decode: the decode limit of the step's generate calls over its generation time,
 decode_limit.py: the experts hit, the other weights and the KV cache at the mean cache length, at the copy rate
 measured on this GPU at the start; training: ~22 GFLOP a token against ~800 TFLOP/s of bf16 matrix rate, and
-"+attn" with attention's own matmuls counted too, grpo_timers.attention_gflop_per_row). Under accelerate launch every
+"+attn" with attention's own matmuls counted too, grpo_timers.attention_gflop_per_row). GENERATION_STEPS=k
+(train_grpo's) samples k steps' completions in one generation batch: the first step of each k generates (its row says
+"new"), the others train on that batch ("reused", generation 0 s), and the mean step time over each k steps is
+printed after the table, the figure to compare with GENERATION_STEPS=1. Under accelerate launch every
 process builds the model on its own GPU (FSDP then shards it) and runs train_grpo's per-process batch; rank 0
 prints each step with the peak memory of every GPU and the completions per second of all of them together.
 """
@@ -49,7 +53,8 @@ from tes_grpo.processes import (
 )
 from tes_grpo.script_config import resolve
 
-STEPS = 2  # optimizer steps to time (the first includes compilation and warm-up)
+STEPS = 2  # optimizer steps to time (the first includes compilation and warm-up); a multiple of GENERATION_STEPS
+GENERATION_STEPS = 1  # train_grpo's GENERATION_STEPS: optimizer steps whose completions one generation batch samples
 MAX_COMPLETION_LEN = 512  # tokens per completion (random weights always reach it)
 DECODE_EXPERTS = "auto"  # train_grpo's DECODE_EXPERTS: auto | grouped_mm | transformers (its batched_mm switch)
 DECODE_GRAPHS = "auto"  # train_grpo's DECODE_GRAPHS: auto (on, on a GPU), on, off (transformers' generate)
@@ -158,11 +163,14 @@ def main(argv: list[str] | None = None) -> None:
     if bench.MODEL_SIZE not in ("20b", "120b") or bench.EXPERTS not in ("bf16", "mxfp4"):
         raise SystemExit(f"error: MODEL_SIZE={bench.MODEL_SIZE!r} / EXPERTS={bench.EXPERTS!r}: 20b or 120b / bf16 or "
                          "mxfp4")
+    if bench.GENERATION_STEPS < 1 or bench.STEPS % bench.GENERATION_STEPS:
+        raise SystemExit(f"error: STEPS={bench.STEPS}: must be a multiple of GENERATION_STEPS={bench.GENERATION_STEPS} "
+                         "(>= 1), so every timed generation batch is trained to its end")
     import torch
 
     import train_grpo
     from benchmarks.decode_limit import DecodeLimit, copy_rate_line, experts_format, measure_copy_rate
-    from benchmarks.grpo_timers import GenerationTimer, StepTimer
+    from benchmarks.grpo_timers import GenerationTimer, StepTimer, generation_cycles
     from tes_grpo import fast_paths
     from tes_grpo.gpt_oss_shapes import build_random_model, stack_versions
     from tes_grpo.sampling_fidelity import GEN_KL, LOGP_MAX, LOGP_MEAN
@@ -175,7 +183,8 @@ def main(argv: list[str] | None = None) -> None:
     from tes_grpo.harmony import load_tokenizer
 
     settings = train_grpo.default_settings(
-        OUT_DIR=bench.OUT_DIR, TOTAL_STEPS=bench.STEPS, MAX_COMPLETION_LEN=bench.MAX_COMPLETION_LEN, SAVE_STEPS=10_000,
+        OUT_DIR=bench.OUT_DIR, TOTAL_STEPS=bench.STEPS, MAX_COMPLETION_LEN=bench.MAX_COMPLETION_LEN,
+        SAVE_STEPS=10_000 * bench.GENERATION_STEPS, GENERATION_STEPS=bench.GENERATION_STEPS,  # no checkpoint
         DECODE_EXPERTS=bench.DECODE_EXPERTS, DECODE_GRAPHS=bench.DECODE_GRAPHS, TRAIN_EXPERTS=bench.TRAIN_EXPERTS,
         TRAIN_BATCH_SIZE=bench.TRAIN_BATCH_SIZE,
         TRAIN_TOKENS_PER_PASS=bench.TRAIN_TOKENS_PER_PASS, IMPORTANCE_SAMPLING=bench.IMPORTANCE_SAMPLING,
@@ -236,23 +245,34 @@ def main(argv: list[str] | None = None) -> None:
           f"IMPORTANCE_SAMPLING={bench.IMPORTANCE_SAMPLING}, DECODE_LORA={bench.DECODE_LORA}, "
           f"SAMPLING_METRICS={bench.SAMPLING_METRICS}, MAX_COMPLETION_LEN="
           f"{bench.MAX_COMPLETION_LEN}, prompt {prompt_tokens} tokens, {settings.NUM_GENERATIONS} generations x "
-          f"{settings.GRADIENT_ACCUMULATION_STEPS} accumulation, {layout['train_batch_size']} completions a pass")
+          f"{settings.GRADIENT_ACCUMULATION_STEPS} accumulation, {layout['train_batch_size']} completions a pass, "
+          f"GENERATION_STEPS={bench.GENERATION_STEPS} ({layout['generation_batch']} completions a generation batch)")
     for line in step_timer.limit.bytes(*decode_shape(step_timer.timer.calls)).lines(copy_rate):
         print(line)
     print(f"{copy_rate_line(copy_rate, torch.cuda.get_device_name())}; 'limit s': the decode limit of a step's "
           "decode steps, each at its cache length; 'of limit': that over the step's generation seconds (prefill "
           "included)")
-    print(f"{'step':>4}{'step s':>8}{'gen s':>8}{'train s':>8}{'gen %':>7}{'tok/s':>8}{'limit s':>8}{'of limit':>9}"
+    print(f"{'step':>4}{'batch':>7}{'step s':>8}{'gen s':>8}{'train s':>8}{'gen %':>7}{'tok/s':>8}{'limit s':>8}"
+          f"{'of limit':>9}"
           f"{'train MFU':>10}{'+attn':>7}{'compl/s':>8}{'logp gap':>10}{'max gap':>9}{'gen KL':>10}"
           "  peak GiB per GPU (reserved)")
     for r in step_timer.rows:
-        print(f"{r['step']:>4}{r['step_s']:>8.1f}{r['generation_s']:>8.1f}{r['training_s']:>8.1f}"
+        print(f"{r['step']:>4}{'new' if r['generated'] else 'reused':>7}{r['step_s']:>8.1f}{r['generation_s']:>8.1f}"
+              f"{r['training_s']:>8.1f}"
               f"{100 * r['gen_share']:>6.0f}%{r['gen_tokens_per_s']:>8.0f}{r['decode_limit_s']:>8.1f}"
               f"{100 * r['decode_limit_share']:>8.1f}%"
               f"{100 * r['train_mfu']:>9.1f}%{100 * r['train_mfu_with_attention']:>6.1f}%"
               f"{r['completions_per_s']:>8.2f}{r.get(LOGP_MEAN, math.nan):>10.2e}{r.get(LOGP_MAX, math.nan):>9.2e}"
               f"{r.get(GEN_KL, math.nan):>10.2e}  "
               + " / ".join(f"{m:.1f}" for m in r["peak_gib_per_gpu"]) + f" ({r['reserved_gib']:.1f})")
+    cycles = generation_cycles(step_timer.rows)
+    print(f"mean step time per generation batch (GENERATION_STEPS={bench.GENERATION_STEPS}; the first includes "
+          "compilation and warm-up): " + ", ".join(f"steps {c['first']}-{c['last']} {c['mean_step_s']:.1f} s"
+                                                    for c in cycles))
+    steady = [r for r in step_timer.rows if r["step"] > cycles[0]["last"]] or step_timer.rows
+    print(f"mean step time over steps {steady[0]['step']}-{steady[-1]['step']}: "
+          f"{sum(r['step_s'] for r in steady) / len(steady):.1f} s"
+          + ("" if len(cycles) > 1 else " (one generation batch only: warm-up included)"))
 
 
 if __name__ == "__main__":

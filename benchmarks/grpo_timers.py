@@ -60,11 +60,29 @@ class GenerationTimer:
         return out
 
 
+def generation_cycles(rows: list[dict]) -> list[dict]:
+    """The steps grouped by the generation batch they train on: each group starts at a step that generated (a row's
+    "generated") and takes the reuse steps after it. With train_grpo's GENERATION_STEPS=k only the first of k steps
+    generates, so one step's time says little; a group's mean step time is the figure to set beside
+    GENERATION_STEPS=1. Returns per group: first and last step, steps, mean step seconds."""
+    groups: list[list[dict]] = []
+    for row in rows:
+        if row["generated"] or not groups:
+            groups.append([])
+        groups[-1].append(row)
+    return [{"first": g[0]["step"], "last": g[-1]["step"], "steps": len(g),
+             "mean_step_s": sum(r["step_s"] for r in g) / len(g)} for g in groups]
+
+
 class StepTimer(TrainerCallback):
     """Per optimizer step: wall time, the generation share of it, tokens/s, peak memory, ratios to the limits (the
     decode limit of the step's generate calls, decode_limit.py; the training matrix rate), and
     the step's sampling metrics (sampler against trainer, from `fidelity`: the trainer's sampling_fidelity hook,
-    which logs them in the step's last micro-batch, before this callback's on_step_end)."""
+    which logs them in the step's last micro-batch, before this callback's on_step_end). A step that trains on an
+    earlier step's generation batch (GENERATION_STEPS > 1) has generated False and generation 0 s; the step that
+    generated counts in its training seconds TRL's no-grad forward over the whole batch (the old log-probabilities
+    the later steps' clipped ratio needs). Every step is counted as training the step's completions (layout), at the
+    latest batch's mean completion length."""
 
     def __init__(self, timer: GenerationTimer | None, limit: DecodeLimit, prompt_tokens: int, results: Path, bench,
                  layout: dict, model_config):
@@ -72,6 +90,7 @@ class StepTimer(TrainerCallback):
         self.bench, self.layout, self.model_config = bench, layout, model_config
         self.fidelity = None
         self.rows: list[dict] = []
+        self.batch_tokens_per_row = 0.0  # mean completion tokens of the latest generation batch
 
     def on_step_begin(self, args, state, control, **kwargs):
         torch.cuda.synchronize()
@@ -97,12 +116,17 @@ class StepTimer(TrainerCallback):
         calls = self.timer.calls[self.first_call:]
         limit_s = self.limit.calls_seconds(calls)
         contexts = [prompt + new / 2 for _, prompt, new in calls]
-        trained_tokens = seqs * self.prompt_tokens + tokens
+        if seqs:  # this step generated: the steps up to the next generation train on this batch
+            self.batch_tokens_per_row = tokens / seqs
+        trained = self.layout["completions_per_step"]  # per process
+        row_tokens = self.prompt_tokens + self.batch_tokens_per_row
+        trained_tokens = trained * row_tokens
         train_gflop = trained_tokens * self.bench.TRAIN_GFLOP_PER_TOKEN
         # at the mean row length: the square's convexity makes this a slight undercount when lengths vary
-        attention_gflop = seqs * attention_gflop_per_row(round(trained_tokens / max(seqs, 1)), self.model_config)
+        attention_gflop = trained * attention_gflop_per_row(round(row_tokens), self.model_config)
         matrix_rate = self.bench.BF16_TFLOPS * 1e12 * max(train_s, 1e-9)
-        row = dict(step=state.global_step, step_s=total, generation_s=gen, training_s=train_s, sequences=seqs,
+        row = dict(step=state.global_step, generated=bool(calls), generation_steps=self.layout["generation_steps"],
+                   step_s=total, generation_s=gen, training_s=train_s, sequences=seqs,
                    completion_tokens=tokens, gen_tokens_per_s=tokens / gen if gen else 0.0, gen_share=gen / total,
                    decode_limit_s=limit_s, decode_limit_share=limit_s / gen if gen else 0.0,
                    decode_mean_cache=sum(contexts) / len(contexts) if contexts else 0.0,
@@ -120,12 +144,13 @@ class StepTimer(TrainerCallback):
         row.update(processes=processes, sharding="fsdp2" if uses_fsdp() else "ddp" if processes > 1 else "none",
                    generation_s_per_gpu=[g for g, _, _ in per_gpu], peak_gib_per_gpu=[m for _, m, _ in per_gpu],
                    peak_gib=max(m for _, m, _ in per_gpu), reserved_gib=max(r for _, _, r in per_gpu),
-                   completions_per_step=seqs * processes,
-                   completions_per_s=seqs * processes / total)
+                   completions_per_step=trained * processes,
+                   completions_per_s=trained * processes / total)
         row.update(self.fidelity.latest if self.fidelity is not None else {})
         self.rows.append(row)
         with self.results.open("a") as f:
             f.write(json.dumps(row) + "\n")
-        print(f"[bench] step {row['step']}: {total:.1f} s (generation {gen:.1f} s, training {train_s:.1f} s), "
+        print(f"[bench] step {row['step']}: {total:.1f} s (generation {gen:.1f} s"
+              + ("" if calls else ": trains an earlier step's generation batch") + f", training {train_s:.1f} s), "
               f"{row['gen_tokens_per_s']:.0f} tok/s per GPU, {row['completions_per_s']:.2f} completions/s, peak "
               + " / ".join(f"{m:.1f}" for m in row["peak_gib_per_gpu"]) + " GiB", flush=True)

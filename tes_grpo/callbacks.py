@@ -44,7 +44,8 @@ PROGRESS_FIELDS = (("reward", "reward"), ("action/valid_fraction", "valid"),
 
 class ProgressLineCallback(TrainerCallback):
     """One line per logged step: step, reward, valid/truncated/optimal fractions, loss, length, the mean |log p| gap
-    between sampler and trainer, seconds per step."""
+    between sampler and trainer, seconds per step. A step that trains on an earlier step's generation batch
+    (train_grpo's GENERATION_STEPS) logs no rewards: its line says so."""
 
     def __init__(self):
         self.started = self.last = None
@@ -55,8 +56,8 @@ class ProgressLineCallback(TrainerCallback):
         self.first_step = self.last_step = state.global_step
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero or not logs or "reward" not in logs:
-            return
+        if not state.is_world_process_zero or not logs or ("reward" not in logs and "loss" not in logs):
+            return  # the end-of-training summary has neither
         print("  ".join(self.progress_parts(state, logs, time.time())), flush=True)
 
     def progress_parts(self, state, logs: dict, now: float) -> list[str]:
@@ -68,6 +69,8 @@ class ProgressLineCallback(TrainerCallback):
         self.last, self.last_step = now, state.global_step
         parts = [f"step {state.global_step}/{state.max_steps}"]
         parts += [f"{label} {format_metric(logs[key])}" for key, label in PROGRESS_FIELDS if key in logs]
+        if "reward" not in logs:
+            parts.append("(an earlier step's generation batch)")
         parts.append(f"{latest:.1f} s/step (average {average:.1f})")
         return parts
 

@@ -62,8 +62,10 @@ full-attention layer and a ring of sliding_window slots in each sliding one; the
                   before the copy), one MoE layer's routed rows, attention's q/output, for the distinct prompts of
                   the call (rounded up to a power of two) at P' = P rounded up to 256 tokens (graph_decode's buckets)
 
-When the room cannot hold a whole generation batch the plan gives the most sequences a call can take (a divisor
-of the batch); whoever generates then splits the batch into calls of that many.
+A generation batch is one optimizer step's completions, or GENERATION_STEPS steps' (k: k times as many sequences,
+so k times the KV cache when they fit one call). When the room cannot hold a whole generation batch the plan gives
+the most sequences a call can take (a divisor of the batch); whoever generates then splits the batch into calls of
+that many, and a plan whose calls are no larger than one step's says that the larger batch gains nothing.
 
 Under FSDP2 (configs/accelerate/fsdp2.yaml) there is no plan for the passes and generate calls; what each GPU must
 hold for the weights is still known (`fsdp_weights_per_gpu`: the resident MXFP4 experts replicated on every GPU,
@@ -461,6 +463,7 @@ class MemoryPlan:
     generation_batch: int  # sequences a generation batch has (TRL's one generate call)
     generation_bytes: int
     kv_cache_bytes: int
+    generation_steps: int = 1  # optimizer steps a generation batch feeds (GENERATION_STEPS)
     notes: tuple[str, ...] = field(default=())
 
     def describe(self) -> str:
@@ -469,6 +472,8 @@ class MemoryPlan:
         calls = ("at once" if self.generation_sequences == self.generation_batch else
                  f"at a time ({self.generation_batch // self.generation_sequences} calls for "
                  f"{self.generation_batch})")
+        if self.generation_steps > 1:
+            calls += f", one batch for {self.generation_steps} optimizer steps"
         line = (f"memory: {gib(self.free_bytes)} GiB free after loading ({budget}; {gib(self.room_bytes)} GiB for "
                 f"a pass or a generate call after the margin); training passes of {self.train_batch_size} "
                 f"completions (worst case {self.train_batch_size} x {self.train_tokens // self.train_batch_size:,} "
@@ -560,14 +565,14 @@ def plan_memory(s, m: ModelShape, longest_prompt: int, facts: MemoryFacts,
                 steps_per_generation: int | None = None) -> MemoryPlan:
     """Completions per training pass and sequences per generate call that fit the memory, for settings `s`
     (train_grpo's: MEMORY_BUDGET_GB, MAX_COMPLETION_LEN, NUM_GENERATIONS, PROMPTS_PER_STEP,
-    GRADIENT_ACCUMULATION_STEPS, GRADIENT_CHECKPOINTING, TRAIN_BATCH_SIZE, TRAIN_TOKENS_PER_PASS).
+    GRADIENT_ACCUMULATION_STEPS, GENERATION_STEPS, GRADIENT_CHECKPOINTING, TRAIN_BATCH_SIZE, TRAIN_TOKENS_PER_PASS).
 
     TRAIN_BATCH_SIZE=auto: the largest divisor of a step's completions whose worst case (every completion at
     MAX_COMPLETION_LEN after the longest prompt) fits the room and TRAIN_TOKENS_PER_PASS (an upper bound, 0 = none);
     a number is kept, with a note when the estimate says it does not fit. Generation: a whole generation batch
-    (steps_per_generation passes, default all of a step's) in one call if it fits, else the largest divisor that
-    does. Raises SettingsError naming what fits and what to change when one completion a pass or one sequence a call
-    does not fit.
+    (`generation_passes`: GENERATION_STEPS optimizer steps' passes, or GRPO_STEPS_PER_GENERATION's) in one call if
+    it fits, else the largest divisor that does. Raises SettingsError naming what fits and what to change when one
+    completion a pass or one sequence a call does not fit.
     """
     budget = budget_bytes_of(s)
     room = room_bytes(facts, budget)
@@ -598,21 +603,29 @@ def plan_memory(s, m: ModelShape, longest_prompt: int, facts: MemoryFacts,
                          f"{fitting[0] if fitting else 'none'})")
 
     passes = max(1, per_step // micro)
-    batch = (steps_per_generation or passes) * micro
+    batch = generation_passes(s, passes, micro, steps_per_generation) * micro
     one_sequence = _generation_bytes(m, facts, s, 1, prompt_len, completion_len)
     if one_sequence > room:
         raise _nothing_fits(m, facts, s, prompt_len, room, budget,
                             f"generating one sequence ({sequence:,} tokens of KV cache and sampling buffers)",
                             one_sequence)
-    sequences = next(d for d in divisors(batch)
-                     if _generation_bytes(m, facts, s, d, prompt_len, completion_len) <= room)
+
+    def call_size(total: int) -> int:
+        return next(d for d in divisors(total) if _generation_bytes(m, facts, s, d, prompt_len, completion_len) <= room)
+
+    sequences = call_size(batch)
+    if batch > per_step and sequences <= call_size(per_step):  # one step's batch already gives calls this large
+        notes.append(f"GENERATION_STEPS={s.GENERATION_STEPS} gains nothing here: a generate call fits {sequences} "
+                     f"sequences, as it would of one step's {per_step}, while the later steps train off-policy "
+                     "(GENERATION_STEPS=1 decodes as fast)")
     return MemoryPlan(
         free_bytes=facts.free_bytes - facts.to_load_bytes, budget_bytes=budget, held_bytes=facts.held_bytes,
         room_bytes=room, train_batch_size=micro, train_tokens=micro * sequence,
         train_bytes=_train_bytes(m, facts, s, micro, prompt_len, completion_len),
         generation_sequences=sequences, generation_batch=batch,
         generation_bytes=_generation_bytes(m, facts, s, sequences, prompt_len, completion_len),
-        kv_cache_bytes=kv_cache_bytes(m, sequences, sequence, facts.dtype_bytes), notes=tuple(notes))
+        kv_cache_bytes=kv_cache_bytes(m, sequences, sequence, facts.dtype_bytes),
+        generation_steps=s.GENERATION_STEPS if steps_per_generation is None else 1, notes=tuple(notes))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -623,16 +636,40 @@ def largest_divisor_at_most(total: int, cap: int) -> int:
     return max(d for d in range(1, total + 1) if total % d == 0 and d <= max(1, cap))
 
 
+def check_generation_cadence(s, steps_per_generation: int | None) -> None:
+    """SettingsError when GENERATION_STEPS (optimizer steps) and the seed's GRPO_STEPS_PER_GENERATION
+    (steps_per_generation, forward/backward passes) are both set: they set the same thing in two units."""
+    if steps_per_generation is not None and s.GENERATION_STEPS != 1:
+        raise SettingsError(f"GENERATION_STEPS={s.GENERATION_STEPS} and GRPO_STEPS_PER_GENERATION="
+                            f"{steps_per_generation} both set how often completions are generated (optimizer steps / "
+                            "forward-backward passes); unset the environment variable or leave GENERATION_STEPS at 1")
+
+
+def generation_passes(s, passes: int, micro: int, steps_per_generation: int | None) -> int:
+    """TRL's steps_per_generation: the forward/backward passes (of `micro` completions) one generation batch feeds.
+    GENERATION_STEPS=k: k optimizer steps' `passes`. steps_per_generation (the seed's GRPO_STEPS_PER_GENERATION, in
+    passes): that many, a divisor of one step's (check_generation_cadence: not both)."""
+    check_generation_cadence(s, steps_per_generation)
+    if steps_per_generation is None:
+        return passes * s.GENERATION_STEPS
+    if passes % steps_per_generation or (steps_per_generation * micro) % s.NUM_GENERATIONS:
+        raise SettingsError(f"GRPO_STEPS_PER_GENERATION={steps_per_generation}: must divide the {passes} "
+                            f"forward/backward passes of an optimizer step, and {steps_per_generation} x {micro} "
+                            f"completions must be whole groups of NUM_GENERATIONS={s.NUM_GENERATIONS}")
+    return steps_per_generation
+
+
 def batch_layout(s, longest_prompt: int, steps_per_generation: int | None = None, plan=None) -> dict:
     """How one optimizer step's completions are generated and split into forward/backward passes.
 
     completions_per_step = PROMPTS_PER_STEP x NUM_GENERATIONS x GRADIENT_ACCUMULATION_STEPS. TRAIN_BATCH_SIZE=auto
     takes the largest divisor of it whose worst case (every completion at MAX_COMPLETION_LEN after the longest
     prompt) fits TRAIN_TOKENS_PER_PASS, so a longer MAX_COMPLETION_LEN trains in smaller passes, never out of
-    memory, and the step still trains the same completions. steps_per_generation (GRPO_STEPS_PER_GENERATION)
-    defaults to all of a step's passes: one generation batch per optimizer step. plan (memory_plan.plan_run, on a
-    GPU): TRAIN_BATCH_SIZE=auto takes its completions a pass, and a generate call its sequences, which may split
-    the generation batch.
+    memory, and the step still trains the same completions. A generation batch feeds GENERATION_STEPS optimizer
+    steps (steps_per_generation = passes x GENERATION_STEPS, generation_batch = completions_per_step x
+    GENERATION_STEPS), or, with steps_per_generation given (GRPO_STEPS_PER_GENERATION), that many passes
+    (`generation_passes`). plan (memory_plan.plan_run, on a GPU): TRAIN_BATCH_SIZE=auto takes its completions a
+    pass, and a generate call its sequences, which may split the generation batch.
     """
     per_step = s.PROMPTS_PER_STEP * s.NUM_GENERATIONS * s.GRADIENT_ACCUMULATION_STEPS
     sequence = longest_prompt + s.MAX_COMPLETION_LEN
@@ -645,12 +682,10 @@ def batch_layout(s, longest_prompt: int, steps_per_generation: int | None = None
         raise SettingsError(f"TRAIN_BATCH_SIZE={micro} must divide the {per_step} completions of an optimizer step "
                             "(PROMPTS_PER_STEP x NUM_GENERATIONS x GRADIENT_ACCUMULATION_STEPS)")
     passes = per_step // micro
-    generation = steps_per_generation or passes
-    if passes % generation or (generation * micro) % s.NUM_GENERATIONS:
-        raise SettingsError(f"GRPO_STEPS_PER_GENERATION={generation}: must divide the {passes} forward/backward passes "
-                            f"of an optimizer step, and {generation} x {micro} completions must be whole groups of "
-                            f"NUM_GENERATIONS={s.NUM_GENERATIONS}")
+    generation = generation_passes(s, passes, micro, steps_per_generation)
     return {"completions_per_step": per_step, "prompts_per_step": per_step // s.NUM_GENERATIONS,
             "train_batch_size": micro, "gradient_accumulation_steps": passes, "steps_per_generation": generation,
+            "generation_steps": s.GENERATION_STEPS if steps_per_generation is None else 1,
+            "generation_batch": generation * micro,
             "generation_sequences": plan.generation_sequences if plan else generation * micro,
             "worst_case_tokens_per_pass": micro * sequence, "longest_prompt": longest_prompt}

@@ -58,7 +58,9 @@ def settings_to_lower(s, memory_plan: bool) -> list[str]:
     else:
         first = ("MEMORY_BUDGET_GB (now 0 = all the GPU's free memory: set it a few GiB below that, and the plan "
                  "sizes TRAIN_BATCH_SIZE=auto's passes and the generate calls smaller)")
-    return [first, f"MAX_COMPLETION_LEN (now {s.MAX_COMPLETION_LEN} tokens)"]
+    steps = s.GENERATION_STEPS
+    return [first, f"MAX_COMPLETION_LEN (now {s.MAX_COMPLETION_LEN} tokens)"] + (
+        [f"GENERATION_STEPS (now {steps}: a generation batch holds {steps} steps' completions)"] if steps > 1 else [])
 
 
 def out_of_memory_message(s, step: int | None, error: BaseException, memory_plan: bool, ended: bool = False) -> str:

@@ -78,3 +78,24 @@ def test_memory_calibration_recovers_the_scale(scale, fixed, points, expected):
     else:
         through_origin, fitted_fixed, slope = fit
         assert through_origin > scale and fitted_fixed == pytest.approx(fixed) and slope == pytest.approx(scale)
+
+
+def rows(*steps):
+    """bench rows from (step seconds, generated) pairs, steps numbered from 1."""
+    return [{"step": i, "step_s": s, "generated": g} for i, (s, g) in enumerate(steps, 1)]
+
+
+# (rows, the groups generation_cycles makes: first step, last step, steps, mean step seconds)
+CYCLES = [
+    (rows((50.0, True), (40.0, True)), [(1, 1, 1, 50.0), (2, 2, 1, 40.0)]),  # GENERATION_STEPS=1: every step its own
+    (rows((90.0, True), (10.0, False), (70.0, True), (10.0, False)),
+     [(1, 2, 2, 50.0), (3, 4, 2, 40.0)]),  # 2: the generating step and the one that reuses its batch
+    (rows((130.0, True), (10.0, False), (10.0, False), (10.0, False)), [(1, 4, 4, 40.0)]),  # 4, one batch
+]
+
+
+@pytest.mark.parametrize("timed, expected", CYCLES)
+def test_generation_cycles_average_each_batchs_steps(timed, expected):
+    from benchmarks.grpo_timers import generation_cycles
+
+    assert [(c["first"], c["last"], c["steps"], c["mean_step_s"]) for c in generation_cycles(timed)] == expected

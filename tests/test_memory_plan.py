@@ -51,6 +51,12 @@ PLANS = [
     (40, BF16_WEIGHTS, 0, {"TRAIN_TOKENS_PER_PASS": 10**6}, 871, None,
      {"mxfp4": False, "later_resident_bytes": int(9.46 * GIB)}, 8, 64, 64),  # H100 today: bf16 + MXFP4 decode copy
     (65, 13.0, 0, {"MEMORY_BUDGET_GB": 24, "TRAIN_BATCH_SIZE": "16"}, 871, None, {}, 16, 32, 64),  # a number is kept
+    (65, MXFP4_WEIGHTS, 0, {"GENERATION_STEPS": 2}, 871, None, {}, 8, 128, 128),  # 2 steps' batch in one call
+    (65, MXFP4_WEIGHTS, 0, {"GENERATION_STEPS": 4}, 871, None, {}, 8, 256, 256),  # 4 steps': 29.3 GiB of KV cache
+    (40, BF16_WEIGHTS, 0, {"TRAIN_TOKENS_PER_PASS": 10**6, "GENERATION_STEPS": 4}, 871, None,
+     {"mxfp4": False, "later_resident_bytes": int(9.46 * GIB)}, 8, 128, 256),  # bf16 experts: 2 calls of 128
+    (10.7, MXFP4_WEIGHTS, 0, {"GENERATION_STEPS": 2}, 871, None, {}, 4, 32, 128),  # 24 GB card: 32 a call either way
+    (23.5, 0, MXFP4_WEIGHTS, {"GENERATION_STEPS": 4}, 871, None, {}, 4, 32, 256),  # ... before loading too
 ]
 
 
@@ -71,7 +77,8 @@ def test_plan(free, held, load, overrides, prompt, steps_per_generation, extra, 
     else:
         assert any("over the estimate" in note for note in plan.notes)
     layout = memory_plan.batch_layout(s, prompt, steps_per_generation, plan)
-    assert (layout["train_batch_size"], layout["generation_sequences"]) == (micro, sequences)
+    assert (layout["train_batch_size"], layout["generation_sequences"], layout["generation_batch"]) == (
+        micro, sequences, batch)
 
 
 # (free GiB, held GiB, GiB still to load, settings, extra facts, words of the SettingsError)
@@ -101,6 +108,33 @@ def test_describe_names_budget_and_choices():
                   "(worst case 4 x 4,871 tokens ~ ", "generation 32 sequences at a time (2 calls for 64)",
                   "KV cache 3.7 GiB"):
         assert words in line, line
+
+
+# (free GiB, held GiB, settings, extra facts, words in the memory line, words not in it)
+GENERATION_LINES = [
+    (65, MXFP4_WEIGHTS, {"GENERATION_STEPS": 4}, {},
+     "generation 256 sequences at once, one batch for 4 optimizer steps (KV cache 29.3 GiB", "gains nothing"),
+    (40, BF16_WEIGHTS, {"TRAIN_TOKENS_PER_PASS": 10**6, "GENERATION_STEPS": 4},
+     {"mxfp4": False, "later_resident_bytes": int(9.46 * GIB)},
+     "128 sequences at a time (2 calls for 256), one batch for 4 optimizer steps", "gains nothing"),  # 2x one step's
+    (10.7, MXFP4_WEIGHTS, {"GENERATION_STEPS": 2}, {},
+     "GENERATION_STEPS=2 gains nothing here: a generate call fits 32 sequences, as it would of one step's 64", None),
+    (65, MXFP4_WEIGHTS, {}, {}, "generation 64 sequences at once (KV cache", "optimizer steps"),  # the default
+]
+
+
+@pytest.mark.parametrize("free, held, overrides, extra, words, absent", GENERATION_LINES)
+def test_memory_line_says_what_a_larger_generation_batch_gets(free, held, overrides, extra, words, absent):
+    line = plan_memory(train_grpo.default_settings(**overrides), M20B, 871, facts(free, held, **extra)).describe()
+    assert words in line, line
+    assert absent is None or absent not in line, line
+
+
+def test_kv_cache_of_256_sequences_at_the_recipe():
+    """GENERATION_STEPS=4 at the defaults: 256 sequences of 871 + 4,000 tokens hold 31.5 GB (29.3 GiB) of keys and
+    values (12 full-attention layers of 4,871 slots, 12 sliding ones of 128; 8 kv heads of 64, bf16)."""
+    assert memory_plan.kv_cache_bytes(M20B, 256, 871 + 4000) == 256 * 2 * 8 * 64 * 2 * (12 * 4871 + 12 * 128)
+    assert memory_plan.kv_cache_bytes(M20B, 256, 871 + 4000) / 1e9 == pytest.approx(31.45, abs=0.01)
 
 
 # The H100 runs of BENCHMARKS.md with fused training experts and graph_decode (gpt-oss-20b shape, bf16 weights 39.0

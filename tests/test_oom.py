@@ -46,6 +46,18 @@ def test_settings_to_lower(overrides, planned, first):
     assert lower[0].startswith(first) and lower[1] == "MAX_COMPLETION_LEN (now 4000 tokens)"
 
 
+# (GENERATION_STEPS, the last setting named)
+LAST_TO_LOWER = [
+    (1, "MAX_COMPLETION_LEN (now 4000 tokens)"),  # one step a batch: nothing to say
+    (2, "GENERATION_STEPS (now 2: a generation batch holds 2 steps' completions)"),  # a larger batch to shrink
+]
+
+
+@pytest.mark.parametrize("steps, last", LAST_TO_LOWER)
+def test_a_larger_generation_batch_is_named_last(steps, last):
+    assert settings_to_lower(train_grpo.default_settings(GENERATION_STEPS=steps), True)[-1] == last
+
+
 def test_message_without_a_checkpoint(tmp_path):
     settings = train_grpo.default_settings(OUT_DIR=str(tmp_path / "run"), TRAIN_BATCH_SIZE="8")
     message = out_of_memory_message(settings, None, torch.OutOfMemoryError(ALLOCATOR_SAYS + "\nmore"), True)

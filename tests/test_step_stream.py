@@ -169,6 +169,24 @@ def test_tiny_preview_is_the_tiny_runs_stream(capsys):
     assert [line.split(": ", 1)[1].split(" (optimal")[0] for line in lines] == drawn
 
 
+def test_preview_with_generation_steps_is_the_runs_stream(capsys):
+    """GENERATION_STEPS=2: the preview draws 2 steps' prompts together, all distinct, as train_grpo's stream does."""
+    import step_stream
+    import train_grpo
+    from data_reward import load_training_frames
+
+    assert step_stream.main(["--STEPS=2", "--GRADIENT_ACCUMULATION_STEPS=2", "--GENERATION_STEPS=2"]) == 0
+    header, *lines = capsys.readouterr().out.splitlines()
+    assert "2 steps' prompts drawn together" in header
+    settings = train_grpo.default_settings(GRADIENT_ACCUMULATION_STEPS=2, GENERATION_STEPS=2)
+    frame = load_training_frames(settings.DATA_DIR, settings.EVAL_DIR)
+    source_of = dict(zip(frame["prompt"], frame["source"], strict=True))
+    stream = train_grpo.build_stream(frame, settings, processes=1).micro_steps()
+    drawn = [source_of[row["prompt"]] for _ in range(len(lines)) for row in next(stream)]
+    shown = [line.split(": ", 1)[1].split(" (optimal")[0] for line in lines]
+    assert shown == drawn and len(set(shown)) == 4  # one draw of 4 distinct prompts for steps 1 and 2
+
+
 def test_step_stream_and_train_grpo_share_one_preset_table():
     import step_stream
     import train_grpo

@@ -40,6 +40,9 @@ LAYOUTS = [
     ({}, 871, 2, 64, 8, 8, 2),  # GRPO_STEPS_PER_GENERATION=2: a generation every 2 passes, as exported
     ({"PROMPTS_PER_STEP": 2, "NUM_GENERATIONS": 8, "GRADIENT_ACCUMULATION_STEPS": 2}, 871, None, 32, 8, 4, 4),
     ({"MODEL_ID": "tiny"}, 871, None, 16, 16, 1, 1),  # the tiny preset: 1 x 8 generations x 2, 48 tokens
+    ({"GENERATION_STEPS": 2}, 871, None, 64, 8, 8, 16),  # one generation batch of 128 for 2 optimizer steps
+    ({"GENERATION_STEPS": 4, "MAX_COMPLETION_LEN": 1024}, 871, None, 64, 16, 4, 16),  # 256 for 4 steps, 4 passes each
+    ({"MODEL_ID": "tiny", "GENERATION_STEPS": 2}, 871, None, 16, 16, 1, 2),  # the tiny run, 2 steps a batch
 ]
 
 
@@ -49,6 +52,9 @@ def test_batch_layout(overrides, longest, steps_per_generation, per_step, micro,
     layout = memory_plan.batch_layout(settings, longest, steps_per_generation)
     assert (layout["completions_per_step"], layout["train_batch_size"], layout["gradient_accumulation_steps"],
             layout["steps_per_generation"]) == (per_step, micro, passes, generation)
+    assert layout["generation_batch"] == layout["generation_sequences"] == generation * micro  # no plan: one call
+    if steps_per_generation is None:
+        assert layout["generation_batch"] == per_step * settings.GENERATION_STEPS
     if settings.TRAIN_BATCH_SIZE == "auto" and micro > 1:
         assert layout["worst_case_tokens_per_pass"] <= settings.TRAIN_TOKENS_PER_PASS
 
@@ -58,6 +64,7 @@ BAD_LAYOUTS = [
     ({"TRAIN_BATCH_SIZE": "24"}, None, "must divide the 64"),  # 64 completions do not split into 24s
     ({"TRAIN_BATCH_SIZE": "8"}, 3, "GRPO_STEPS_PER_GENERATION=3"),  # 3 does not divide 8 passes
     ({"TRAIN_BATCH_SIZE": "4"}, 2, "whole groups"),  # 2 x 4 = 8 completions: half a group of 16
+    ({"GENERATION_STEPS": 2}, 2, "GENERATION_STEPS=2 and GRPO_STEPS_PER_GENERATION=2 both set"),  # one or the other
 ]
 
 
@@ -65,6 +72,14 @@ BAD_LAYOUTS = [
 def test_bad_layouts(overrides, steps_per_generation, words):
     with pytest.raises(train_grpo.SettingsError, match=words):
         memory_plan.batch_layout(train_grpo.default_settings(**overrides), 871, steps_per_generation)
+
+
+def test_generation_steps_with_the_environments_cadence_stops_before_anything(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("GRPO_STEPS_PER_GENERATION", "2")
+    out = tmp_path / "run"
+    assert train_grpo.main(["--MODEL_ID=tiny", "--GENERATION_STEPS=2", f"--OUT_DIR={out}"]) == 1
+    assert "error: GENERATION_STEPS=2 and GRPO_STEPS_PER_GENERATION=2 both set" in capsys.readouterr().err
+    assert not out.exists()  # stopped before the run folder, the data and the model
 
 
 NAN, INF = float("nan"), float("inf")
@@ -103,6 +118,9 @@ BAD_SETTINGS = [
     ({"USE_VLLM": True, "DECODE_GRAPHS": "on"}, "both choose how completions are generated"),
     ({"DECODE_EXPERTS": "mxfp4", "DECODE_GRAPHS": "off"}, "DECODE_EXPERTS=mxfp4 is graph_decode's"),
     ({"DECODE_EXPERTS": "mxfp4", "USE_VLLM": True}, "DECODE_EXPERTS=mxfp4 is graph_decode's"),
+    ({"GENERATION_STEPS": 0}, "GENERATION_STEPS=0: must be at least 1"),
+    ({"GENERATION_STEPS": 3}, "SAVE_STEPS=20: must be a multiple of GENERATION_STEPS=3"),  # a checkpoint mid-batch
+    ({"GENERATION_STEPS": 4, "SAVE_STEPS": 8, "TOTAL_STEPS": 202}, "TOTAL_STEPS=202: must be a multiple of"),
 ]
 
 
@@ -191,6 +209,29 @@ def test_grpo_config_uses_cache_stream_options_and_loss(tmp_path):
     assert args.max_completion_length == 4000 and args.gradient_checkpointing is True
     assert args.learning_rate == 5e-5 and args.lr_scheduler_type == "linear" and args.save_steps == 20
     assert args.bf16 is False  # float32 on CPU (bf16=True is asked for on CUDA only)
+
+
+# (overrides, TRL's per-device batch, gradient accumulation, steps_per_generation, generation_batch_size)
+GENERATION_CONFIGS = [
+    ({}, 8, 8, 8, 64),  # the defaults: one generation batch per optimizer step
+    ({"GENERATION_STEPS": 2}, 8, 8, 16, 128),  # 2 steps' completions sampled together
+    ({"GENERATION_STEPS": 4}, 8, 8, 32, 256),  # 4 steps'
+]
+
+
+@pytest.mark.parametrize("overrides, per_device, accumulation, steps, batch", GENERATION_CONFIGS)
+def test_generation_steps_reach_grpo_config_and_the_stream(tmp_path, overrides, per_device, accumulation, steps,
+                                                           batch):
+    settings = train_grpo.default_settings(OUT_DIR=str(tmp_path), **overrides)
+    args = train_grpo.build_grpo_config(settings, memory_plan.batch_layout(settings, 871), cuda=False)
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.steps_per_generation,
+            args.generation_batch_size) == (per_device, accumulation, steps, batch)
+    rows = [{"prompt": f"p{i}", "optimal_action": 0, **{f"reward_action_{k}": 0.25 for k in range(4)}}
+            for i in range(40)]
+    stream = train_grpo.build_stream(rows, settings, processes=1)
+    draw = [row["prompt"] for _, group in zip(range(stream.steps_per_draw), stream.micro_steps(), strict=False)
+            for row in group]
+    assert len(draw) == len(set(draw)) == batch // settings.NUM_GENERATIONS  # a generation batch's prompts distinct
 
 
 @pytest.mark.parametrize("device, expected", [("cuda", "flex_attention"), ("cpu", "eager")])
@@ -335,6 +376,85 @@ def test_invalid_completions_advantage(tmp_path, tokenizer, monkeypatch, invalid
     else:
         # nan: TRL leaves the invalid ones out of the mean and gives them advantage 0 (no gradient at all)
         assert advantages == pytest.approx([0.0] * 8)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GENERATION_STEPS: one generation batch for several optimizer steps
+# ---------------------------------------------------------------------------------------------------------------
+
+class LoraPerStep(TrainerCallback):
+    """The trainable (LoRA) weights at train begin and after every optimizer step."""
+
+    def __init__(self):
+        self.weights = []
+
+    def keep(self, model):
+        self.weights.append({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.keep(model)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.keep(model)
+
+
+@pytest.mark.slow
+def test_two_optimizer_steps_from_one_generation(tmp_path, tokenizer, monkeypatch, capsys):
+    """GENERATION_STEPS=2 through train_grpo.main: one generate-and-score for two optimizer steps, of two distinct
+    prompts; each step trains half of the batch (TRL shuffles it across them), every completion once, against the
+    log-probabilities TRL took at generation; both steps change the adapter; the log labels the batch's first step.
+    Then a resume from the step-2 checkpoint to step 4 generates once, at step 3, from the stream's next draw."""
+    from trl import GRPOTrainer
+
+    generated_at, trained = [], []
+    generate, compute_loss = GRPOTrainer._generate_and_score_completions, GRPOTrainer.compute_loss
+
+    def counted_generate(self, inputs):
+        generated_at.append(self.state.global_step)
+        return generate(self, inputs)
+
+    def recorded_loss(self, model, inputs, *args, **kwargs):
+        rows = zip(inputs["prompt_ids"], inputs["prompt_mask"], strict=True)
+        prompts = [tuple(ids[mask.bool()].tolist()) for ids, mask in rows]
+        trained.append((self.state.global_step + 1, prompts, inputs.get("old_per_token_logps") is not None))
+        return compute_loss(self, model, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", counted_generate)
+    monkeypatch.setattr(GRPOTrainer, "compute_loss", recorded_loss)
+    monkeypatch.delenv("GRPO_COMPLETION_LOG_PATH", raising=False)
+    monkeypatch.delenv("GRPO_LOG_COMPLETIONS", raising=False)
+    monkeypatch.delenv("GRPO_STEPS_PER_GENERATION", raising=False)
+    data, out, lora = write_fixture_data(tmp_path, tokenizer), tmp_path / "run", LoraPerStep()
+    argv = ["--MODEL_ID=tiny", f"--DATA_DIR={data}", f"--EVAL_DIR={data / 'eval'}", f"--OUT_DIR={out}",
+            "--GRADIENT_ACCUMULATION_STEPS=1", "--SAVE_STEPS=2", "--GENERATION_STEPS=2"]
+    assert train_grpo.main([*argv, "--TOTAL_STEPS=2"], callbacks=[lora]) == 0
+    assert generated_at == [0]  # one generation, before step 1
+    assert [step for step, _, _ in trained] == [1, 2]  # one pass a step (8 completions), both steps
+    assert all(len(prompts) == 8 and old for _, prompts, old in trained)
+    drawn = [prompt for _, prompts, _ in trained for prompt in prompts]
+    assert sorted(drawn.count(prompt) for prompt in set(drawn)) == [8, 8]  # 2 distinct prompts, each group trained once
+    assert [len(lora.weights), *(any(not torch.equal(before[n], after[n]) for n in before)
+                                 for before, after in zip(lora.weights[:-1], lora.weights[1:], strict=True))] \
+        == [3, True, True]  # weights after begin, step 1, step 2: each step moved them
+    log = pd.read_csv(out / "completions.csv", keep_default_na=False)
+    assert len(log) == 16 and set(log["step"]) == {1} and sorted(set(log["micro_step"])) == [0, 1]
+    assert log.groupby("micro_step")["prompt"].nunique().eq(1).all() and log["prompt"].nunique() == 2
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "loss" in m] == [1, 2]  # both steps trained
+    assert [m["step"] for m in metrics if "reward" in m] == [1]  # rewards are logged where the batch was scored
+    assert "step 2/2  loss " in capsys.readouterr().out  # the progress line of the step without generation
+    layout = json.loads((out / "train_config.json").read_text())["derived"]
+    assert (layout["steps_per_generation"], layout["generation_steps"], layout["generation_batch"]) == (2, 2, 16)
+
+    assert train_grpo.main([*argv, "--TOTAL_STEPS=4", "--RESUME=1"]) == 0
+    assert generated_at == [0, 2] and [step for step, _, _ in trained] == [1, 2, 3, 4]
+    log = pd.read_csv(out / "completions.csv", keep_default_na=False)
+    assert sorted(set(log["step"])) == [1, 3] and len(log) == 32
+    settings = train_grpo.default_settings(MODEL_ID="tiny", DATA_DIR=str(data), EVAL_DIR=str(data / "eval"),
+                                           GRADIENT_ACCUMULATION_STEPS=1, GENERATION_STEPS=2)
+    draws = train_grpo.build_stream(train_grpo.load_training_data(settings, tokenizer), settings, 1).micro_steps()
+    expected = [[row["prompt"] for _ in range(2) for row in next(draws)] for _ in range(2)]  # 2 draws of 2 prompts
+    assert [list(log[log["step"] == step].groupby("micro_step")["prompt"].first()) for step in (1, 3)] == expected
 
 
 # ---------------------------------------------------------------------------------------------------------------
