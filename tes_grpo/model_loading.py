@@ -169,10 +169,6 @@ def empty_policy_model(path: str, dtype, attn: str, experts: str = "bf16", keep_
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
     model.config.use_cache = True
     return model
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
-    model.config.use_cache = True
-    return model
 
 
 def load_training_model(path: str, attn_implementation: str = "auto", dtype=None, say=print, experts: str = "auto",
