@@ -8,6 +8,7 @@
 # the GPU machine has no ../shared, so copy it into the project (e.g. .tok) and carry it there.
 # Packages the GPU machine lacks come from wheels: begin the command with the pip line of ../shared/device/wheels.sh.
 set -uo pipefail
+self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
 part=${1:-list}
 tok=${2:-${GPT_OSS_TOKENIZER:-}}
@@ -39,7 +40,7 @@ case "$part" in
     python3 -m tes_grpo.tiny_model > "$logs/tiny-model.log" 2>&1 || { echo "error: building the tiny model failed (see $logs/tiny-model.log)" >&2; exit 1; }
     pids=()
     for each in cuda cpu; do
-      OMP_NUM_THREADS=${THREADS_PER_PART:-8} bash "$0" "$each" "$tok" > "$logs/$each.log" 2>&1 &
+      OMP_NUM_THREADS=${THREADS_PER_PART:-8} bash "$self" "$each" "$tok" > "$logs/$each.log" 2>&1 &
       pids+=($!)
     done
     code=0
