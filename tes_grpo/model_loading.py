@@ -181,7 +181,7 @@ def load_training_model(path: str, attn_implementation: str = "auto", dtype=None
     on the CPU on rank 0 and without weights on the other ranks (loads_weights_here). config: the checkpoint's
     config (AutoConfig.from_pretrained(path)) when the caller has read it, so that config.json is read once.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, Mxfp4Config
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path) if config is None else config
     device = resolve_device("auto")
@@ -204,12 +204,7 @@ def load_training_model(path: str, attn_implementation: str = "auto", dtype=None
                                    keep, say, config)
     say(f"loading {path} with Mxfp4Config(dequantize=True) as {dtype_name(dtype)}, attention {attn}, on {where} "
         f"({experts_why})")
-    model = AutoModelForCausalLM.from_pretrained(
-        path, config=config, quantization_config=Mxfp4Config(dequantize=True), dtype=dtype, attn_implementation=attn,
-        device_map=device_map)
-    from tes_grpo.patches.transformers_patches import dequantized_experts_in_dtype  # imports torch: not before here
-
-    dequantized_experts_in_dtype(model, dtype, say)
+    model = load_dequantized(path, dtype, attn, device_map, say, config=config)
     # Generation keeps its KV cache although gradient checkpointing is on for training (TRL's generation_kwargs).
     model.config.use_cache = True
     return model
@@ -384,7 +379,7 @@ def load_for_inference(path: str, device: str, dtype, attn: str, experts: str = 
     experts resident as MXFP4 on any device (load_resident_model; computed as the dequantized load computes them),
     so a model that trained on a GPU evaluates on it too; with LoRA on the experts (expert_lora_layers), or
     experts="bf16", they are dequantized at load; another checkpoint is loaded as stored."""
-    from transformers import AutoModelForCausalLM, Mxfp4Config
+    from transformers import AutoModelForCausalLM
 
     if not checkpoint_is_mxfp4(path):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device, attn_implementation=attn)
@@ -393,9 +388,22 @@ def load_for_inference(path: str, device: str, dtype, attn: str, experts: str = 
     if choice == "mxfp4":
         model = load_resident_model(path, dtype, attn, device, say=say)
         return model, f"resident MXFP4 ({why}): the checkpoint's blocks and scales, dequantized per layer", True
-    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=Mxfp4Config(dequantize=True), dtype=dtype,
-                                                 device_map=device, attn_implementation=attn)
+    model = load_dequantized(path, dtype, attn, device, say)
     return model.eval(), f"dequantized to {dtype_name(dtype)} while loading ({why})", False
+
+
+def load_dequantized(path: str, dtype, attn: str, device_map, say=print, config=None):
+    """An MXFP4 checkpoint through Mxfp4Config(dequantize=True), its experts in `dtype` (the library may leave
+    them bf16: transformers_patches.dequantized_experts_in_dtype)."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    from tes_grpo.patches.transformers_patches import dequantized_experts_in_dtype  # imports torch: not before here
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, config=config, quantization_config=Mxfp4Config(dequantize=True), dtype=dtype, attn_implementation=attn,
+        device_map=device_map)
+    dequantized_experts_in_dtype(model, dtype, say)
+    return model
 
 
 def check_visible_gpus(gpus: int, processes: int) -> None:

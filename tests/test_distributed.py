@@ -27,6 +27,7 @@ import pandas as pd
 import pytest
 import torch
 from grpo_fixtures import rewards_by_prompt, write_fixture_data
+from versions import older_than
 
 import train_grpo
 from tes_grpo.model_loading import (
@@ -44,13 +45,6 @@ REPO = Path(__file__).resolve().parents[1]
 PROCESSES, GENERATIONS, ACCUMULATION, SAVE_AT, RESUMED_TO = 2, 4, 2, 2, 3
 ROWS_PER_STEP = PROCESSES * ACCUMULATION * GENERATIONS  # 1 prompt per micro-step
 LAUNCH_TIMEOUT_S = 900
-
-
-def transformers_older_than(version: str) -> bool:
-    import transformers
-    from packaging.version import Version
-
-    return Version(transformers.__version__) < Version(version)
 
 
 def free_port() -> int:
@@ -146,7 +140,7 @@ LAUNCHES = [("one-host", 1), ("two-hosts", 2)]
 @pytest.fixture(scope="module", params=LAUNCHES, ids=[name for name, _ in LAUNCHES])
 def run(request, tmp_path_factory, tokenizer):
     name, hosts = request.param
-    if not torch.cuda.is_available() and transformers_older_than("5.24"):
+    if not torch.cuda.is_available() and older_than("transformers", "5.24"):
         pytest.skip("transformers 5.17 (fixed by 5.24) resumes the optimizer onto map_location=args.device, which is "
                     "'cpu:N' under a CPU launch, and torch refuses it; on GPUs (cuda:N) it resumes: gpu_suite.sh ddp")
     root = tmp_path_factory.mktemp(name)

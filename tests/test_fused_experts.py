@@ -10,6 +10,7 @@ import torch
 from transformers import GptOssConfig, GptOssForCausalLM
 from transformers.integrations.moe import grouped_mm_experts_forward
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+from versions import older_than
 
 from tes_grpo import fused_experts as fe
 
@@ -193,12 +194,6 @@ def test_a_bias_made_trainable_later_falls_back(monkeypatch):
     assert model.model.layers[0].mlp.experts.down_proj_bias.grad is not None
 
 
-def torch_older_than(version: str) -> bool:
-    from packaging.version import Version
-
-    return Version(torch.__version__.split("+")[0]) < Version(version)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("device", [
     "cuda",  # where train_grpo compiles them (fused_experts._kernel)
@@ -208,7 +203,7 @@ def test_compiled_forward_keeps_eager_bf16_roundings(device):
     """What the GPU runs: the functions through torch.compile, against the same functions eagerly."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device: the CPU case compiles the same functions with inductor's CPU backend")
-    if device == "cpu" and torch_older_than("2.13"):
+    if device == "cpu" and older_than("torch", "2.13"):
         pytest.skip("inductor's CPU backend in torch 2.11 rounds bias_swiglu differently from eager (a bf16 step in "
                     "some elements, seen on the GPU machine); train_grpo compiles these only for CUDA: the cuda case")
     module = experts_module(torch.bfloat16, hidden=128, inter=96).to(device)

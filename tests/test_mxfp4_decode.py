@@ -10,11 +10,11 @@ order; benchmarks/bench_mxfp4_decode.py measures that there.
 import importlib
 import os
 
-import numpy
 import pytest
 import torch
 from transformers import GenerationConfig, GptOssConfig, GptOssForCausalLM
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+from versions import older_than
 
 from tes_grpo.mxfp4 import fake_quantize_expert_param
 
@@ -25,10 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def interpreter_runs_the_kernel() -> bool:
     """Triton before 3.7 converts a loaded scalar with int() on a 1-element array, which NumPy 2.4 refuses
     (triton-lang/triton#9171): the kernel's `range(start, end, ...)` over rows then fails under the interpreter."""
-    import triton
-    from packaging.version import Version
-
-    return Version(triton.__version__) >= Version("3.7") or Version(numpy.__version__) < Version("2.4")
+    return not older_than("triton", "3.7") or older_than("numpy", "2.4")
 
 
 runs_kernel = pytest.mark.skipif(
