@@ -34,6 +34,7 @@ RUNS = "single,ddp,fsdp2"  # which runs, in order: single (python, 1 GPU), ddp, 
 PROCESSES = 2  # GPUs for the ddp and fsdp2 runs
 STEPS = 2  # optimizer steps per run (the first includes compilation and warm-up; the last is compared)
 MAX_COMPLETION_LEN = 128  # tokens per completion (random weights always reach it)
+EXPERTS = "mxfp4"  # bench_grpo's EXPERTS: mxfp4 (resident, train_grpo's default) or bf16 (as loaded with EXPERTS=bf16)
 RESULTS = "runs/bench-scaling/results.jsonl"  # every step of every run is appended here (bench_grpo's rows)
 TIMEOUT_S = 900  # a run that takes longer is stopped (and reported) so the others still run
 SUMMARY_ONLY = False  # print the table from RESULTS without running anything
@@ -44,7 +45,7 @@ _CONFIGS = {"ddp": "configs/accelerate/ddp.yaml", "fsdp2": "configs/accelerate/f
 
 def run_command(name: str, s) -> list[str]:
     bench = [str(_REPO / "benchmarks" / "bench_grpo.py"), f"--STEPS={s.STEPS}",
-             f"--MAX_COMPLETION_LEN={s.MAX_COMPLETION_LEN}", f"--RESULTS={s.RESULTS}",
+             f"--MAX_COMPLETION_LEN={s.MAX_COMPLETION_LEN}", f"--EXPERTS={s.EXPERTS}", f"--RESULTS={s.RESULTS}",
              f"--OUT_DIR=runs/bench-scaling/{name}"]
     if name == "single":
         return [sys.executable, *bench]
@@ -58,15 +59,17 @@ def summary(rows: list[dict]) -> str:
     """The last step of each run against the one-GPU run's last step."""
     last = {}
     for row in rows:
-        key = (row.get("sharding", "none"), row.get("processes", 1), row["max_completion_len"])
+        key = (row.get("sharding", "none"), row.get("processes", 1), row["max_completion_len"],
+               row.get("experts", "bf16"))
         last[key] = row
-    lines = [f"{'run':>6}{'GPUs':>5}{'len':>5}{'compl/step':>11}{'step s':>8}{'gen s':>7}{'train s':>8}"
+    lines = [f"{'run':>6}{'GPUs':>5}{'len':>5}{'experts':>8}{'compl/step':>11}{'step s':>8}{'gen s':>7}{'train s':>8}"
              f"{'compl/s':>8}{'scaling':>8}  peak GiB per GPU"]
-    for (sharding, processes, length), row in sorted(last.items(), key=lambda item: (item[0][2], item[0][1])):
-        base = last.get(("none", 1, length))
+    for (sharding, processes, length, experts), row in sorted(last.items(),
+                                                              key=lambda item: (item[0][3], item[0][2], item[0][1])):
+        base = last.get(("none", 1, length, experts))
         efficiency = (f"{100 * row['completions_per_s'] / (processes * base['completions_per_s']):>7.0f}%"
                       if base else f"{'-':>8}")
-        lines.append(f"{sharding if processes > 1 else 'single':>6}{processes:>5}{length:>5}"
+        lines.append(f"{sharding if processes > 1 else 'single':>6}{processes:>5}{length:>5}{experts:>8}"
                      f"{row['completions_per_step']:>11}{row['step_s']:>8.1f}{row['generation_s']:>7.1f}"
                      f"{row['training_s']:>8.1f}{row['completions_per_s']:>8.2f}{efficiency}  "
                      + " / ".join(f"{m:.1f}" for m in row["peak_gib_per_gpu"]))

@@ -43,6 +43,8 @@ import time
 import typing
 from pathlib import Path
 
+from filelock import FileLock, Timeout
+
 from tes_grpo import harmony  # the module, not its constants: current_settings() reads this module's UPPER_CASE names
 from tes_grpo.fileio import give_default_modes, temporary_folder
 from tes_grpo.script_config import constants_of
@@ -308,14 +310,26 @@ def ensure_tiny_checkpoint(out_dir: str | os.PathLike | None = None, rebuild: bo
     """
     settings = settings or current_settings()
     out_dir = Path(out_dir or settings["TINY_DIR"])
-    if is_finished_checkpoint(out_dir) and not rebuild:
-        reason = stale_reason(out_dir, settings)
-        if reason is None:
-            print(f"using the cached tiny gpt-oss at {out_dir} (python -m tes_grpo.tiny_model --REBUILD builds it "
-                  f"again)")
-            return out_dir
-        print(f"rebuilding the tiny gpt-oss at {out_dir}: {reason}")
-    return build_tiny_checkpoint(out_dir, settings)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # Two processes building at once (two test runs, two launches) would each replace the folder, one of them
+    # while the other's processes load from it: the second waits and then finds the first's checkpoint.
+    lock = FileLock(f"{out_dir}.lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        print(f"waiting for another process building the tiny gpt-oss at {out_dir}", flush=True)
+        lock.acquire()
+    try:
+        if is_finished_checkpoint(out_dir) and not rebuild:
+            reason = stale_reason(out_dir, settings)
+            if reason is None:
+                print(f"using the cached tiny gpt-oss at {out_dir} (python -m tes_grpo.tiny_model --REBUILD builds "
+                      f"it again)")
+                return out_dir
+            print(f"rebuilding the tiny gpt-oss at {out_dir}: {reason}")
+        return build_tiny_checkpoint(out_dir, settings)
+    finally:
+        lock.release()
 
 
 def main(argv: list[str] | None = None) -> int:

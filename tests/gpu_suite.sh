@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test suite on the GPU machine, in parts that each finish within 10 minutes (TESTING.md):
 #   bash tests/gpu_suite.sh PART [TOKENIZER_DIR]
-# PART: one-gpu (cuda and cpu at once, a log each under LOG_DIR) | cuda | cpu | ddp | fsdp2 | list.
+# PART: one-gpu (cuda and cpu at once, a log each under LOG_DIR) | cuda | cpu | two-gpu (ddp and fsdp2 at once, a
+# log each under LOG_DIR) | ddp | fsdp2 | list.
 # cuda: the tests that use a GPU where one is visible; cpu: the whole suite (CI's tests) with the GPUs hidden, on the
 # GPU machine's own versions; ddp, fsdp2: tests/test_distributed.py on 2 GPUs.
 # TOKENIZER_DIR: gpt-oss's tokenizer folder (default: $GPT_OSS_TOKENIZER, else .tok, else ../shared/gpt-oss-tokenizer);
@@ -20,6 +21,7 @@ if [ "$part" != list ]; then
   export GPT_OSS_TOKENIZER=$(cd "$tok" && pwd)
 fi
 export NCCL_NVLS_ENABLE=0  # NVLink multicast off, as the launches of tests/test_distributed.py set it
+export PYTHONUNBUFFERED=1  # a part stopped by its timeout still leaves every line it printed in its log
 # cuda: the files whose tests run on CUDA when a GPU is visible: the CUDA-only tests, the resident experts' training
 # step bit for bit, the compiled fused experts, the tiny end-to-end run with its resume, out of memory, sampler fidelity
 CUDA="tests/gpu_cuda_test.py tests/test_mxfp4_experts.py tests/test_fused_experts.py tests/test_train_grpo.py tests/test_oom.py tests/test_sampling_fidelity.py"
@@ -30,25 +32,25 @@ run_pytest() {  # a part's pytest, stopped at 590 s so the part ends within 10 m
   echo "part $part: exit $code after $((SECONDS - start)) s"
   return $code
 }
+at_once() {  # the given parts side by side, a log each under LOG_DIR, after building the tiny model once
+  local logs=${LOG_DIR:-runs/gpu-suite} pids=() code=0 each pid
+  mkdir -p "$logs"
+  python3 -m tes_grpo.tiny_model > "$logs/tiny-model.log" 2>&1 || { echo "error: building the tiny model failed (see $logs/tiny-model.log)" >&2; exit 1; }
+  for each in "$@"; do
+    OMP_NUM_THREADS=${THREADS_PER_PART:-8} bash "$self" "$each" "$tok" > "$logs/$each.log" 2>&1 &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || code=1; done
+  for each in "$@"; do echo "$each: $(tail -n 2 "$logs/$each.log" | head -n 1)"; done
+  exit $code
+}
 case "$part" in
   cuda) run_pytest $CUDA ;;
   cpu) CUDA_VISIBLE_DEVICES= run_pytest tests ;;
-  one-gpu)
-    logs=${LOG_DIR:-runs/gpu-suite}
-    mkdir -p "$logs"
-    # the tiny checkpoint is built once, before two processes would each build it
-    python3 -m tes_grpo.tiny_model > "$logs/tiny-model.log" 2>&1 || { echo "error: building the tiny model failed (see $logs/tiny-model.log)" >&2; exit 1; }
-    pids=()
-    for each in cuda cpu; do
-      OMP_NUM_THREADS=${THREADS_PER_PART:-8} bash "$self" "$each" "$tok" > "$logs/$each.log" 2>&1 &
-      pids+=($!)
-    done
-    code=0
-    for pid in "${pids[@]}"; do wait "$pid" || code=1; done
-    for each in cuda cpu; do echo "$each: $(tail -n 2 "$logs/$each.log" | head -n 1)"; done
-    exit $code ;;
+  one-gpu) at_once cuda cpu ;;
+  two-gpu) at_once ddp fsdp2 ;;
   ddp) GRPO_TEST_ACCELERATE_CONFIG=ddp.yaml run_pytest tests/test_distributed.py ;;
   fsdp2) GRPO_TEST_ACCELERATE_CONFIG=fsdp2.yaml run_pytest tests/test_distributed.py -k "not two-hosts" ;;
-  list) echo "parts: one-gpu (cuda and cpu at once), cuda ($CUDA), cpu (tests/, GPUs hidden), ddp, fsdp2 (tests/test_distributed.py on 2 GPUs)" ;;
-  *) echo "error: unknown part '$part' (one-gpu, cuda, cpu, ddp, fsdp2, list)" >&2; exit 2 ;;
+  list) echo "parts: one-gpu (cuda and cpu at once), cuda ($CUDA), cpu (tests/, GPUs hidden), two-gpu (ddp and fsdp2 at once), ddp, fsdp2 (tests/test_distributed.py on 2 GPUs)" ;;
+  *) echo "error: unknown part '$part' (one-gpu, cuda, cpu, two-gpu, ddp, fsdp2, list)" >&2; exit 2 ;;
 esac
