@@ -10,7 +10,8 @@ loaded dequantized), then:
   largest difference (the sums inside a dot product run in another order, nothing else differs);
 - times one layer's MLP per token count, each replayed as a CUDA graph (as graph_decode replays a decode step):
   transformers' grouped_mm experts against the MXFP4 kernel, with the weight bytes each read per microsecond;
-- SWEEP: the kernel's time for each tile configuration in SWEEP_CONFIGS at the first token count.
+- SWEEP: the kernel's time for each tile configuration in SWEEP_CONFIGS at the first token count, in both operand
+  orders (mxfp4_decode.Tiles.swap_xw), fastest first.
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ from tes_grpo.script_config import resolve
 TOKENS = (16, 64, 128, 256)  # tokens per decode step (= sequences decoded together)
 REPS = 50  # graph replays timed per measurement
 SWEEP = False  # also time the kernel for each tile configuration (first token count)
-# BLOCK_N/BLOCK_K/num_warps/num_stages tried by SWEEP (on the command line: --SWEEP_CONFIGS=64/128/4/3,64/256/4/3)
-SWEEP_CONFIGS = ("32/128/4/3", "64/64/4/3", "64/128/4/2", "64/128/4/4", "64/256/4/3", "128/128/4/3",
-                 "128/128/8/3", "128/256/8/3", "32/256/4/4")
+# BLOCK_N/BLOCK_K/num_warps/num_stages tried by SWEEP, "wx:" first for the weights as the left operand
+# (Tiles.swap_xw); on the command line: --SWEEP_CONFIGS=64/128/4/3,wx:128/128/4/3
+SWEEP_CONFIGS = ("64/128/4/3", "64/256/4/3", "128/128/4/3", "wx:64/128/4/3", "wx:128/128/4/3", "wx:128/64/4/3",
+                 "wx:128/256/4/3", "wx:64/256/4/3", "wx:128/128/4/4", "wx:128/128/8/3", "wx:256/128/8/3",
+                 "wx:128/256/8/4")
 SEED = 0  # torch seed
 
 
@@ -74,12 +77,25 @@ def graph_time(fn, reps: int) -> float:
     return 1000 * start.elapsed_time(end) / reps
 
 
+def sweep_tiles(config: str) -> dict:
+    """A SWEEP_CONFIGS entry ("64/128/4/3", or "wx:128/128/4/3" for the weights as the left operand) -> the
+    mxfp4_decode.Tiles fields it sets; ValueError names the entry otherwise."""
+    swap, _, numbers = config.strip().rpartition("wx:")
+    values = numbers.split("/")
+    if swap or len(values) != 4 or not all(v.strip().isdigit() for v in values):
+        raise ValueError(f"SWEEP_CONFIGS: {config!r} is not [wx:]BLOCK_N/BLOCK_K/num_warps/num_stages (four whole "
+                         "numbers)")
+    block_n, block_k, num_warps, num_stages = (int(v) for v in values)
+    return {"block_n": block_n, "block_k": block_k, "num_warps": num_warps, "num_stages": num_stages,
+            "swap_xw": config.strip().startswith("wx:")}
+
+
 def main(argv: list[str] | None = None) -> int:
     s = resolve(globals(), argv)
-    bad = [c for c in s.SWEEP_CONFIGS if len(c.split("/")) != 4 or not all(v.strip().isdigit() for v in c.split("/"))]
-    if bad:
-        print(f"error: SWEEP_CONFIGS: {bad[0]!r} is not BLOCK_N/BLOCK_K/num_warps/num_stages (four whole numbers)",
-              file=sys.stderr)
+    try:
+        configs = {config: sweep_tiles(config) for config in s.SWEEP_CONFIGS}
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     import torch
 
@@ -107,19 +123,22 @@ def main(argv: list[str] | None = None) -> int:
     sweep = []
     if s.SWEEP:
         x = torch.randn(s.TOKENS[0], 1, mlp.router.hidden_dim, device="cuda", dtype=torch.bfloat16)
-        for config in s.SWEEP_CONFIGS:
-            bn, bk, warps, stages = (int(v) for v in config.split("/"))
-            tiles = mxfp4_decode.Tiles(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+        with torch.no_grad():
+            ref = mlp(x)[0].float()
+        for config, fields in configs.items():
+            tiles = mxfp4_decode.Tiles(**fields)
             try:
                 with torch.no_grad():
-                    ok = torch.equal(mxfp4_decode.moe_forward(mlp, packed, x),
-                                     mxfp4_decode.moe_forward(mlp, packed, x, tiles))
+                    out = mxfp4_decode.moe_forward(mlp, packed, x, tiles)
+                    # another operand order or K tile sums in another order: equal up to bf16 rounding, not bits
+                    same = torch.equal(mxfp4_decode.moe_forward(mlp, packed, x), out)
+                    ok = (f"bit-equal to the default tiles: {same}, max |diff| to transformers' MLP "
+                          f"{(out.float() - ref).abs().max().item():.1e}")
                     t = graph_time(lambda tiles=tiles: mxfp4_decode.moe_forward(mlp, packed, x, tiles), s.REPS)
                 sweep.append((config, t, ok))
             except Exception as err:  # a tile size the compiler refuses is a result, not a crash
                 sweep.append((config, float("nan"), f"{type(err).__name__}: {str(err)[:80]}"))
-            print(f"sweep {config}: {sweep[-1][1]:.0f} us (same output as the default tiles: {sweep[-1][2]})",
-                  flush=True)
+            print(f"sweep {config}: {sweep[-1][1]:.0f} us ({sweep[-1][2]})", flush=True)
     print(f"\none MoE layer (router + 32 experts, 20B shapes); expert weights read: bf16 {bf16_bytes / 1e6:.0f} MB, "
           f"MXFP4 {mxfp4_bytes / 1e6:.0f} MB; tiles {mxfp4_decode.TILES}")
     print(f"{'tokens':>7}{'bit-equal':>11}{'max diff':>10}{'grouped_mm us':>15}{'mxfp4 us':>10}{'speed-up':>9}"
@@ -127,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     for tokens, equal, diff, t_ref, t_ours in rows:
         print(f"{tokens:>7}{100 * equal:>10.2f}%{diff:>10.1e}{t_ref:>15.0f}{t_ours:>10.0f}{t_ref / t_ours:>8.2f}x"
               f"{bf16_bytes / t_ref / 1e3:>11.0f}{mxfp4_bytes / t_ours / 1e3:>12.0f}")
-    for config, t, ok in sweep:
-        print(f"tiles N/K/warps/stages {config}: {t:.0f} us (same output as the default tiles: {ok})")
+    for config, t, ok in sorted(sweep, key=lambda row: (row[1] != row[1], row[1])):  # fastest first, failures last
+        print(f"tiles [wx:]N/K/warps/stages {config:>16}: {t:>5.0f} us, {mxfp4_bytes / t / 1e3:>5.0f} GB/s ({ok})")
     return 0
 
 

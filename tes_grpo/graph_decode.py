@@ -96,19 +96,65 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     logits, cache = prefill(lm, input_ids, attention_mask, max_new, pad, share_prompts, prefill_bucket, autocast)
     step = decode_steps(lm, cache, batch, device, graphs, weights)
     unfinished = torch.ones(batch, dtype=torch.long, device=device)
+    ends = EndFlags(max_new, device)
     new_tokens, new_logprobs = [], []
     for n in range(max_new):
+        before_draw = random_state(device)
         chosen, picked = draw(warpers(input_ids, logits), g.do_sample, logprobs)
+        if n > 0 and ends.ended(n - 1):
+            # every row had ended at the token before: this draw and the step before it ran ahead of the check,
+            # so drop the token and give back its random numbers, as if the loop had stopped there
+            set_random_state(device, before_draw)
+            break
         if logprobs:
             new_logprobs.append(picked * unfinished)
         chosen = chosen * unfinished + pad * (1 - unfinished)
         new_tokens.append(chosen)
         unfinished = unfinished & ~torch.isin(chosen, eos)
-        if n + 1 == max_new or unfinished.max() == 0:
+        if n + 1 == max_new:
             break
+        ends.note(n, unfinished)
         logits = step(chosen, prompt_len + n)
     ids = torch.cat([input_ids, torch.stack(new_tokens, dim=1)], dim=1)
     return (ids, torch.stack(new_logprobs, dim=1)) if logprobs else ids
+
+
+class EndFlags:
+    """Whether every row has ended after token n, read one token late. Reading it at once would make the host wait
+    for the GPU every token, leaving the GPU idle while the host launches the next step; read after the next step
+    is queued, the GPU always has work. `generate` undoes what ran ahead (one token's draw; its decode step only
+    wrote cache slots no row reads)."""
+
+    def __init__(self, steps: int, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.flags = torch.empty(max(steps, 1), dtype=torch.long, pin_memory=self.cuda)
+        self.events: dict[int, torch.cuda.Event] = {}
+
+    def note(self, n: int, unfinished: torch.Tensor) -> None:
+        """Copies `unfinished.max()` after token n to the host without waiting for it."""
+        self.flags[n].copy_(unfinished.max(), non_blocking=self.cuda)
+        if self.cuda:
+            self.events[n] = torch.cuda.Event()
+            self.events[n].record()
+
+    def ended(self, n: int) -> bool:
+        """Whether no row was unfinished after token n (waits for that copy only)."""
+        event = self.events.pop(n, None)
+        if event is not None:
+            event.synchronize()
+        return int(self.flags[n]) == 0
+
+
+def random_state(device: torch.device) -> torch.Tensor:
+    """The state of the generator torch.multinomial draws from on `device` (a host copy; no GPU wait)."""
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def set_random_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
 
 
 def graph_blockers(model) -> list[str]:

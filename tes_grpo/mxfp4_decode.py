@@ -23,6 +23,9 @@ by expert, as transformers' grouped_mm path sorts them) and over K, reading the 
 multiplying with `tl.dot_scaled` (Hopper has no MXFP4 tensor cores: Triton upcasts the tile to bf16 in registers).
 The gate_up launch applies gpt-oss's clamped SwiGLU before it stores; the down launch adds the bias, multiplies by
 the routing weight and writes each row back to its token's slot. No host reads, fixed shapes: CUDA-graph capturable.
+`Tiles.swap_xw` computes each tile transposed, the packed weights as the dot's left operand and the routed rows as
+its right: the same products and roundings, with the output columns on the side Hopper's warpgroup MMA needs long
+(64 or more) instead of the ~8 rows an expert gets at 64 sequences; bench_mxfp4_decode.py's SWEEP times both.
 
 Needs Triton on a CUDA device. On CPU the same kernels run under Triton's interpreter (TRITON_INTERPRET=1 while this
 module is imported and its kernels run), which is how the tests check them without a GPU. The kernels call only
@@ -55,6 +58,9 @@ class Tiles:
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    # weights as the dot's left operand (out^T = W x^T): the output columns become the product's long side (block_n
+    # rows, what Hopper's warpgroup MMA wants) and the few routed rows its short side; same numbers, same roundings
+    swap_xw: bool = False
 
 
 TILES = Tiles()
@@ -73,13 +79,14 @@ def _bf16(x):
 @triton.jit
 def _experts_kernel(x_ptr, x_rows_ptr, offsets_ptr, blocks_ptr, scales_ptr, bias_ptr, weight_ptr, out_ptr,
                     out_rows_ptr, N, K, alpha, limit,
-                    SWIGLU: tl.constexpr, ROUTED_OUT: tl.constexpr,
+                    SWIGLU: tl.constexpr, ROUTED_OUT: tl.constexpr, SWAP_XW: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[r] = f(x[x_rows[r]] @ W_e + b_e) for the rows r in offsets[e]:offsets[e+1] (rows sorted by expert).
 
     W_e is stored as the checkpoint stores it: blocks [E, N, K/32, 16] (two FP4 codes a byte, low nibble first),
     scales [E, N, K/32] (E8M0). SWIGLU: f is gpt-oss's clamped SwiGLU over interleaved (gate, up) columns, out has
-    N/2 columns. ROUTED_OUT: f multiplies by weight[out_rows[r]] and the row is stored at out_rows[r]."""
+    N/2 columns. ROUTED_OUT: f multiplies by weight[out_rows[r]] and the row is stored at out_rows[r]. SWAP_XW:
+    the tile is computed transposed, W's packed tile as the left operand (Tiles.swap_xw)."""
     expert = tl.program_id(0)
     start = tl.load(offsets_ptr + expert)
     end = tl.load(offsets_ptr + expert + 1)
@@ -87,23 +94,36 @@ def _experts_kernel(x_ptr, x_rows_ptr, offsets_ptr, blocks_ptr, scales_ptr, bias
     col_ok = cols < N
     packed_cols = K // 2
     scale_cols = K // 32
-    w_base = blocks_ptr + expert.to(tl.int64) * N * packed_cols + cols[None, :].to(tl.int64) * packed_cols
+    w_cols = blocks_ptr + expert.to(tl.int64) * N * packed_cols + cols.to(tl.int64) * packed_cols
     s_base = scales_ptr + expert.to(tl.int64) * N * scale_cols + cols[:, None].to(tl.int64) * scale_cols
     bias = tl.load(bias_ptr + expert * N + cols, mask=col_ok, other=0.0).to(tl.float32)
     for row0 in range(start, end, BLOCK_M):
         rows = row0 + tl.arange(0, BLOCK_M)
         row_ok = rows < end
         src = tl.load(x_rows_ptr + rows, mask=row_ok, other=0)
-        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+        if SWAP_XW:
+            acc_t = tl.full((BLOCK_N, BLOCK_M), 0.0, dtype=tl.float32)
+        else:
+            acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
             groups = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-            x = tl.load(x_ptr + src[:, None].to(tl.int64) * K + ks[None, :],
-                        mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
-            w = tl.load(w_base + half[:, None], mask=col_ok[None, :] & (half[:, None] < packed_cols), other=0)
             s = tl.load(s_base + groups[None, :], mask=col_ok[:, None] & (groups[None, :] < scale_cols), other=127)
-            acc = tl.dot_scaled(x, None, "bf16", w, s, "e2m1", acc, fast_math=True)
+            if SWAP_XW:
+                x_t = tl.load(x_ptr + src[None, :].to(tl.int64) * K + ks[:, None],
+                              mask=row_ok[None, :] & (ks[:, None] < K), other=0.0)
+                w_t = tl.load(w_cols[:, None] + half[None, :],
+                              mask=col_ok[:, None] & (half[None, :] < packed_cols), other=0)
+                acc_t = tl.dot_scaled(w_t, s, "e2m1", x_t, None, "bf16", acc_t, fast_math=True)
+            else:
+                x = tl.load(x_ptr + src[:, None].to(tl.int64) * K + ks[None, :],
+                            mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
+                w = tl.load(w_cols[None, :] + half[:, None],
+                            mask=col_ok[None, :] & (half[:, None] < packed_cols), other=0)
+                acc = tl.dot_scaled(x, None, "bf16", w, s, "e2m1", acc, fast_math=True)
+        if SWAP_XW:
+            acc = tl.trans(acc_t)
         # transformers: grouped_mm's bf16 output, then `out.add_(bias)` in bf16
         y = _bf16(_bf16(acc) + bias[None, :])
         if SWIGLU:
@@ -142,7 +162,7 @@ def experts_matmul(x, x_rows, offsets, blocks, scales, bias, *, swiglu=None, wei
     grid = (experts, triton.cdiv(n, tiles.block_n))
     _experts_kernel[grid](x, x_rows, offsets, blocks, scales, bias, weights if weights is not None else bias, out,
                           out_rows if out_rows is not None else x_rows, n, k, float(alpha), float(limit),
-                          SWIGLU=bool(swiglu), ROUTED_OUT=weights is not None,
+                          SWIGLU=bool(swiglu), ROUTED_OUT=weights is not None, SWAP_XW=tiles.swap_xw,
                           BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
                           num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out

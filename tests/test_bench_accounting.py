@@ -99,3 +99,25 @@ def test_generation_cycles_average_each_batchs_steps(timed, expected):
     from benchmarks.grpo_timers import generation_cycles
 
     assert [(c["first"], c["last"], c["steps"], c["mean_step_s"]) for c in generation_cycles(timed)] == expected
+
+
+# (SWEEP_CONFIGS entry, the Tiles fields it sets, or None where it is refused)
+SWEEP_ENTRIES = [
+    ("64/128/4/3", {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3, "swap_xw": False}),  # x by W
+    ("wx:128/64/8/4", {"block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 4, "swap_xw": True}),  # W by x
+    ("128/64/4", None),  # three numbers
+    ("wx:128/64/4/a", None),  # not a number
+    ("xw:128/64/4/3", None),  # an unknown prefix
+    ("wx:wx:128/64/4/3", None),  # the prefix twice
+]
+
+
+@pytest.mark.parametrize("entry, fields", SWEEP_ENTRIES)
+def test_mxfp4_sweep_entries(entry, fields):
+    from benchmarks.bench_mxfp4_decode import sweep_tiles
+
+    if fields is None:
+        with pytest.raises(ValueError, match="SWEEP_CONFIGS"):
+            sweep_tiles(entry)
+    else:
+        assert sweep_tiles(entry) == fields

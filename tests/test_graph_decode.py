@@ -112,6 +112,24 @@ def test_sampled_tokens_equal_transformers_with_the_same_seed(model, changes):
     assert torch.equal(got, expected)
 
 
+def test_sampling_stops_with_every_row_ended_and_leaves_the_random_state_as_transformers_does(model):
+    # the loop reads "every row ended" one token late (no GPU wait a token): the token drawn past the end is
+    # dropped and its random numbers given back, so the next draw of the caller (the next GRPO step) is the same
+    ids, mask = left_padded_prompts()
+    torch.manual_seed(7)
+    tokens = model.generate(input_ids=ids, attention_mask=mask, generation_config=trl_config())[:, ids.shape[1]:]
+    config = trl_config(eos_token_id=[int(tokens[0, 3]), int(tokens[1, 5]), int(tokens[2, 6])])
+    results = {}
+    for name, sample in (("transformers", model.generate), ("graph_decode", graph_decode.generate)):
+        torch.manual_seed(7)
+        out = sample(model, ids, mask, config) if name == "graph_decode" else sample(
+            input_ids=ids, attention_mask=mask, generation_config=config)
+        results[name] = (out, torch.rand(4))
+    assert results["transformers"][0].shape[1] < ids.shape[1] + config.max_new_tokens  # it stopped early
+    assert torch.equal(results["graph_decode"][0], results["transformers"][0])
+    assert torch.equal(results["graph_decode"][1], results["transformers"][1])
+
+
 # --- shared prompts: each distinct row prefilled once ------------------------------------------------------------
 
 @pytest.mark.parametrize("order, rows", [
