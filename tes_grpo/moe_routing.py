@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 1024  # T*k the kernel takes: the loop over chunks of ids runs n / chunk steps of [n, chunk] matrices
-STEP_ELEMENTS = 4096  # a loop step's comparison matrix, [n, chunk] with n padded: 16 values a thread at NUM_WARPS
+MAX_ROWS = 1024  # T*k the kernel takes; its work grows with n squared (n / chunk loop steps of [n, chunk] matrices)
+STEP_ELEMENTS = 4096  # a loop step's [n, chunk] matrix, n padded: 16 values a thread at NUM_WARPS, in registers
 NUM_WARPS = 8
 
 
@@ -95,7 +95,7 @@ def route_with_triton(indices: torch.Tensor, experts: int) -> tuple[torch.Tensor
     rows = tokens * top_k
     if rows > MAX_ROWS:
         raise ValueError(f"route_with_triton: {tokens} tokens x {top_k} experts = {rows} routed rows, more than its "
-                         f"limit of MAX_ROWS = {MAX_ROWS} (the comparison matrices grow with the rows squared); "
+                         f"limit of MAX_ROWS = {MAX_ROWS} (its work grows with the rows squared); "
                          f"route these with route_with_torch")
     if experts < 1:
         raise ValueError(f"route_with_triton: needs at least one expert, got experts={experts}")

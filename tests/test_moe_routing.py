@@ -1,15 +1,14 @@
 """moe_routing.py: the one-program Triton routing gives torch's sort/searchsorted/division routing bit for bit (order,
-offsets, token_rows: the same values and dtypes), and hands the rows beyond its limit back to torch.
+offsets, token_rows: the same values and dtypes), and refuses more rows than its limit (the caller routes those
+with torch).
 
 The Triton kernel runs under Triton's interpreter on the CPU (TRITON_INTERPRET=1 while the module is imported): the
 same kernel code the GPU compiles; the routing is integer counting, so there is no rounding that could differ there.
 """
 
-import importlib
-import os
-
 import pytest
 import torch
+from triton_interpreter import interpreted
 
 pytest.importorskip("triton", reason="requirements-test.txt installs triton (its interpreter runs these on CPU)")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -17,22 +16,10 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module", autouse=True)
 def triton_interpreter():
-    """TRITON_INTERPRET=1 for this module's tests (the interpreter reads it while kernels run, too), with
-    tes_grpo.moe_routing imported, or re-imported, under it; the variable is restored after."""
+    """tes_grpo.moe_routing imported under TRITON_INTERPRET=1 for this module's tests."""
     global mr
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        mr = importlib.import_module("tes_grpo.moe_routing")
-        if not mr.interpreted():
-            mr = importlib.reload(mr)
-        assert mr.interpreted()
+    with interpreted("tes_grpo.moe_routing") as mr:
         yield
-    finally:
-        if before is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = before
 
 
 mr = None  # tes_grpo.moe_routing, set by triton_interpreter
