@@ -34,6 +34,7 @@ Training on a GPU:
 - decode_math: graph_decode's decode step: attention with sinks, LoRA in PEFT's order, MXFP4 experts, the LM head
 - token_sampling: one sampling step as transformers' generate takes it, and the recorder of its log-probabilities
 - mxfp4_decode: the MoE experts read as MXFP4 while decoding (Triton)
+- moe_routing: the decode step's rows sorted by expert in one Triton program, as torch's sort would give them
 - fused_experts: the MoE experts' elementwise work fused for the training forward and backward
 - lm_head: TRL's fused LM head, which never builds a micro-batch's logits
 - sampling_fidelity: the sampler-trainer gap measured every step, and IMPORTANCE_SAMPLING

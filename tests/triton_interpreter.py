@@ -1,0 +1,25 @@
+"""Triton's interpreter for a test module: a package module's @triton.jit kernels run on the CPU."""
+
+import importlib
+import os
+from contextlib import contextmanager
+
+
+@contextmanager
+def interpreted(module_name: str):
+    """TRITON_INTERPRET=1 inside (the interpreter reads it while kernels run, too), with `module_name` imported, or
+    re-imported, under it: yields the module, whose kernels are then interpreted (its `interpreted()` says so). The
+    variable is restored after."""
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        module = importlib.import_module(module_name)
+        if not module.interpreted():
+            module = importlib.reload(module)
+        assert module.interpreted()
+        yield module
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
