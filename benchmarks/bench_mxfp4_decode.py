@@ -10,6 +10,8 @@ loaded dequantized), then:
   largest difference (the sums inside a dot product run in another order, nothing else differs);
 - times one layer's MLP per token count, each replayed as a CUDA graph (as graph_decode replays a decode step):
   transformers' grouped_mm experts against the MXFP4 kernel, with the weight bytes each read per microsecond;
+- times the same with the routed rows sorted by expert in one Triton program (moe_routing.py) instead of torch's
+  sort, searchsorted and division (moe_forward's `routing`), and checks the output is the same;
 - SWEEP: the kernel's time for each tile configuration in SWEEP_CONFIGS at the first token count, in both operand
   orders (mxfp4_decode.Tiles.swap_xw), fastest first.
 """
@@ -101,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tes_grpo import mxfp4_decode
     from tes_grpo.gpt_oss_shapes import stack_versions
+    from tes_grpo.moe_routing import MAX_ROWS as route_limit
 
     print(stack_versions())
     mlp = one_layer(s.SEED)
@@ -117,9 +120,17 @@ def main(argv: list[str] | None = None) -> int:
             diff = (ours.float() - ref.float()).abs().max().item()
             t_ref = graph_time(lambda x=x: mlp(x), s.REPS)
             t_ours = graph_time(lambda x=x: mxfp4_decode.moe_forward(mlp, packed, x), s.REPS)
-        rows.append((tokens, equal, diff, t_ref, t_ours))
+            # the rows sorted by expert in one Triton program instead of torch's sort, searchsorted and division
+            if tokens * mlp.router.top_k <= route_limit:
+                routed = mxfp4_decode.moe_forward(mlp, packed, x, routing="triton")
+                t_routed = graph_time(lambda x=x: mxfp4_decode.moe_forward(mlp, packed, x, routing="triton"), s.REPS)
+                routed_same = torch.equal(routed, ours)
+            else:
+                t_routed, routed_same = float("nan"), "n/a (over MAX_ROWS)"
+        rows.append((tokens, equal, diff, t_ref, t_ours, t_routed, routed_same))
         print(f"{tokens} tokens: bit-equal {100 * equal:.2f}%, max |diff| {diff:.2e}, grouped_mm {t_ref:.0f} us, "
-              f"mxfp4 {t_ours:.0f} us", flush=True)
+              f"mxfp4 {t_ours:.0f} us, with Triton routing {t_routed:.0f} us (same output: {routed_same})",
+              flush=True)
     sweep = []
     if s.SWEEP:
         x = torch.randn(s.TOKENS[0], 1, mlp.router.hidden_dim, device="cuda", dtype=torch.bfloat16)
@@ -142,10 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\none MoE layer (router + 32 experts, 20B shapes); expert weights read: bf16 {bf16_bytes / 1e6:.0f} MB, "
           f"MXFP4 {mxfp4_bytes / 1e6:.0f} MB; tiles {mxfp4_decode.TILES}")
     print(f"{'tokens':>7}{'bit-equal':>11}{'max diff':>10}{'grouped_mm us':>15}{'mxfp4 us':>10}{'speed-up':>9}"
-          f"{'bf16 GB/s':>11}{'mxfp4 GB/s':>12}")
-    for tokens, equal, diff, t_ref, t_ours in rows:
+          f"{'bf16 GB/s':>11}{'mxfp4 GB/s':>12}{'Triton routing us':>19}  same output")
+    for tokens, equal, diff, t_ref, t_ours, t_routed, routed_same in rows:
         print(f"{tokens:>7}{100 * equal:>10.2f}%{diff:>10.1e}{t_ref:>15.0f}{t_ours:>10.0f}{t_ref / t_ours:>8.2f}x"
-              f"{bf16_bytes / t_ref / 1e3:>11.0f}{mxfp4_bytes / t_ours / 1e3:>12.0f}")
+              f"{bf16_bytes / t_ref / 1e3:>11.0f}{mxfp4_bytes / t_ours / 1e3:>12.0f}{t_routed:>19.0f}  {routed_same}")
     for config, t, ok in sorted(sweep, key=lambda row: (row[1] != row[1], row[1])):  # fastest first, failures last
         print(f"tiles [wx:]N/K/warps/stages {config:>16}: {t:>5.0f} us, {mxfp4_bytes / t / 1e3:>5.0f} GB/s ({ok})")
     return 0

@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tes_grpo.moe_routing import route_with_torch, route_with_triton
 from tes_grpo.mxfp4 import BLOCK_SIZE, dequantize_mxfp4, quantize_mxfp4
 from tes_grpo.mxfp4_experts import is_resident
 
@@ -290,16 +291,20 @@ def pack_model(layers, say=print) -> list[PackedExperts | None]:
     return packs
 
 
-def moe_forward(mlp, packed: PackedExperts, hidden: torch.Tensor, tiles: Tiles = TILES) -> torch.Tensor:
-    """gpt-oss's MLP (router, top-k experts, weighted sum) for hidden [..., H] with the experts read from `packed`."""
+def moe_forward(mlp, packed: PackedExperts, hidden: torch.Tensor, tiles: Tiles = TILES,
+                routing: str = "torch") -> torch.Tensor:
+    """gpt-oss's MLP (router, top-k experts, weighted sum) for hidden [..., H] with the experts read from `packed`.
+    routing: how the routed rows are sorted by expert, "torch" (sort, searchsorted, division) or "triton" (one
+    program, moe_routing.route_with_triton: the same tensors; up to its MAX_ROWS routed rows)."""
     shape = hidden.shape
     x = hidden.reshape(-1, shape[-1])
     _, scores, indices = mlp.router(x)  # transformers >= 5.17: logits, top-k weights [T, k], expert ids [T, k]
     tokens, top_k = indices.shape
     experts = packed.gate_up_blocks.shape[0]
-    sorted_ids, order = torch.sort(indices.reshape(-1), stable=True)
-    offsets = torch.searchsorted(sorted_ids, torch.arange(experts + 1, device=x.device, dtype=sorted_ids.dtype))
-    token_rows = torch.div(order, top_k, rounding_mode="floor")
+    if routing not in ("torch", "triton"):
+        raise ValueError(f"moe_forward: routing={routing!r}; valid: 'torch', 'triton'")
+    route = route_with_triton if routing == "triton" else route_with_torch
+    order, offsets, token_rows = route(indices, experts)
     gated = experts_matmul(x.contiguous(), token_rows, offsets, packed.gate_up_blocks, packed.gate_up_scales,
                            packed.gate_up_bias, swiglu=(packed.alpha, packed.limit), tiles=tiles)
     sequence_rows = torch.arange(order.shape[0], device=x.device)

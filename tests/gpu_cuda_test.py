@@ -54,6 +54,22 @@ def test_mxfp4_decode_kernel_matches_the_mlp_on_cuda(tokens, swap_xw):
     torch.testing.assert_close(ours, reference, rtol=2e-2, atol=2e-2 * float(reference.abs().max()))
 
 
+@pytest.mark.parametrize("tokens, top_k, experts", [
+    (64, 4, 32),  # a 20B decode step at 64 sequences
+    (256, 4, 32),  # MAX_ROWS routed rows
+    (16, 4, 128),  # the 120B's experts
+    (1, 4, 32),  # one sequence: most experts get no row
+])
+def test_routing_kernel_equals_torch_on_cuda(tokens, top_k, experts):
+    pytest.importorskip("triton", reason="requirements-gpu.txt installs triton")
+    from tes_grpo.moe_routing import route_with_torch, route_with_triton
+
+    generator = torch.Generator().manual_seed(tokens)
+    indices = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)]).cuda()
+    for ours, theirs in zip(route_with_triton(indices, experts), route_with_torch(indices, experts), strict=True):
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs)
+
+
 def test_graph_decode_replays_its_steps_as_cuda_graphs_from_the_models_best_first_token():
     """bf16, as models load on a GPU (float32 grouped_mm on CUDA copies through the host in torch 2.11, which a
     graph capture refuses; train_grpo never runs it). The captured steps must give the tokens the same steps give

@@ -7,13 +7,11 @@ interpreter's own float-to-bf16 conversion truncates). On a GPU the sums inside 
 order; benchmarks/bench_mxfp4_decode.py measures that there.
 """
 
-import importlib
-import os
-
 import pytest
 import torch
 from transformers import GenerationConfig, GptOssConfig, GptOssForCausalLM
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+from triton_interpreter import interpreted
 from versions import older_than
 
 from tes_grpo.mxfp4 import fake_quantize_expert_param
@@ -36,22 +34,10 @@ runs_kernel = pytest.mark.skipif(
 
 @pytest.fixture(scope="module", autouse=True)
 def triton_interpreter():
-    """TRITON_INTERPRET=1 for this module's tests (the interpreter reads it while kernels run, too), with
-    tes_grpo.mxfp4_decode imported, or re-imported, under it; the variable is restored after."""
+    """tes_grpo.mxfp4_decode with its kernels under Triton's interpreter for this module's tests."""
     global md
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        md = importlib.import_module("tes_grpo.mxfp4_decode")
-        if not md.interpreted():
-            md = importlib.reload(md)
-        assert md.interpreted()
+    with interpreted("tes_grpo.mxfp4_decode") as md:
         yield
-    finally:
-        if before is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = before
 
 
 md = None  # tes_grpo.mxfp4_decode, set by triton_interpreter
