@@ -12,8 +12,7 @@ loaded dequantized), then:
   transformers' grouped_mm experts against the MXFP4 kernel, with the weight bytes each read per microsecond;
 - times the same with the routed rows sorted by expert in one Triton program (moe_routing.py) instead of torch's
   sort, searchsorted and division (moe_forward's `routing`), and checks the output is the same;
-- SWEEP: the kernel's time for each tile configuration in SWEEP_CONFIGS at the first token count, in both operand
-  orders (mxfp4_decode.Tiles.swap_xw), fastest first.
+- SWEEP: the kernel's time for each tile configuration in SWEEP_CONFIGS at the first token count, fastest first.
 """
 
 from __future__ import annotations
@@ -30,11 +29,9 @@ from tes_grpo.script_config import resolve
 TOKENS = (16, 64, 128, 256)  # tokens per decode step (= sequences decoded together)
 REPS = 50  # graph replays timed per measurement
 SWEEP = False  # also time the kernel for each tile configuration (first token count)
-# BLOCK_N/BLOCK_K/num_warps/num_stages tried by SWEEP, "wx:" first for the weights as the left operand
-# (Tiles.swap_xw); on the command line: --SWEEP_CONFIGS=64/128/4/3,wx:128/128/4/3
-SWEEP_CONFIGS = ("64/128/4/3", "64/256/4/3", "128/128/4/3", "wx:64/128/4/3", "wx:128/128/4/3", "wx:128/64/4/3",
-                 "wx:128/256/4/3", "wx:64/256/4/3", "wx:128/128/4/4", "wx:128/128/8/3", "wx:256/128/8/3",
-                 "wx:128/256/8/4")
+# BLOCK_N/BLOCK_K/num_warps/num_stages tried by SWEEP (on the command line: --SWEEP_CONFIGS=64/128/4/3,64/256/4/3)
+SWEEP_CONFIGS = ("32/128/4/3", "64/64/4/3", "64/128/4/2", "64/128/4/4", "64/256/4/3", "128/128/4/3",
+                 "128/128/8/3", "128/256/8/3", "32/256/4/4")
 SEED = 0  # torch seed
 
 
@@ -80,16 +77,13 @@ def graph_time(fn, reps: int) -> float:
 
 
 def sweep_tiles(config: str) -> dict:
-    """A SWEEP_CONFIGS entry ("64/128/4/3", or "wx:128/128/4/3" for the weights as the left operand) -> the
-    mxfp4_decode.Tiles fields it sets; ValueError names the entry otherwise."""
-    swap, _, numbers = config.strip().rpartition("wx:")
-    values = numbers.split("/")
-    if swap or len(values) != 4 or not all(v.strip().isdigit() for v in values):
-        raise ValueError(f"SWEEP_CONFIGS: {config!r} is not [wx:]BLOCK_N/BLOCK_K/num_warps/num_stages (four whole "
-                         "numbers)")
+    """A SWEEP_CONFIGS entry ("64/128/4/3") -> the mxfp4_decode.Tiles fields it sets; ValueError names the entry
+    otherwise."""
+    values = config.split("/")
+    if len(values) != 4 or not all(v.strip().isdigit() for v in values):
+        raise ValueError(f"SWEEP_CONFIGS: {config!r} is not BLOCK_N/BLOCK_K/num_warps/num_stages (four whole numbers)")
     block_n, block_k, num_warps, num_stages = (int(v) for v in values)
-    return {"block_n": block_n, "block_k": block_k, "num_warps": num_warps, "num_stages": num_stages,
-            "swap_xw": config.strip().startswith("wx:")}
+    return {"block_n": block_n, "block_k": block_k, "num_warps": num_warps, "num_stages": num_stages}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,11 +109,11 @@ def main(argv: list[str] | None = None) -> int:
         x = torch.randn(tokens, 1, mlp.router.hidden_dim, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
             ref = mlp(x)[0]
-            ours = mxfp4_decode.moe_forward(mlp, packed, x)
+            ours = mxfp4_decode.moe_forward(mlp, packed, x, routing="torch")
             equal = (ours == ref).float().mean().item()
             diff = (ours.float() - ref.float()).abs().max().item()
             t_ref = graph_time(lambda x=x: mlp(x), s.REPS)
-            t_ours = graph_time(lambda x=x: mxfp4_decode.moe_forward(mlp, packed, x), s.REPS)
+            t_ours = graph_time(lambda x=x: mxfp4_decode.moe_forward(mlp, packed, x, routing="torch"), s.REPS)
             # the rows sorted by expert in one Triton program instead of torch's sort, searchsorted and division
             if tokens * mlp.router.top_k <= route_limit:
                 routed = mxfp4_decode.moe_forward(mlp, packed, x, routing="triton")
@@ -141,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 with torch.no_grad():
                     out = mxfp4_decode.moe_forward(mlp, packed, x, tiles)
-                    # another operand order or K tile sums in another order: equal up to bf16 rounding, not bits
+                    # another K tile sums in another order: equal up to bf16 rounding, not always bit for bit
                     same = torch.equal(mxfp4_decode.moe_forward(mlp, packed, x), out)
                     ok = (f"bit-equal to the default tiles: {same}, max |diff| to transformers' MLP "
                           f"{(out.float() - ref).abs().max().item():.1e}")
@@ -158,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{tokens:>7}{100 * equal:>10.2f}%{diff:>10.1e}{t_ref:>15.0f}{t_ours:>10.0f}{t_ref / t_ours:>8.2f}x"
               f"{bf16_bytes / t_ref / 1e3:>11.0f}{mxfp4_bytes / t_ours / 1e3:>12.0f}{t_routed:>19.0f}  {routed_same}")
     for config, t, ok in sorted(sweep, key=lambda row: (row[1] != row[1], row[1])):  # fastest first, failures last
-        print(f"tiles [wx:]N/K/warps/stages {config:>16}: {t:>5.0f} us, {mxfp4_bytes / t / 1e3:>5.0f} GB/s ({ok})")
+        print(f"tiles N/K/warps/stages {config:>12}: {t:>5.0f} us, {mxfp4_bytes / t / 1e3:>5.0f} GB/s ({ok})")
     return 0
 
 

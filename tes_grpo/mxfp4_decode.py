@@ -23,9 +23,6 @@ by expert, as transformers' grouped_mm path sorts them) and over K, reading the 
 multiplying with `tl.dot_scaled` (Hopper has no MXFP4 tensor cores: Triton upcasts the tile to bf16 in registers).
 The gate_up launch applies gpt-oss's clamped SwiGLU before it stores; the down launch adds the bias, multiplies by
 the routing weight and writes each row back to its token's slot. No host reads, fixed shapes: CUDA-graph capturable.
-`Tiles.swap_xw` computes each tile transposed, the packed weights as the dot's left operand and the routed rows as
-its right: the same products and roundings, with the output columns on the side Hopper's warpgroup MMA needs long
-(64 or more) instead of the ~8 rows an expert gets at 64 sequences; bench_mxfp4_decode.py's SWEEP times both.
 
 Needs Triton on a CUDA device. On CPU the same kernels run under Triton's interpreter (TRITON_INTERPRET=1 while this
 module is imported and its kernels run), which is how the tests check them without a GPU. The kernels call only
@@ -59,9 +56,6 @@ class Tiles:
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
-    # weights as the dot's left operand (out^T = W x^T): the output columns become the product's long side (block_n
-    # rows, what Hopper's warpgroup MMA wants) and the few routed rows its short side; same numbers, same roundings
-    swap_xw: bool = False
 
 
 TILES = Tiles()
@@ -80,14 +74,13 @@ def _bf16(x):
 @triton.jit
 def _experts_kernel(x_ptr, x_rows_ptr, offsets_ptr, blocks_ptr, scales_ptr, bias_ptr, weight_ptr, out_ptr,
                     out_rows_ptr, N, K, alpha, limit,
-                    SWIGLU: tl.constexpr, ROUTED_OUT: tl.constexpr, SWAP_XW: tl.constexpr,
+                    SWIGLU: tl.constexpr, ROUTED_OUT: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[r] = f(x[x_rows[r]] @ W_e + b_e) for the rows r in offsets[e]:offsets[e+1] (rows sorted by expert).
 
     W_e is stored as the checkpoint stores it: blocks [E, N, K/32, 16] (two FP4 codes a byte, low nibble first),
     scales [E, N, K/32] (E8M0). SWIGLU: f is gpt-oss's clamped SwiGLU over interleaved (gate, up) columns, out has
-    N/2 columns. ROUTED_OUT: f multiplies by weight[out_rows[r]] and the row is stored at out_rows[r]. SWAP_XW:
-    the tile is computed transposed, W's packed tile as the left operand (Tiles.swap_xw)."""
+    N/2 columns. ROUTED_OUT: f multiplies by weight[out_rows[r]] and the row is stored at out_rows[r]."""
     expert = tl.program_id(0)
     start = tl.load(offsets_ptr + expert)
     end = tl.load(offsets_ptr + expert + 1)
@@ -95,36 +88,23 @@ def _experts_kernel(x_ptr, x_rows_ptr, offsets_ptr, blocks_ptr, scales_ptr, bias
     col_ok = cols < N
     packed_cols = K // 2
     scale_cols = K // 32
-    w_cols = blocks_ptr + expert.to(tl.int64) * N * packed_cols + cols.to(tl.int64) * packed_cols
+    w_base = blocks_ptr + expert.to(tl.int64) * N * packed_cols + cols[None, :].to(tl.int64) * packed_cols
     s_base = scales_ptr + expert.to(tl.int64) * N * scale_cols + cols[:, None].to(tl.int64) * scale_cols
     bias = tl.load(bias_ptr + expert * N + cols, mask=col_ok, other=0.0).to(tl.float32)
     for row0 in range(start, end, BLOCK_M):
         rows = row0 + tl.arange(0, BLOCK_M)
         row_ok = rows < end
         src = tl.load(x_rows_ptr + rows, mask=row_ok, other=0)
-        if SWAP_XW:
-            acc_t = tl.full((BLOCK_N, BLOCK_M), 0.0, dtype=tl.float32)
-        else:
-            acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
             groups = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            x = tl.load(x_ptr + src[:, None].to(tl.int64) * K + ks[None, :],
+                        mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
+            w = tl.load(w_base + half[:, None], mask=col_ok[None, :] & (half[:, None] < packed_cols), other=0)
             s = tl.load(s_base + groups[None, :], mask=col_ok[:, None] & (groups[None, :] < scale_cols), other=127)
-            if SWAP_XW:
-                x_t = tl.load(x_ptr + src[None, :].to(tl.int64) * K + ks[:, None],
-                              mask=row_ok[None, :] & (ks[:, None] < K), other=0.0)
-                w_t = tl.load(w_cols[:, None] + half[None, :],
-                              mask=col_ok[:, None] & (half[None, :] < packed_cols), other=0)
-                acc_t = tl.dot_scaled(w_t, s, "e2m1", x_t, None, "bf16", acc_t, fast_math=True)
-            else:
-                x = tl.load(x_ptr + src[:, None].to(tl.int64) * K + ks[None, :],
-                            mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
-                w = tl.load(w_cols[None, :] + half[:, None],
-                            mask=col_ok[None, :] & (half[:, None] < packed_cols), other=0)
-                acc = tl.dot_scaled(x, None, "bf16", w, s, "e2m1", acc, fast_math=True)
-        if SWAP_XW:
-            acc = tl.trans(acc_t)
+            acc = tl.dot_scaled(x, None, "bf16", w, s, "e2m1", acc, fast_math=True)
         # transformers: grouped_mm's bf16 output, then `out.add_(bias)` in bf16
         y = _bf16(_bf16(acc) + bias[None, :])
         if SWIGLU:
@@ -163,7 +143,7 @@ def experts_matmul(x, x_rows, offsets, blocks, scales, bias, *, swiglu=None, wei
     grid = (experts, triton.cdiv(n, tiles.block_n))
     _experts_kernel[grid](x, x_rows, offsets, blocks, scales, bias, weights if weights is not None else bias, out,
                           out_rows if out_rows is not None else x_rows, n, k, float(alpha), float(limit),
-                          SWIGLU=bool(swiglu), ROUTED_OUT=weights is not None, SWAP_XW=tiles.swap_xw,
+                          SWIGLU=bool(swiglu), ROUTED_OUT=weights is not None,
                           BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
                           num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
@@ -291,18 +271,25 @@ def pack_model(layers, say=print) -> list[PackedExperts | None]:
     return packs
 
 
+ROUTE_IN_ONE_PROGRAM_UP_TO = 256  # routed rows (tokens x k) up to which a CUDA step sorts them with moe_routing
+
+
 def moe_forward(mlp, packed: PackedExperts, hidden: torch.Tensor, tiles: Tiles = TILES,
-                routing: str = "torch") -> torch.Tensor:
+                routing: str = "auto") -> torch.Tensor:
     """gpt-oss's MLP (router, top-k experts, weighted sum) for hidden [..., H] with the experts read from `packed`.
     routing: how the routed rows are sorted by expert, "torch" (sort, searchsorted, division) or "triton" (one
-    program, moe_routing.route_with_triton: the same tensors; up to its MAX_ROWS routed rows)."""
+    program, moe_routing.route_with_triton: the same tensors); "auto": triton on CUDA for up to
+    ROUTE_IN_ONE_PROGRAM_UP_TO routed rows, where bench_mxfp4_decode.py measured it faster (its work grows with the
+    rows squared), torch otherwise. A shape decides it, so a captured step reads nothing on the host."""
     shape = hidden.shape
     x = hidden.reshape(-1, shape[-1])
     _, scores, indices = mlp.router(x)  # transformers >= 5.17: logits, top-k weights [T, k], expert ids [T, k]
     tokens, top_k = indices.shape
     experts = packed.gate_up_blocks.shape[0]
+    if routing == "auto":
+        routing = "triton" if x.is_cuda and tokens * top_k <= ROUTE_IN_ONE_PROGRAM_UP_TO else "torch"
     if routing not in ("torch", "triton"):
-        raise ValueError(f"moe_forward: routing={routing!r}; valid: 'torch', 'triton'")
+        raise ValueError(f"moe_forward: routing={routing!r}; valid: 'auto', 'torch', 'triton'")
     route = route_with_triton if routing == "triton" else route_with_torch
     order, offsets, token_rows = route(indices, experts)
     gated = experts_matmul(x.contiguous(), token_rows, offsets, packed.gate_up_blocks, packed.gate_up_scales,

@@ -103,12 +103,11 @@ def test_generation_cycles_average_each_batchs_steps(timed, expected):
 
 # (SWEEP_CONFIGS entry, the Tiles fields it sets, or None where it is refused)
 SWEEP_ENTRIES = [
-    ("64/128/4/3", {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3, "swap_xw": False}),  # x by W
-    ("wx:128/64/8/4", {"block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 4, "swap_xw": True}),  # W by x
+    ("64/128/4/3", {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3}),  # the defaults
+    ("128/256/8/4", {"block_n": 128, "block_k": 256, "num_warps": 8, "num_stages": 4}),  # other numbers
     ("128/64/4", None),  # three numbers
-    ("wx:128/64/4/a", None),  # not a number
-    ("xw:128/64/4/3", None),  # an unknown prefix
-    ("wx:wx:128/64/4/3", None),  # the prefix twice
+    ("128/64/4/a", None),  # not a number
+    ("wx:128/64/4/3", None),  # a prefix
 ]
 
 

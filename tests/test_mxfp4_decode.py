@@ -75,29 +75,26 @@ def random_mlp(seed=0, **shape) -> GptOssMLP:
     (5, {"hidden": 64, "inter": 64, "experts": 4, "top_k": 2}),  # K = 64, less than one 128-wide K tile
     (16, {"hidden": 160, "inter": 96, "experts": 32, "top_k": 4}),  # K = 160: a partial last K tile; 32 experts
 ])
-@pytest.mark.parametrize("swap_xw", [False, True], ids=["x-by-w", "w-by-x"])  # Tiles.swap_xw: both operand orders
 @runs_kernel
-def test_kernel_equals_transformers_mlp_bit_for_bit(tokens, shape, swap_xw):
+def test_kernel_equals_transformers_mlp_bit_for_bit(tokens, shape):
     mlp = random_mlp(**shape)
     x = torch.randn(1, tokens, mlp.router.hidden_dim).to(torch.bfloat16)
     # oneDNN's bf16 matmuls on CPUs with AMX (Sapphire Rapids and later) round differently from every other CPU
     # path (torch 2.13: equal with ONEDNN_MAX_CPU_ISA=AVX512_CORE, not with AMX); ATen's own kernels give the same
     # sums on any x86 CPU, so the reference (and the router both sides share) runs there
     with torch.backends.mkldnn.flags(enabled=False):
-        ours = md.moe_forward(mlp, md.pack_experts(mlp.experts), x, tiles=md.Tiles(swap_xw=swap_xw))
+        ours = md.moe_forward(mlp, md.pack_experts(mlp.experts), x)
         reference = mlp(x)[0]
     assert torch.equal(ours, reference)
 
 
-@pytest.mark.parametrize("block_m, block_n, block_k, swap_xw", [
-    (16, 32, 64, False),  # narrower tiles than the defaults
-    (16, 128, 256, False),  # wider than the matrices (everything masked at the edges)
-    (16, 128, 64, True),  # weights as the left operand, 128 output columns a tile
-    (32, 32, 256, True),  # weights as the left operand, 32 routed rows a tile (more than an expert gets here)
+@pytest.mark.parametrize("block_n, block_k", [
+    (32, 64),  # narrower tiles than the defaults
+    (128, 256),  # wider than the matrices (everything masked at the edges)
 ])
 @runs_kernel
-def test_other_tile_sizes_give_the_same_result(block_m, block_n, block_k, swap_xw):
-    tiles = md.Tiles(block_m=block_m, block_n=block_n, block_k=block_k, swap_xw=swap_xw)
+def test_other_tile_sizes_give_the_same_result(block_n, block_k):
+    tiles = md.Tiles(block_n=block_n, block_k=block_k)
     mlp = random_mlp(seed=1)
     x = torch.randn(9, mlp.router.hidden_dim).to(torch.bfloat16)
     packed = md.pack_experts(mlp.experts)
@@ -260,3 +257,10 @@ def test_graph_decode_samples_the_same_tokens_from_resident_experts(tiny_bf16):
     assert outputs["bf16"].shape[1] > 11
     assert torch.equal(outputs["bf16"], outputs["resident kernel"])
     assert torch.equal(outputs["bf16"], outputs["resident mlp"])
+
+
+def test_an_unknown_routing_is_refused():
+    mlp = random_mlp()
+    x = torch.randn(3, mlp.router.hidden_dim).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="routing='sorted'; valid: 'auto', 'torch', 'triton'"):
+        md.moe_forward(mlp, md.pack_experts(mlp.experts), x, routing="sorted")
