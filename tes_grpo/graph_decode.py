@@ -122,10 +122,12 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
 class EndFlags:
     """Whether every row has ended after token n, read one token late. Reading it at once would make the host wait
     for the GPU every token, leaving the GPU idle while the host launches the next step; read after the next step
-    is queued, the GPU always has work. `generate` undoes what ran ahead (one token's draw; its decode step only
-    wrote cache slots no row reads)."""
+    is queued, the GPU always has work. `generate` undoes what ran ahead: one token's draw (dropped, its random
+    numbers given back); its decode step only wrote cache slots no row reads, though when that step is the first in
+    a new cache bucket it is captured first (decode_cache's DecodeGraphs), once a generate call at most."""
 
     def __init__(self, steps: int, device: torch.device):
+        self.device = device
         self.cuda = device.type == "cuda"
         self.flags = torch.empty(max(steps, 1), dtype=torch.long, pin_memory=self.cuda)
         self.events: dict[int, torch.cuda.Event] = {}
@@ -133,9 +135,9 @@ class EndFlags:
     def note(self, n: int, unfinished: torch.Tensor) -> None:
         """Copies `unfinished.max()` after token n to the host without waiting for it."""
         self.flags[n].copy_(unfinished.max(), non_blocking=self.cuda)
-        if self.cuda:
+        if self.cuda:  # on the stream of the tensors' GPU, which ran the copy (the current GPU may be another)
             self.events[n] = torch.cuda.Event()
-            self.events[n].record()
+            self.events[n].record(torch.cuda.current_stream(self.device))
 
     def ended(self, n: int) -> bool:
         """Whether no row was unfinished after token n (waits for that copy only)."""
@@ -147,7 +149,11 @@ class EndFlags:
 
 def random_state(device: torch.device) -> torch.Tensor:
     """The state of the generator torch.multinomial draws from on `device` (a host copy; no GPU wait)."""
-    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    if device.type == "cpu":
+        return torch.get_rng_state()
+    raise ValueError(f"graph_decode: sampling on {device} is not supported (CUDA or CPU)")
 
 
 def set_random_state(device: torch.device, state: torch.Tensor) -> None:

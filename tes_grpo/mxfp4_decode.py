@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tes_grpo.moe_routing import route_with_torch, route_with_triton
+from tes_grpo import moe_routing
 from tes_grpo.mxfp4 import BLOCK_SIZE, dequantize_mxfp4, quantize_mxfp4
 from tes_grpo.mxfp4_experts import is_resident
 
@@ -274,24 +274,29 @@ def pack_model(layers, say=print) -> list[PackedExperts | None]:
 ROUTE_IN_ONE_PROGRAM_UP_TO = 256  # routed rows (tokens x k) up to which a CUDA step sorts them with moe_routing
 
 
+def routing_for(device_type: str, rows: int) -> str:
+    """moe_forward's routing="auto": "triton" (moe_routing's one program) on CUDA for up to
+    ROUTE_IN_ONE_PROGRAM_UP_TO routed rows, where bench_mxfp4_decode.py measured it faster (its work grows with the
+    rows squared); "torch" otherwise."""
+    return "triton" if device_type == "cuda" and rows <= ROUTE_IN_ONE_PROGRAM_UP_TO else "torch"
+
+
 def moe_forward(mlp, packed: PackedExperts, hidden: torch.Tensor, tiles: Tiles = TILES,
                 routing: str = "auto") -> torch.Tensor:
     """gpt-oss's MLP (router, top-k experts, weighted sum) for hidden [..., H] with the experts read from `packed`.
     routing: how the routed rows are sorted by expert, "torch" (sort, searchsorted, division) or "triton" (one
-    program, moe_routing.route_with_triton: the same tensors); "auto": triton on CUDA for up to
-    ROUTE_IN_ONE_PROGRAM_UP_TO routed rows, where bench_mxfp4_decode.py measured it faster (its work grows with the
-    rows squared), torch otherwise. A shape decides it, so a captured step reads nothing on the host."""
+    program, moe_routing.route_with_triton: the same tensors); "auto": routing_for's choice. A device and a shape
+    decide it, so a captured step reads nothing on the host."""
     shape = hidden.shape
     x = hidden.reshape(-1, shape[-1])
     _, scores, indices = mlp.router(x)  # transformers >= 5.17: logits, top-k weights [T, k], expert ids [T, k]
     tokens, top_k = indices.shape
     experts = packed.gate_up_blocks.shape[0]
-    if routing == "auto":
-        routing = "triton" if x.is_cuda and tokens * top_k <= ROUTE_IN_ONE_PROGRAM_UP_TO else "torch"
-    if routing not in ("torch", "triton"):
+    route = {"torch": moe_routing.route_with_torch, "triton": moe_routing.route_with_triton}  # as imported now
+    chosen = routing_for(x.device.type, tokens * top_k) if routing == "auto" else routing
+    if chosen not in route:
         raise ValueError(f"moe_forward: routing={routing!r}; valid: 'auto', 'torch', 'triton'")
-    route = route_with_triton if routing == "triton" else route_with_torch
-    order, offsets, token_rows = route(indices, experts)
+    order, offsets, token_rows = route[chosen](indices, experts)
     gated = experts_matmul(x.contiguous(), token_rows, offsets, packed.gate_up_blocks, packed.gate_up_scales,
                            packed.gate_up_bias, swiglu=(packed.alpha, packed.limit), tiles=tiles)
     sequence_rows = torch.arange(order.shape[0], device=x.device)

@@ -70,36 +70,64 @@ def test_routing_kernel_equals_torch_on_cuda(tokens, top_k, experts):
         assert ours.dtype == theirs.dtype and torch.equal(ours, theirs)
 
 
-def test_graph_decode_replays_its_steps_as_cuda_graphs_from_the_models_best_first_token():
-    """bf16, as models load on a GPU (float32 grouped_mm on CUDA copies through the host in torch 2.11, which a
-    graph capture refuses; train_grpo never runs it). The captured steps must give the tokens the same steps give
-    eagerly for the first 10 tokens of every row (a stale cache or a wrong position diverges at once; after that,
-    bf16 sums in another order may flip a near tie: seen once, at token 20). Against transformers: the first token
-    (from graph_decode's prefill, left padding included) must be one the model's own forward rates within bf16
-    rounding of its best; a bf16 near tie made it differ from generate's pick once. The CPU tests compare
-    graph_decode's steps with generate's token for token in float32."""
-    from tes_grpo import graph_decode
+PAD = 5
 
-    pad = 5
+
+def small_cuda_model(experts_mxfp4: bool = False) -> GptOssForCausalLM:
+    """A small gpt-oss in bf16 on CUDA, as models load on a GPU (float32 grouped_mm on CUDA copies through the host in
+    torch 2.11, which a graph capture refuses; train_grpo never runs it); experts_mxfp4: expert weights exactly
+    MXFP4, as loaded from a checkpoint, so graph_decode can decode them with the MXFP4 kernel."""
     config = GptOssConfig(
         vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
-        layer_types=["sliding_attention", "full_attention"] * 2, pad_token_id=pad, eos_token_id=3, bos_token_id=1,
+        layer_types=["sliding_attention", "full_attention"] * 2, pad_token_id=PAD, eos_token_id=3, bos_token_id=1,
         attn_implementation="eager")
     config._experts_implementation = "grouped_mm"
     torch.manual_seed(0)
     model = GptOssForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    if experts_mxfp4:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for name in ("gate_up_proj", "down_proj"):
+                    getattr(layer.mlp.experts, name).copy_(fake_quantize_expert_param(getattr(layer.mlp.experts, name)))
+    return model
+
+
+def left_padded_ids() -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(10, 512, (3, 13), generator=generator)
     mask = torch.ones_like(ids)
     for row, pads in enumerate((0, 4, 9)):  # left-padded as TRL pads them
         mask[row, :pads] = 0
-        ids[row, :pads] = pad
-    ids, mask = ids.cuda(), mask.cuda()
-    generation = GenerationConfig(max_new_tokens=20, do_sample=False, pad_token_id=pad, bos_token_id=1,
-                                  eos_token_id=[3], use_cache=True, disable_compile=True)
-    replayed = graph_decode.generate(model, ids, mask, generation, graphs=True, say=lambda line: None)
-    eager = graph_decode.generate(model, ids, mask, generation, graphs=False, say=lambda line: None)
+        ids[row, :pads] = PAD
+    return ids.cuda(), mask.cuda()
+
+
+def generation_config(**changes) -> GenerationConfig:
+    settings = {"max_new_tokens": 20, "do_sample": False, "pad_token_id": PAD, "bos_token_id": 1, "eos_token_id": [3],
+                "use_cache": True, "disable_compile": True}
+    return GenerationConfig(**{**settings, **changes})
+
+
+@pytest.mark.parametrize("experts", ["model", "mxfp4"])
+def test_graph_decode_replays_its_steps_as_cuda_graphs_from_the_models_best_first_token(experts):
+    """The captured steps must give the tokens the same steps give eagerly for the first 10 tokens of every row (a
+    stale cache or a wrong position diverges at once; after that, bf16 sums in another order may flip a near tie:
+    seen once, at token 20), with the model's experts and with the MXFP4 kernel (its routing as a decode step of up
+    to 256 rows takes it on CUDA: moe_routing's program, inside the graph). Against transformers: the first token
+    (from graph_decode's prefill, left padding included) must be one the model's own forward rates within bf16
+    rounding of its best; a bf16 near tie made it differ from generate's pick once. The CPU tests compare
+    graph_decode's steps with generate's token for token in float32."""
+    from tes_grpo import graph_decode
+
+    model = small_cuda_model(experts_mxfp4=experts == "mxfp4")
+    ids, mask = left_padded_ids()
+    generation = generation_config()
+    said = []
+    replayed = graph_decode.generate(model, ids, mask, generation, graphs=True, experts=experts, say=said.append)
+    eager = graph_decode.generate(model, ids, mask, generation, graphs=False, experts=experts, say=said.append)
+    if experts == "mxfp4":
+        assert any("packed 4 layers' experts as MXFP4" in line for line in said), said
     agree = ids.shape[1] + 10
     assert torch.equal(replayed[:, :agree], eager[:, :agree])
     with torch.no_grad():  # positions as generate gives them to left-padded rows
@@ -108,6 +136,39 @@ def test_graph_decode_replays_its_steps_as_cuda_graphs_from_the_models_best_firs
     first = replayed[:, ids.shape[1]]
     shortfall = logprobs.max(-1).values - logprobs.gather(1, first[:, None]).squeeze(1)
     assert (shortfall < 0.05).all(), shortfall  # a near tie in bf16, not another distribution
+
+
+def test_graph_decode_stops_when_every_row_ended_and_draws_no_random_numbers_past_it():
+    """The loop reads "every row ended" one token late on CUDA (a pinned copy and an event), so the step after the
+    end has run and drawn before the loop sees it: that token must be dropped and its random numbers given back.
+    Sampled with graphs: once without end tokens, then with end tokens taken from that run so every row ends early;
+    the tokens must be the first run's up to each row's end, and the random state the one that exactly as many
+    draws leave (a run of that many tokens with no end token)."""
+    from tes_grpo import graph_decode
+
+    model = small_cuda_model()
+    ids, mask = left_padded_ids()
+    quiet = {"graphs": True, "say": lambda line: None}
+    torch.manual_seed(7)
+    free = graph_decode.generate(model, ids, mask, generation_config(do_sample=True, eos_token_id=[10_000]),
+                                 **quiet)  # 10,000: outside the vocabulary, so no row ends
+    tokens = free[:, ids.shape[1]:]
+    ends = [3, 5, 6]  # each row's last token
+    config = generation_config(do_sample=True, eos_token_id=[int(tokens[row, end]) for row, end in enumerate(ends)])
+    torch.manual_seed(7)
+    stopped = graph_decode.generate(model, ids, mask, config, **quiet)
+    after_stop = torch.cuda.get_rng_state()
+    new = stopped.shape[1] - ids.shape[1]
+    assert new <= max(ends) + 1 < config.max_new_tokens  # every row ended before max_new_tokens
+    for row in range(3):
+        end = int(torch.isin(stopped[row, ids.shape[1]:], torch.tensor(config.eos_token_id, device="cuda"))
+                  .nonzero()[0])
+        assert torch.equal(stopped[row, ids.shape[1]:ids.shape[1] + end + 1], tokens[row, :end + 1])
+        assert (stopped[row, ids.shape[1] + end + 1:] == PAD).all()
+    torch.manual_seed(7)
+    unstopped = generation_config(do_sample=True, eos_token_id=[10_000], max_new_tokens=new)  # no token ends a row
+    graph_decode.generate(model, ids, mask, unstopped, **quiet)
+    assert torch.equal(after_stop, torch.cuda.get_rng_state())
 
 
 def test_mxfp4_codec_on_cuda_gives_the_cpus_codes():

@@ -264,3 +264,14 @@ def test_an_unknown_routing_is_refused():
     x = torch.randn(3, mlp.router.hidden_dim).to(torch.bfloat16)
     with pytest.raises(ValueError, match="routing='sorted'; valid: 'auto', 'torch', 'triton'"):
         md.moe_forward(mlp, md.pack_experts(mlp.experts), x, routing="sorted")
+
+
+@pytest.mark.parametrize("device_type, rows, expected", [
+    ("cuda", 256, "triton"),  # 64 sequences x 4: a default GRPO step's decode
+    ("cuda", 1, "triton"),  # one sequence
+    ("cuda", 257, "torch"),  # past the measured break-even: the program's work grows with the rows squared
+    ("cuda", 512, "torch"),  # GENERATION_STEPS=2's 128 sequences
+    ("cpu", 4, "torch"),  # no compiled Triton on the CPU
+])
+def test_auto_routing(device_type, rows, expected):
+    assert md.routing_for(device_type, rows) == expected
