@@ -388,10 +388,12 @@ def train(s, environ=None, callbacks=()) -> Path:
 
     # Model, the memory it leaves (checked before loading too: a run that cannot fit stops before it), trainer
     resident = resolve_experts(s.EXPERTS, model_path, expert_layers(s), config)[0] == "mxfp4"
-    plan_run(s, config, longest, env["steps_per_generation"], resident, loaded=False)
+    bf16_layers = len(set(expert_layers(s))) if resident else 0  # EXPERTS=mxfp4 keeps LoRA's expert layers bf16
+    plan_run(s, config, longest, env["steps_per_generation"], resident, loaded=False, bf16_expert_layers=bf16_layers)
     model = load_training_model(model_path, s.ATTN_IMPLEMENTATION, say=say, experts=s.EXPERTS,
                                 expert_lora_layers=expert_layers(s), config=config)
-    plan = plan_run(s, config, longest, env["steps_per_generation"], resident, loaded=True, say=say)
+    plan = plan_run(s, config, longest, env["steps_per_generation"], resident, loaded=True, say=say,
+                    bf16_expert_layers=bf16_layers)
     layout = batch_layout(s, longest, env["steps_per_generation"], plan)
     slot = s.PROMPTS_PER_STEP * s.NUM_GENERATIONS  # completions of one gradient-accumulation slot
     completion_log = CompletionLog(log_path, slot) if env["log_completions"] else None

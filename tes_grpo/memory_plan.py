@@ -219,21 +219,29 @@ def expert_layer_bytes(m: ModelShape, b: int = 2) -> int:
     return m.experts * (m.hidden * 2 * m.intermediate + m.intermediate * m.hidden) * b
 
 
-def expert_bytes(m: ModelShape, mxfp4: bool, b: int = 2) -> int:
-    """All layers' expert weights: as MXFP4 (4-bit values + one 8-bit scale per 32: 17 bytes a 32-block; also the
-    size of mxfp4_decode's decoding copy) or in the compute dtype."""
-    params = m.experts * 3 * m.hidden * m.intermediate * m.layers
+def expert_bytes(m: ModelShape, mxfp4: bool, b: int = 2, layers: int | None = None) -> int:
+    """The expert weights of `layers` layers (default: all): as MXFP4 (4-bit values + one 8-bit scale per 32: 17
+    bytes a 32-block; also the size of mxfp4_decode's decoding copy) or in the compute dtype."""
+    params = m.experts * 3 * m.hidden * m.intermediate * (m.layers if layers is None else layers)
     return params * 17 // 32 if mxfp4 else params * b
 
 
-def weights_bytes(m: ModelShape, experts_mxfp4: bool, b: int = 2) -> int:
-    """The model's weights on the GPU: the experts (expert_bytes), the rest (embeddings, attention, router, norms,
-    LM head, biases) in the compute dtype."""
+def resident_expert_bytes(m: ModelShape, bf16_expert_layers: int = 0) -> int:
+    """The resident MXFP4 experts (mxfp4_experts.py): every layer's but those of the `bf16_expert_layers` layers
+    that keep bf16 experts (EXPERTS=mxfp4 with LORA_EXPERT_LAYERS: PEFT adapts bf16 parameters)."""
+    return expert_bytes(m, mxfp4=True, layers=m.layers - bf16_expert_layers)
+
+
+def weights_bytes(m: ModelShape, experts_mxfp4: bool, b: int = 2, bf16_expert_layers: int = 0) -> int:
+    """The model's weights on the GPU: the experts (expert_bytes; resident MXFP4 but for bf16_expert_layers layers,
+    or all bf16), the rest (embeddings, attention, router, norms, LM head, biases) in the compute dtype."""
     q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
     per_layer = (m.hidden * (q + 2 * kv) + q * m.hidden + (q + 2 * kv) + m.hidden + m.heads  # attention + sinks
                  + m.hidden * m.experts + m.experts + 2 * m.hidden  # router, norms
                  + m.experts * 3 * m.intermediate)  # expert biases (gate_up 2I, down H = I here)
-    return expert_bytes(m, experts_mxfp4, b) + (2 * m.vocab * m.hidden + m.layers * per_layer + m.hidden) * b
+    experts = (resident_expert_bytes(m, bf16_expert_layers) + expert_bytes(m, False, b, layers=bf16_expert_layers)
+               if experts_mxfp4 else expert_bytes(m, False, b))
+    return experts + (2 * m.vocab * m.hidden + m.layers * per_layer + m.hidden) * b
 
 
 def lora_params(m: ModelShape, r: int) -> int:
@@ -279,11 +287,12 @@ class GpuWeights:
 
 
 def fsdp_weights_per_gpu(m: ModelShape, processes: int, experts_resident_mxfp4: bool, lora_r: int = 0,
-                         b: int = 2) -> GpuWeights:
+                         b: int = 2, bf16_expert_layers: int = 0) -> GpuWeights:
     """The weights one GPU holds when FSDP2 (configs/accelerate/fsdp2.yaml) shards the model over `processes` GPUs.
 
     Counted:
-    - replicated: the resident MXFP4 experts (expert_bytes, mxfp4=True). They are non-persistent buffers
+    - replicated: the resident MXFP4 experts (resident_expert_bytes: the layers of bf16_expert_layers keep bf16
+      experts, parameters like the rest). They are non-persistent buffers
       (mxfp4_experts.py), which FSDP2 does not shard, so every GPU holds all of them. Without them (bf16 experts)
       nothing is replicated: the experts are parameters like the rest.
     - sharded: 1/processes of every parameter (weights_bytes less the replicated experts) and of LoRA rank
@@ -300,8 +309,8 @@ def fsdp_weights_per_gpu(m: ModelShape, processes: int, experts_resident_mxfp4: 
     """
     if processes < 1:
         raise ValueError(f"processes must be at least 1, got {processes}")
-    replicated = expert_bytes(m, mxfp4=True) if experts_resident_mxfp4 else 0
-    rest = weights_bytes(m, experts_mxfp4=experts_resident_mxfp4, b=b) - replicated
+    replicated = resident_expert_bytes(m, bf16_expert_layers) if experts_resident_mxfp4 else 0
+    rest = weights_bytes(m, experts_resident_mxfp4, b, bf16_expert_layers) - replicated
     lora = lora_params(m, lora_r)
     vocab_unit = (m.vocab + 1) * m.hidden * b  # the LM head and the final norm (the embeddings: one norm less)
     layer_unit = (rest - 2 * m.vocab * m.hidden * b - m.hidden * b + lora * b) // m.layers
@@ -351,14 +360,16 @@ class MemoryFacts:
 
 
 def recipe_facts(s, m: ModelShape, loaded: bool, experts_resident_mxfp4: bool, mxfp4_decode_copy: bool,
-                 device=None) -> MemoryFacts:
+                 device=None, bf16_expert_layers: int = 0) -> MemoryFacts:
     """MemoryFacts for train_grpo's recipe, measured now: before loading (loaded=False) the weights still to come
     count against the free memory; experts_resident_mxfp4: training dequantizes one layer's experts at a time
     (mxfp4_experts.py); mxfp4_decode_copy: DECODE_EXPERTS=mxfp4 over bf16 experts packs an MXFP4 copy at the first
-    generation and keeps it; LoRA r = s.LORA_R."""
+    generation and keeps it; bf16_expert_layers: layers whose experts stay bf16 among resident ones (weights_bytes);
+    LoRA r = s.LORA_R."""
     return MemoryFacts.measured(
         device,
-        to_load_bytes=0 if loaded else weights_bytes(m, experts_mxfp4=experts_resident_mxfp4),
+        to_load_bytes=0 if loaded else weights_bytes(m, experts_mxfp4=experts_resident_mxfp4,
+                                                     bf16_expert_layers=bf16_expert_layers),
         train_transient_bytes=expert_layer_bytes(m) if experts_resident_mxfp4 else 0,
         later_resident_bytes=expert_bytes(m, mxfp4=True) if mxfp4_decode_copy else 0,
         trainable_params=lora_params(m, s.LORA_R))
@@ -375,11 +386,12 @@ def no_plan_reason(s) -> str | None:
 
 
 def check_fsdp_weights(s, m: ModelShape, processes: int, experts_resident_mxfp4: bool,
-                       facts: MemoryFacts) -> GpuWeights:
+                       facts: MemoryFacts, bf16_expert_layers: int = 0) -> GpuWeights:
     """fsdp_weights_per_gpu for this run, checked against the GPU's free memory (facts.free_bytes) or, when set,
     MEMORY_BUDGET_GB less what this process holds (facts.held_bytes). SettingsError when the weights and one
     dequantized expert layer alone do not fit: it names the need, the limit and what would fit."""
-    weights = fsdp_weights_per_gpu(m, processes, experts_resident_mxfp4, s.LORA_R)
+    weights = fsdp_weights_per_gpu(m, processes, experts_resident_mxfp4, s.LORA_R,
+                                   bf16_expert_layers=bf16_expert_layers)
     budget = budget_bytes_of(s)
     binds = budget is not None and budget - facts.held_bytes < facts.free_bytes
     available = budget - facts.held_bytes if binds else facts.free_bytes
@@ -411,7 +423,7 @@ def check_fsdp_weights(s, m: ModelShape, processes: int, experts_resident_mxfp4:
 
 
 def plan_run(s, config, longest_prompt: int, steps_per_generation: int | None, experts_resident_mxfp4: bool,
-             loaded: bool, say=print) -> MemoryPlan | None:
+             loaded: bool, say=print, bf16_expert_layers: int = 0) -> MemoryPlan | None:
     """train_grpo's memory plan for a model `config` on this process's GPU: None (and why, through `say`) where
     there is nothing to plan (no GPU; FSDP and vLLM hold memory this estimate does not model). Before loading
     (loaded=False) it only checks that the run can fit, so a run that cannot stops with a SettingsError before
@@ -419,12 +431,14 @@ def plan_run(s, config, longest_prompt: int, steps_per_generation: int | None, e
 
     Under FSDP (without vLLM) there is no plan for the passes and generate calls either, but the weights each GPU
     will hold (check_fsdp_weights) are checked against this process's GPU, before loading and after (the weights
-    reach the GPUs only when the trainer prepares the model), and said after loading."""
+    reach the GPUs only when the trainer prepares the model), and said after loading. bf16_expert_layers: with
+    resident experts, the layers that keep bf16 ones (weights_bytes)."""
     why = no_plan_reason(s)
     if why == "FSDP":
         facts = MemoryFacts.measured(local_rank())
         processes = process_count()
-        weights = check_fsdp_weights(s, ModelShape.from_config(config), processes, experts_resident_mxfp4, facts)
+        weights = check_fsdp_weights(s, ModelShape.from_config(config), processes, experts_resident_mxfp4, facts,
+                                     bf16_expert_layers)
         if loaded:
             dequantized = (f", {gib(weights.needs_bytes)} GiB with one layer's experts dequantized for training"
                            if weights.train_transient_bytes else "")  # the check counts it too
@@ -439,7 +453,7 @@ def plan_run(s, config, longest_prompt: int, steps_per_generation: int | None, e
         return None
     m = ModelShape.from_config(config)
     decode_copy = not experts_resident_mxfp4 and s.DECODE_EXPERTS in ("auto", "mxfp4")
-    facts = recipe_facts(s, m, loaded, experts_resident_mxfp4, decode_copy)
+    facts = recipe_facts(s, m, loaded, experts_resident_mxfp4, decode_copy, bf16_expert_layers=bf16_expert_layers)
     if s.DECODE_LORA == "merged":  # graph_decode folds LoRA into a copy of the attention weights per generate call
         facts = dataclasses.replace(facts, generation_fixed_bytes=attention_weight_bytes(m))
     plan = plan_memory(s, m, longest_prompt, facts, steps_per_generation)

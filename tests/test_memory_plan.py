@@ -310,6 +310,7 @@ def _train_on_a_made_up_gpu(monkeypatch, tmp_path, tokenizer, free_gib: float, o
     plan_run = memory_plan.plan_run
 
     def record_plan(*args, **kwargs):
+        seen.setdefault("bf16_expert_layers", []).append(kwargs.get("bf16_expert_layers", 0))
         seen["plans"].append(plan_run(*args, **kwargs))
         return seen["plans"][-1]
 
@@ -358,6 +359,37 @@ def test_the_plan_is_said_and_sizes_the_passes_and_generate_calls(monkeypatch, t
     layout = seen["layout"]
     assert layout["train_batch_size"] == after.train_batch_size < layout["completions_per_step"]
     assert layout["generation_sequences"] == after.generation_sequences
+
+
+@pytest.mark.parametrize("overrides, bf16_layers", [
+    ([], 0),  # EXPERTS=auto on the MXFP4 checkpoint: every layer's experts resident
+    (["--EXPERTS=mxfp4", "--LORA_EXPERT_LAYERS=1"], 1),  # resident, but LoRA's expert layer keeps bf16 experts
+    (["--LORA_EXPERT_LAYERS=1"], 0),  # auto with expert LoRA: all bf16, none resident
+])
+def test_the_plan_counts_the_expert_layers_kept_bf16(monkeypatch, tmp_path, tokenizer, overrides, bf16_layers):
+    code, seen = _train_on_a_made_up_gpu(monkeypatch, tmp_path, tokenizer, 40, overrides)
+    assert code is None and seen["bf16_expert_layers"] == [bf16_layers, bf16_layers]  # before and after loading
+
+
+# (layers whose experts stay bf16 among resident ones; GiB of the 20B's weights)
+SOME_BF16_EXPERTS = [
+    (0, 12.8),  # every layer resident as MXFP4
+    (3, 16.1),  # three layers' experts bf16 for LoRA: 1.09 GiB more each
+    (24, 39.0),  # all of them: the same as the dequantized model
+]
+
+
+@pytest.mark.parametrize("bf16_layers, gib_expected", SOME_BF16_EXPERTS)
+def test_weights_with_some_expert_layers_kept_bf16(bf16_layers, gib_expected):
+    got = memory_plan.weights_bytes(M20B, experts_mxfp4=True, bf16_expert_layers=bf16_layers)
+    assert round(got / GIB, 1) == gib_expected
+    per_layer = memory_plan.expert_bytes(M20B, False, layers=1) - memory_plan.expert_bytes(M20B, True, layers=1)
+    assert got == memory_plan.weights_bytes(M20B, experts_mxfp4=True) + bf16_layers * per_layer
+    # under FSDP2 those layers' experts are parameters: sharded, not replicated
+    w = memory_plan.fsdp_weights_per_gpu(M20B, 2, True, lora_r=4, bf16_expert_layers=bf16_layers)
+    assert w.replicated_bytes == memory_plan.resident_expert_bytes(M20B, bf16_layers)
+    whole = got + memory_plan.lora_params(M20B, 4) * memory_plan.OPTIMIZER_BYTES_PER_PARAM
+    assert 0 <= w.replicated_bytes + 2 * w.sharded_bytes - whole < 2
 
 
 # ---------------------------------------------------------------------------------------------------------------
