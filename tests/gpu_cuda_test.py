@@ -86,6 +86,7 @@ def small_cuda_model(experts_mxfp4: bool = False) -> GptOssForCausalLM:
     torch.manual_seed(0)
     model = GptOssForCausalLM(config).to("cuda", torch.bfloat16).eval()
     if experts_mxfp4:
+        model.requires_grad_(False)  # frozen as under LoRA: graph_decode packs no weight that training changes
         with torch.no_grad():
             for layer in model.model.layers:
                 for name in ("gate_up_proj", "down_proj"):
