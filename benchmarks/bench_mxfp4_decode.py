@@ -3,6 +3,7 @@ transformers' bf16 grouped_mm, on one GPU. Run on the GPU machine (the numbers g
 
     python benchmarks/bench_mxfp4_decode.py
     python benchmarks/bench_mxfp4_decode.py --TOKENS=64 --SWEEP=1      # also try other tile sizes at 64 tokens
+    python benchmarks/bench_mxfp4_decode.py --TOKENS=64 --REPS=30 --SWEEP=1 --SWEEP_LIST=variants  # kernel variants
 
 It builds one MLP (router + 32 experts) at the 20B shapes with random MXFP4 expert weights (as the checkpoint's,
 loaded dequantized), then:
@@ -12,7 +13,11 @@ loaded dequantized), then:
   transformers' grouped_mm experts against the MXFP4 kernel, with the weight bytes each read per microsecond;
 - times the same with the routed rows sorted by expert in one Triton program (moe_routing.py) instead of torch's
   sort, searchsorted and division (moe_forward's `routing`), and checks the output is the same;
-- SWEEP: the kernel's time for each tile configuration in SWEEP_CONFIGS at the first token count, fastest first.
+- SWEEP: the kernel's time for each tile configuration in SWEEP_CONFIGS at the first token count, fastest first,
+  each with whether its output is bit-equal to the default tiles' and its largest difference to transformers' MLP.
+  An entry is [VARIANT:]BLOCK_N/BLOCK_K/num_warps/num_stages[/BLOCK_M] (sweep_tiles); VARIANT is dot_scaled (the
+  default), bits (the kernel's own upcast, then tl.dot) or bits-swap (that, the weights as the dot's left operand).
+  SWEEP_LIST=variants sweeps _VARIANT_SWEEP (the variants across tile shapes for Hopper) by default instead.
 """
 
 from __future__ import annotations
@@ -29,9 +34,20 @@ from tes_grpo.script_config import resolve
 TOKENS = (16, 64, 128, 256)  # tokens per decode step (= sequences decoded together)
 REPS = 50  # graph replays timed per measurement
 SWEEP = False  # also time the kernel for each tile configuration (first token count)
-# BLOCK_N/BLOCK_K/num_warps/num_stages tried by SWEEP (on the command line: --SWEEP_CONFIGS=64/128/4/3,64/256/4/3)
+# [VARIANT:]BLOCK_N/BLOCK_K/num_warps/num_stages[/BLOCK_M] tried by SWEEP (on the command line:
+# --SWEEP_CONFIGS=64/128/4/3,bits-swap:64/256/4/3/8)
 SWEEP_CONFIGS = ("32/128/4/3", "64/64/4/3", "64/128/4/2", "64/128/4/4", "64/256/4/3", "128/128/4/3",
                  "128/128/8/3", "128/256/8/3", "32/256/4/4")
+SWEEP_LIST = "tiles"  # "variants": SWEEP_CONFIGS defaults to _VARIANT_SWEEP (the kernel variants on Hopper)
+# Today's tiles, then the kernel's own upcast (bits) and that with the weights as the left operand (bits-swap): a
+# warpgroup MMA takes 64 weight rows a warpgroup (BLOCK_N 64 with 4 warps, 128 with 8) and 8 or 16 token rows
+_VARIANT_SWEEP = ("64/128/4/3", "128/256/8/3", "bits:64/128/4/3", "bits:64/256/4/3",
+                  "bits-swap:64/128/4/3/16", "bits-swap:64/128/4/3/8", "bits-swap:64/128/4/2/16",
+                  "bits-swap:64/128/4/4/16", "bits-swap:64/256/4/3/16", "bits-swap:64/64/4/4/16",
+                  "bits-swap:128/128/4/3/16", "bits-swap:128/128/8/3/16", "bits-swap:128/256/8/3/16",
+                  "bits-swap:128/256/8/2/8")
+PRESETS = {"SWEEP_LIST": {"variants": {"SWEEP_CONFIGS": _VARIANT_SWEEP}}}
+CHOICES = {"SWEEP_LIST": ("tiles", "variants")}
 SEED = 0  # torch seed
 
 
@@ -76,18 +92,26 @@ def graph_time(fn, reps: int) -> float:
     return 1000 * start.elapsed_time(end) / reps
 
 
+SWEEP_VARIANTS = {"dot_scaled": {"upcast": "dot_scaled", "swap": False}, "bits": {"upcast": "bits", "swap": False},
+                  "bits-swap": {"upcast": "bits", "swap": True}}  # an entry's VARIANT: prefix -> Tiles fields
+
+
 def sweep_tiles(config: str) -> dict:
-    """A SWEEP_CONFIGS entry ("64/128/4/3") -> the mxfp4_decode.Tiles fields it sets; ValueError names the entry
-    otherwise."""
-    values = config.split("/")
-    if len(values) != 4 or not all(v.strip().isdigit() for v in values):
-        raise ValueError(f"SWEEP_CONFIGS: {config!r} is not BLOCK_N/BLOCK_K/num_warps/num_stages (four whole numbers)")
-    block_n, block_k, num_warps, num_stages = (int(v) for v in values)
-    return {"block_n": block_n, "block_k": block_k, "num_warps": num_warps, "num_stages": num_stages}
+    """A SWEEP_CONFIGS entry ("64/128/4/3", "bits-swap:64/128/4/3/8") -> the mxfp4_decode.Tiles fields it sets
+    (block_m only where given); ValueError names the entry and the syntax otherwise."""
+    syntax = (f"SWEEP_CONFIGS: {config!r} is not [VARIANT:]BLOCK_N/BLOCK_K/num_warps/num_stages[/BLOCK_M] (whole "
+              f"numbers; VARIANT one of {', '.join(SWEEP_VARIANTS)})")
+    variant, colon, numbers = config.rpartition(":")
+    variant = variant if colon else "dot_scaled"
+    values = numbers.split("/")
+    if variant not in SWEEP_VARIANTS or len(values) not in (4, 5) or not all(v.strip().isdigit() for v in values):
+        raise ValueError(syntax)
+    names = ("block_n", "block_k", "num_warps", "num_stages", "block_m")
+    return {**SWEEP_VARIANTS[variant], **dict(zip(names, (int(v) for v in values), strict=False))}
 
 
 def main(argv: list[str] | None = None) -> int:
-    s = resolve(globals(), argv)
+    s = resolve(globals(), argv, presets=PRESETS, choices=CHOICES)
     try:
         configs = {config: sweep_tiles(config) for config in s.SWEEP_CONFIGS}
     except ValueError as err:
@@ -154,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{tokens:>7}{100 * equal:>10.2f}%{diff:>10.1e}{t_ref:>15.0f}{t_ours:>10.0f}{t_ref / t_ours:>8.2f}x"
               f"{bf16_bytes / t_ref / 1e3:>11.0f}{mxfp4_bytes / t_ours / 1e3:>12.0f}{t_routed:>19.0f}  {routed_same}")
     for config, t, ok in sorted(sweep, key=lambda row: (row[1] != row[1], row[1])):  # fastest first, failures last
-        print(f"tiles N/K/warps/stages {config:>12}: {t:>5.0f} us, {mxfp4_bytes / t / 1e3:>5.0f} GB/s ({ok})")
+        print(f"tiles [variant:]N/K/warps/stages[/M] {config:>24}: {t:>5.0f} us, "
+              f"{mxfp4_bytes / t / 1e3:>5.0f} GB/s ({ok})")
     return 0
 
 

@@ -21,6 +21,10 @@ bf16 rounding of transformers' forward (matmul output, + bias, the gate's steps,
 Kernel: one Triton program per (expert, block of output columns) loops over the rows routed to its expert (sorted
 by expert, as transformers' grouped_mm path sorts them) and over K, reading the packed weights and their scales and
 multiplying with `tl.dot_scaled` (Hopper has no MXFP4 tensor cores: Triton upcasts the tile to bf16 in registers).
+Tiles.upcast="bits" instead upcasts the tile itself with integer operations (`_mxfp4_to_bf16`) and multiplies with
+`tl.dot`; Tiles.swap then makes the weights the dot's left operand (out^T = W^T x^T: wide weight tiles, the few
+rows as the narrow side), the shape Hopper's warpgroup MMA takes with the upcast tile in registers. Every variant
+multiplies the same bf16 numbers and rounds the same epilogue; `Tiles` says which one runs.
 The gate_up launch applies gpt-oss's clamped SwiGLU before it stores; the down launch adds the bias, multiplies by
 the routing weight and writes each row back to its token's slot. No host reads, fixed shapes: CUDA-graph capturable.
 
@@ -44,18 +48,30 @@ from tes_grpo import moe_routing
 from tes_grpo.mxfp4 import BLOCK_SIZE, dequantize_mxfp4, quantize_mxfp4
 from tes_grpo.mxfp4_experts import is_resident
 
+UPCASTS = ("dot_scaled", "bits")  # Tiles.upcast
+
 
 @dataclass(frozen=True)
 class Tiles:
-    """Kernel launch shape. Defaults from benchmarks/bench_mxfp4_decode.py's sweep on an H100 (BENCHMARKS.md); rows
-    per tile: 16 is the smallest a tensor-core dot takes, and a decode step routes ~8 rows to an expert (64
-    sequences x 4 / 32)."""
+    """Kernel launch shape and variant. Defaults from benchmarks/bench_mxfp4_decode.py's sweep on an H100
+    (BENCHMARKS.md); rows per tile: 16 is the smallest a tensor-core dot takes as its left operand (8 with swap,
+    where the rows are the right operand's columns), and a decode step routes ~8 rows to an expert (64 sequences x
+    4 / 32). upcast="bits" is exact for E8M0 scales 2..252 (_e2m1_bits), which MXFP4 checkpoints' nonzero blocks
+    have; the kernel reads no scale on the host to check it."""
 
     block_m: int = 16
     block_n: int = 64
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    upcast: str = "dot_scaled"  # "dot_scaled": tl.dot_scaled upcasts; "bits": _mxfp4_to_bf16, then tl.dot
+    swap: bool = False  # upcast="bits" only: the weight tile is the dot's left operand (acc [BLOCK_N, BLOCK_M])
+
+    def __post_init__(self):
+        if self.upcast not in UPCASTS:
+            raise ValueError(f"Tiles: upcast={self.upcast!r}; valid: {', '.join(map(repr, UPCASTS))}")
+        if self.swap and self.upcast != "bits":
+            raise ValueError(f"Tiles: swap=True needs upcast='bits' (got upcast={self.upcast!r})")
 
 
 TILES = Tiles()
@@ -72,15 +88,72 @@ def _bf16(x):
 
 
 @triton.jit
+def _e2m1_bits(code, exponent):
+    """bf16 bits of FP4 E2M1 codes (int32, 0..15) times 2**(scale - 127), exponent = (scale - 1) << 7: the value's
+    exponent is added to the bf16 exponent field, no float operation. Code 0b0fm with field f > 0 is
+    (1 + m/2) * 2**(f - 1): field f + scale - 1 with the mantissa bit m (code << 6 puts f and m in place); 0b001 is
+    0.5: field scale - 1; 0b000 is zero. Exact for scales 2..252, where every result is a normal bf16 (the
+    checkpoints' scales; an all-zero block's scale may be anything)."""
+    magnitude = code & 7
+    bits = tl.where(magnitude == 1, exponent, (magnitude << 6) + exponent)
+    bits = tl.where(magnitude == 0, 0, bits)
+    return bits | ((code & 8) << 12)
+
+
+@triton.jit
+def _mxfp4_to_bf16(packed, scales, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[ROWS, BLOCK_K / 2] packed bytes (low nibble the even value) and their [ROWS, BLOCK_K / 32] E8M0 scales ->
+    [ROWS, BLOCK_K] bf16, the values mxfp4.dequantize_mxfp4 gives (scales 2..252, see _e2m1_bits)."""
+    exponent = (scales.to(tl.int32) - 1) << 7
+    exponent = tl.reshape(tl.broadcast_to(exponent[:, :, None], (ROWS, BLOCK_K // 32, 16)), (ROWS, BLOCK_K // 2))
+    packed = packed.to(tl.int32)
+    low = _e2m1_bits(packed & 15, exponent)
+    high = _e2m1_bits(packed >> 4, exponent)
+    bits = tl.reshape(tl.join(low, high), (ROWS, BLOCK_K))
+    return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _dot(a, b, acc, INTERPRETED: tl.constexpr):
+    """tl.dot(a, b, acc) of bf16 tiles. Triton's interpreter (3.9; it keeps bf16 tensors as their uint16 bits)
+    multiplies a bf16 tl.dot's bits as integers, so interpreted the tiles go to float32 first: exact, and the float32
+    products and sums are the ones its tl.dot_scaled computes. Compiled kernels multiply the bf16 tiles."""
+    if INTERPRETED:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _upcast_kernel(blocks_ptr, scales_ptr, out_ptr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.arange(0, ROWS)
+    packed = tl.load(blocks_ptr + rows[:, None] * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)[None, :])
+    scales = tl.load(scales_ptr + rows[:, None] * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)[None, :])
+    tl.store(out_ptr + rows[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :],
+             _mxfp4_to_bf16(packed, scales, ROWS, BLOCK_K))
+
+
+def upcast_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Tiles.upcast="bits"'s upcast on its own (one program), to check it: blocks [R, G, 16], scales [R, G] uint8
+    (R and G powers of two) -> [R, G * 32] bf16."""
+    rows, groups, _ = blocks.shape
+    out = torch.empty(rows, groups * BLOCK_SIZE, dtype=torch.bfloat16, device=blocks.device)
+    _upcast_kernel[(1,)](blocks.contiguous(), scales.contiguous(), out, ROWS=rows, BLOCK_K=groups * BLOCK_SIZE)
+    return out
+
+
+@triton.jit
 def _experts_kernel(x_ptr, x_rows_ptr, offsets_ptr, blocks_ptr, scales_ptr, bias_ptr, weight_ptr, out_ptr,
                     out_rows_ptr, N, K, alpha, limit,
-                    SWIGLU: tl.constexpr, ROUTED_OUT: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    SWIGLU: tl.constexpr, ROUTED_OUT: tl.constexpr, UPCAST_BITS: tl.constexpr, SWAP: tl.constexpr,
+                    INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[r] = f(x[x_rows[r]] @ W_e + b_e) for the rows r in offsets[e]:offsets[e+1] (rows sorted by expert).
 
     W_e is stored as the checkpoint stores it: blocks [E, N, K/32, 16] (two FP4 codes a byte, low nibble first),
     scales [E, N, K/32] (E8M0). SWIGLU: f is gpt-oss's clamped SwiGLU over interleaved (gate, up) columns, out has
-    N/2 columns. ROUTED_OUT: f multiplies by weight[out_rows[r]] and the row is stored at out_rows[r]."""
+    N/2 columns. ROUTED_OUT: f multiplies by weight[out_rows[r]] and the row is stored at out_rows[r].
+    UPCAST_BITS: the weight tile is upcast by _mxfp4_to_bf16 and multiplied by tl.dot, not tl.dot_scaled; SWAP (with
+    UPCAST_BITS): acc^T [BLOCK_N, BLOCK_M] = W_tile^T [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M]."""
     expert = tl.program_id(0)
     start = tl.load(offsets_ptr + expert)
     end = tl.load(offsets_ptr + expert + 1)
@@ -88,23 +161,44 @@ def _experts_kernel(x_ptr, x_rows_ptr, offsets_ptr, blocks_ptr, scales_ptr, bias
     col_ok = cols < N
     packed_cols = K // 2
     scale_cols = K // 32
-    w_base = blocks_ptr + expert.to(tl.int64) * N * packed_cols + cols[None, :].to(tl.int64) * packed_cols
+    w_cols = blocks_ptr + expert.to(tl.int64) * N * packed_cols + cols.to(tl.int64) * packed_cols
     s_base = scales_ptr + expert.to(tl.int64) * N * scale_cols + cols[:, None].to(tl.int64) * scale_cols
     bias = tl.load(bias_ptr + expert * N + cols, mask=col_ok, other=0.0).to(tl.float32)
     for row0 in range(start, end, BLOCK_M):
         rows = row0 + tl.arange(0, BLOCK_M)
         row_ok = rows < end
         src = tl.load(x_rows_ptr + rows, mask=row_ok, other=0)
-        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+        if SWAP:
+            acc = tl.full((BLOCK_N, BLOCK_M), 0.0, dtype=tl.float32)
+        else:
+            acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
             groups = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-            x = tl.load(x_ptr + src[:, None].to(tl.int64) * K + ks[None, :],
-                        mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
-            w = tl.load(w_base + half[:, None], mask=col_ok[None, :] & (half[:, None] < packed_cols), other=0)
+            if SWAP:  # x^T [BLOCK_K, BLOCK_M], loaded transposed
+                xt = tl.load(x_ptr + src[None, :].to(tl.int64) * K + ks[:, None],
+                             mask=row_ok[None, :] & (ks[:, None] < K), other=0.0)
+            else:
+                x = tl.load(x_ptr + src[:, None].to(tl.int64) * K + ks[None, :],
+                            mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
+            if UPCAST_BITS:  # [BLOCK_N, BLOCK_K / 2]: a column's bytes along a row
+                w = tl.load(w_cols[:, None] + half[None, :], mask=col_ok[:, None] & (half[None, :] < packed_cols),
+                            other=0)
+            else:  # [BLOCK_K / 2, BLOCK_N], as tl.dot_scaled takes it
+                w = tl.load(w_cols[None, :] + half[:, None], mask=col_ok[None, :] & (half[:, None] < packed_cols),
+                            other=0)
             s = tl.load(s_base + groups[None, :], mask=col_ok[:, None] & (groups[None, :] < scale_cols), other=127)
-            acc = tl.dot_scaled(x, None, "bf16", w, s, "e2m1", acc, fast_math=True)
+            if UPCAST_BITS:
+                w = _mxfp4_to_bf16(w, s, BLOCK_N, BLOCK_K)  # [BLOCK_N, BLOCK_K] bf16
+                if SWAP:
+                    acc = _dot(w, xt, acc, INTERPRETED)
+                else:
+                    acc = _dot(x, tl.trans(w), acc, INTERPRETED)
+            else:
+                acc = tl.dot_scaled(x, None, "bf16", w, s, "e2m1", acc, fast_math=True)
+        if SWAP:
+            acc = tl.trans(acc)
         # transformers: grouped_mm's bf16 output, then `out.add_(bias)` in bf16
         y = _bf16(_bf16(acc) + bias[None, :])
         if SWIGLU:
@@ -143,7 +237,8 @@ def experts_matmul(x, x_rows, offsets, blocks, scales, bias, *, swiglu=None, wei
     grid = (experts, triton.cdiv(n, tiles.block_n))
     _experts_kernel[grid](x, x_rows, offsets, blocks, scales, bias, weights if weights is not None else bias, out,
                           out_rows if out_rows is not None else x_rows, n, k, float(alpha), float(limit),
-                          SWIGLU=bool(swiglu), ROUTED_OUT=weights is not None,
+                          SWIGLU=bool(swiglu), ROUTED_OUT=weights is not None, UPCAST_BITS=tiles.upcast == "bits",
+                          SWAP=tiles.swap, INTERPRETED=interpreted(),
                           BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
                           num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out

@@ -27,12 +27,15 @@ def test_triton_dequantization_equals_torchs_codec_bit_for_bit():
         assert torch.equal(dequantize_with_triton(blocks, scales, dtype), dequantize_with_torch(blocks, scales, dtype))
 
 
+@pytest.mark.parametrize("variant", [{}, {"upcast": "bits"}, {"upcast": "bits", "swap": True},
+                                     {"upcast": "bits", "swap": True, "block_m": 8}],
+                         ids=["dot_scaled", "bits", "bits-swap-16", "bits-swap-8"])
 @pytest.mark.parametrize("routing", ["torch", "triton"])
 @pytest.mark.parametrize("tokens", [1, 37])
-def test_mxfp4_decode_kernel_matches_the_mlp_on_cuda(tokens, routing):
-    """The compiled kernel, its rows routed by torch or by moe_routing's program, against transformers' own MLP on
-    the same GPU. Tensor-core sums run in another order than cuBLAS's, so this is to bf16 rounding, not bit for bit
-    (the CPU test is bit for bit, interpreted)."""
+def test_mxfp4_decode_kernel_matches_the_mlp_on_cuda(tokens, routing, variant):
+    """The compiled kernel (each variant of mxfp4_decode.Tiles), its rows routed by torch or by moe_routing's
+    program, against transformers' own MLP on the same GPU. Tensor-core sums run in another order than cuBLAS's, so
+    this is to bf16 rounding, not bit for bit (the CPU test is bit for bit, interpreted)."""
     pytest.importorskip("triton", reason="requirements-gpu.txt installs triton")
     from tes_grpo import mxfp4_decode as md
 
@@ -49,7 +52,7 @@ def test_mxfp4_decode_kernel_matches_the_mlp_on_cuda(tokens, routing):
         mlp = mlp.to("cuda")
     mlp.requires_grad_(False)
     x = torch.randn(1, tokens, 96, device="cuda").to(torch.bfloat16)
-    ours = md.moe_forward(mlp, md.pack_experts(mlp.experts), x, routing=routing).float()
+    ours = md.moe_forward(mlp, md.pack_experts(mlp.experts), x, md.Tiles(**variant), routing=routing).float()
     reference = mlp(x)[0].float()
     torch.testing.assert_close(ours, reference, rtol=2e-2, atol=2e-2 * float(reference.abs().max()))
 

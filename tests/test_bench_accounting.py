@@ -101,13 +101,23 @@ def test_generation_cycles_average_each_batchs_steps(timed, expected):
     assert [(c["first"], c["last"], c["steps"], c["mean_step_s"]) for c in generation_cycles(timed)] == expected
 
 
+DOT_SCALED = {"upcast": "dot_scaled", "swap": False}
 # (SWEEP_CONFIGS entry, the Tiles fields it sets, or None where it is refused)
 SWEEP_ENTRIES = [
-    ("64/128/4/3", {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3}),  # the defaults
-    ("128/256/8/4", {"block_n": 128, "block_k": 256, "num_warps": 8, "num_stages": 4}),  # other numbers
+    ("64/128/4/3", {**DOT_SCALED, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3}),  # the defaults
+    ("128/256/8/4", {**DOT_SCALED, "block_n": 128, "block_k": 256, "num_warps": 8, "num_stages": 4}),  # other numbers
+    ("dot_scaled:64/128/4/3/32",
+     {**DOT_SCALED, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3, "block_m": 32}),  # named, BLOCK_M
+    ("bits:64/256/4/2", {"upcast": "bits", "swap": False, "block_n": 64, "block_k": 256, "num_warps": 4,
+                         "num_stages": 2}),
+    ("bits-swap:128/128/8/3/8", {"upcast": "bits", "swap": True, "block_n": 128, "block_k": 128, "num_warps": 8,
+                                 "num_stages": 3, "block_m": 8}),
     ("128/64/4", None),  # three numbers
+    ("bits-swap:128/64/4/3/8/2", None),  # six
     ("128/64/4/a", None),  # not a number
-    ("wx:128/64/4/3", None),  # a prefix
+    ("wx:128/64/4/3", None),  # an unknown variant
+    ("bits:swap:128/64/4/3", None),  # two prefixes
+    (":128/64/4/3", None),  # an empty one
 ]
 
 
@@ -120,3 +130,14 @@ def test_mxfp4_sweep_entries(entry, fields):
             sweep_tiles(entry)
     else:
         assert sweep_tiles(entry) == fields
+
+
+def test_mxfp4_variant_sweep_list_parses_and_covers_every_variant():
+    """SWEEP_LIST=variants' entries (checked here, not first on the GPU machine) name every kernel variant, and both
+    token-tile heights where the weights are the left operand."""
+    from benchmarks.bench_mxfp4_decode import _VARIANT_SWEEP, SWEEP_VARIANTS, sweep_tiles
+
+    fields = [sweep_tiles(entry) for entry in _VARIANT_SWEEP]
+    assert {(f["upcast"], f["swap"]) for f in fields} == {(v["upcast"], v["swap"]) for v in SWEEP_VARIANTS.values()}
+    assert {f.get("block_m") for f in fields if f["swap"]} == {8, 16}
+    assert len(set(_VARIANT_SWEEP)) == len(_VARIANT_SWEEP)

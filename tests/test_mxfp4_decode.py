@@ -69,6 +69,17 @@ def random_mlp(seed=0, **shape) -> GptOssMLP:
     return mlp.requires_grad_(False)
 
 
+# Tiles fields of each kernel variant (mxfp4_decode.Tiles): today's tl.dot_scaled, the kernel's own upcast with
+# tl.dot, and that with the weights as the dot's left operand, 16 or 8 rows a tile
+VARIANTS = {
+    "dot_scaled": {},
+    "bits": {"upcast": "bits"},
+    "bits-swap-16": {"upcast": "bits", "swap": True},
+    "bits-swap-8": {"upcast": "bits", "swap": True, "block_m": 8},
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("tokens, shape", [
     (1, {}),  # one decode token: 4 of 8 experts get a row, the others none (their programs do nothing)
     (37, {}),  # 148 rows over 8 experts: several 16-row tiles per expert
@@ -76,14 +87,16 @@ def random_mlp(seed=0, **shape) -> GptOssMLP:
     (16, {"hidden": 160, "inter": 96, "experts": 32, "top_k": 4}),  # K = 160: a partial last K tile; 32 experts
 ])
 @runs_kernel
-def test_kernel_equals_transformers_mlp_bit_for_bit(tokens, shape):
+def test_kernel_equals_transformers_mlp_bit_for_bit(tokens, shape, variant):
+    """Both launches (gate_up with SwiGLU, down with the routed output) of every kernel variant."""
     mlp = random_mlp(**shape)
     x = torch.randn(1, tokens, mlp.router.hidden_dim).to(torch.bfloat16)
+    tiles = md.Tiles(**VARIANTS[variant])
     # oneDNN's bf16 matmuls on CPUs with AMX (Sapphire Rapids and later) round differently from every other CPU
     # path (torch 2.13: equal with ONEDNN_MAX_CPU_ISA=AVX512_CORE, not with AMX); ATen's own kernels give the same
     # sums on any x86 CPU, so the reference (and the router both sides share) runs there
     with torch.backends.mkldnn.flags(enabled=False):
-        ours = md.moe_forward(mlp, md.pack_experts(mlp.experts), x)
+        ours = md.moe_forward(mlp, md.pack_experts(mlp.experts), x, tiles)
         reference = mlp(x)[0]
     assert torch.equal(ours, reference)
 
@@ -106,6 +119,31 @@ def test_other_tile_sizes_give_the_same_result(block_n, block_k):
     other = md.experts_matmul(x, rows, offsets, packed.gate_up_blocks, packed.gate_up_scales, packed.gate_up_bias,
                               tiles=tiles)
     assert torch.equal(default, other)
+
+
+# every (low, high) pair of FP4 codes in a row's 256 bytes; scales across the range the upcast is exact for
+UPCAST_SCALES = (2, 3, 50, 100, 110, 118, 121, 125, 126, 127, 128, 129, 135, 160, 220, 252)
+
+
+def test_bits_upcast_equals_the_codec():
+    """Tiles.upcast="bits"'s integer upcast gives dequantize_mxfp4's bf16 values, bit for bit (signed zeros and the
+    subnormal code 0.5 included), for all 16 codes in both nibbles times every scale of the table."""
+    from tes_grpo.mxfp4 import dequantize_mxfp4
+
+    blocks = torch.arange(256, dtype=torch.uint8).reshape(1, 16, 16).expand(16, 16, 16).contiguous()
+    group = torch.arange(16)
+    scales = torch.tensor(UPCAST_SCALES, dtype=torch.uint8)[(group[:, None] + group[None, :]) % 16]
+    ours = md.upcast_mxfp4(blocks, scales)
+    assert torch.equal(ours.view(torch.int16), dequantize_mxfp4(blocks, scales, torch.bfloat16).view(torch.int16))
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"upcast": "fp8"}, "upcast='fp8'; valid: 'dot_scaled', 'bits'"),
+    ({"swap": True}, "swap=True needs upcast='bits'"),  # the swapped dot_scaled was measured slower and is gone
+])
+def test_tiles_refuse_an_unknown_variant(fields, message):
+    with pytest.raises(ValueError, match=message):
+        md.Tiles(**fields)
 
 
 def test_pack_refuses_weights_that_are_not_exactly_mxfp4():
