@@ -56,8 +56,8 @@ class Tiles:
     """Kernel launch shape and variant. Defaults from benchmarks/bench_mxfp4_decode.py's sweep on an H100
     (BENCHMARKS.md); rows per tile: 16 is the smallest a tensor-core dot takes as its left operand (8 with swap,
     where the rows are the right operand's columns), and a decode step routes ~8 rows to an expert (64 sequences x
-    4 / 32). upcast="bits" is exact for E8M0 scales 2..252 (_e2m1_bits), which MXFP4 checkpoints' nonzero blocks
-    have; the kernel reads no scale on the host to check it."""
+    4 / 32). upcast="bits" is exact for E8M0 scales 1..254 (_mxfp4_to_bf16; 0 and 255 are not weights a
+    checkpoint holds); the kernel reads no scale on the host to check it."""
 
     block_m: int = 16
     block_n: int = 64
@@ -88,49 +88,63 @@ def _bf16(x):
 
 
 @triton.jit
-def _e2m1_bits(code, exponent):
-    """bf16 bits of FP4 E2M1 codes (int32, 0..15) times 2**(scale - 127), exponent = (scale - 1) << 7: the value's
-    exponent is added to the bf16 exponent field, no float operation. Code 0b0fm with field f > 0 is
-    (1 + m/2) * 2**(f - 1): field f + scale - 1 with the mantissa bit m (code << 6 puts f and m in place); 0b001 is
-    0.5: field scale - 1; 0b000 is zero. Exact for scales 2..252, where every result is a normal bf16 (the
-    checkpoints' scales; an all-zero block's scale may be anything)."""
-    magnitude = code & 7
-    bits = tl.where(magnitude == 1, exponent, (magnitude << 6) + exponent)
-    bits = tl.where(magnitude == 0, 0, bits)
-    return bits | ((code & 8) << 12)
+def _widen(x):
+    """bf16 -> float32 on the bits (exact): Triton's interpreter (3.9) converts bf16 subnormals wrongly."""
+    return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _mxfp4_to_bf16(packed, scales, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+def _mul(a, b, INTERPRETED: tl.constexpr):
+    """a * b of bf16 tensors whose products are exact in bf16 (as _mxfp4_to_bf16's are). Triton's interpreter (3.9;
+    it keeps bf16 tensors as their uint16 bits) multiplies the bits as integers, so interpreted the product is taken
+    in float32 and its upper half kept (exact products: nothing to round). Compiled kernels multiply in bf16."""
+    if INTERPRETED:
+        bits = (_widen(a) * _widen(b)).to(tl.uint32, bitcast=True) >> 16
+        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return a * b
+
+
+@triton.jit
+def _mxfp4_to_bf16(packed, scales, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
     """[ROWS, BLOCK_K / 2] packed bytes (low nibble the even value) and their [ROWS, BLOCK_K / 32] E8M0 scales ->
-    [ROWS, BLOCK_K] bf16, the values mxfp4.dequantize_mxfp4 gives (scales 2..252, see _e2m1_bits)."""
-    exponent = (scales.to(tl.int32) - 1) << 7
-    exponent = tl.reshape(tl.broadcast_to(exponent[:, :, None], (ROWS, BLOCK_K // 32, 16)), (ROWS, BLOCK_K // 2))
-    packed = packed.to(tl.int32)
-    low = _e2m1_bits(packed & 15, exponent)
-    high = _e2m1_bits(packed >> 4, exponent)
-    bits = tl.reshape(tl.join(low, high), (ROWS, BLOCK_K))
-    return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    [ROWS, BLOCK_K] bf16: the values mxfp4.dequantize_mxfp4 gives, for scales 1..254.
+
+    A code's sign bit goes to the bf16 sign bit and its 3 magnitude bits (exponent field f, mantissa bit m) to the
+    bf16 exponent's two lowest bits and the mantissa's highest: the bf16 then reads as the FP4 value times 2**-126
+    for every code (f = 0 lands in bf16's subnormals as E2M1's own 0.5 does), both codes of a byte in one 32-bit
+    word (two integer multiplies place them, their shifted copies never overlap). Two multiplies by powers of two
+    give the value: x 2**126, then x 2**(scale - 127) (the scale byte shifted into a bf16's exponent field); both
+    products are exact (an overflow is inf, as in float32)."""
+    word = packed.to(tl.uint32)
+    word = ((word * 0x40040) & 0x01C001C0) | ((word * 0x1001000) & 0x80008000)
+    low = (word & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    high = (word >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    values = tl.reshape(tl.join(low, high), (ROWS, BLOCK_K))
+    values = _mul(values, tl.full((ROWS, BLOCK_K), 2.0**126, tl.bfloat16), INTERPRETED)
+    scale = (scales.to(tl.uint16) << 7).to(tl.bfloat16, bitcast=True)
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (ROWS, BLOCK_K // 32, 32)), (ROWS, BLOCK_K))
+    return _mul(values, scale, INTERPRETED)
 
 
 @triton.jit
 def _dot(a, b, acc, INTERPRETED: tl.constexpr):
     """tl.dot(a, b, acc) of bf16 tiles. Triton's interpreter (3.9; it keeps bf16 tensors as their uint16 bits)
-    multiplies a bf16 tl.dot's bits as integers, so interpreted the tiles go to float32 first: exact, and the float32
-    products and sums are the ones its tl.dot_scaled computes. Compiled kernels multiply the bf16 tiles."""
+    multiplies a bf16 tl.dot's bits as integers, so interpreted the tiles are widened to float32 first: exact, and
+    the float32 products and sums are the ones its tl.dot_scaled computes. Compiled kernels multiply the bf16 tiles."""
     if INTERPRETED:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
+        a = _widen(a)
+        b = _widen(b)
     return tl.dot(a, b, acc)
 
 
 @triton.jit
-def _upcast_kernel(blocks_ptr, scales_ptr, out_ptr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+def _upcast_kernel(blocks_ptr, scales_ptr, out_ptr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                   INTERPRETED: tl.constexpr):
     rows = tl.arange(0, ROWS)
     packed = tl.load(blocks_ptr + rows[:, None] * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)[None, :])
     scales = tl.load(scales_ptr + rows[:, None] * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)[None, :])
     tl.store(out_ptr + rows[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :],
-             _mxfp4_to_bf16(packed, scales, ROWS, BLOCK_K))
+             _mxfp4_to_bf16(packed, scales, ROWS, BLOCK_K, INTERPRETED))
 
 
 def upcast_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -138,7 +152,8 @@ def upcast_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     (R and G powers of two) -> [R, G * 32] bf16."""
     rows, groups, _ = blocks.shape
     out = torch.empty(rows, groups * BLOCK_SIZE, dtype=torch.bfloat16, device=blocks.device)
-    _upcast_kernel[(1,)](blocks.contiguous(), scales.contiguous(), out, ROWS=rows, BLOCK_K=groups * BLOCK_SIZE)
+    _upcast_kernel[(1,)](blocks.contiguous(), scales.contiguous(), out, ROWS=rows, BLOCK_K=groups * BLOCK_SIZE,
+                         INTERPRETED=interpreted())
     return out
 
 
@@ -190,7 +205,7 @@ def _experts_kernel(x_ptr, x_rows_ptr, offsets_ptr, blocks_ptr, scales_ptr, bias
                             other=0)
             s = tl.load(s_base + groups[None, :], mask=col_ok[:, None] & (groups[None, :] < scale_cols), other=127)
             if UPCAST_BITS:
-                w = _mxfp4_to_bf16(w, s, BLOCK_N, BLOCK_K)  # [BLOCK_N, BLOCK_K] bf16
+                w = _mxfp4_to_bf16(w, s, BLOCK_N, BLOCK_K, INTERPRETED)  # [BLOCK_N, BLOCK_K] bf16
                 if SWAP:
                     acc = _dot(w, xt, acc, INTERPRETED)
                 else:

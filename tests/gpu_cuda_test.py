@@ -27,6 +27,21 @@ def test_triton_dequantization_equals_torchs_codec_bit_for_bit():
         assert torch.equal(dequantize_with_triton(blocks, scales, dtype), dequantize_with_torch(blocks, scales, dtype))
 
 
+def test_bits_upcast_equals_the_codec_on_cuda():
+    """mxfp4_decode's own upcast (Tiles.upcast="bits") compiled: every byte times every scale 1..254, bit for bit
+    against the codec. The CPU test checks the arithmetic; this one the GPU's bf16 multiplies (the code 0.5 passes
+    through a bf16 subnormal, which a multiply that flushed subnormals would turn into 0)."""
+    pytest.importorskip("triton", reason="requirements-gpu.txt installs triton")
+    from tes_grpo import mxfp4_decode as md
+    from tes_grpo.mxfp4 import dequantize_mxfp4
+
+    blocks = torch.arange(256, dtype=torch.uint8, device="cuda").reshape(1, 16, 16).expand(16, 16, 16).contiguous()
+    for first in range(1, 255, 16):  # a row: all 256 bytes under one scale
+        scales = (first + torch.arange(16, device="cuda")).clamp(max=254).to(torch.uint8)[:, None].expand(16, 16)
+        ours = md.upcast_mxfp4(blocks, scales.contiguous())
+        assert torch.equal(ours.view(torch.int16), dequantize_mxfp4(blocks, scales, torch.bfloat16).view(torch.int16))
+
+
 @pytest.mark.parametrize("variant", [{}, {"upcast": "bits"}, {"upcast": "bits", "swap": True},
                                      {"upcast": "bits", "swap": True, "block_m": 8}],
                          ids=["dot_scaled", "bits", "bits-swap-16", "bits-swap-8"])
