@@ -21,10 +21,11 @@ bf16 rounding of transformers' forward (matmul output, + bias, the gate's steps,
 Kernel: one Triton program per (expert, block of output columns) loops over the rows routed to its expert (sorted
 by expert, as transformers' grouped_mm path sorts them) and over K, reading the packed weights and their scales and
 multiplying with `tl.dot_scaled` (Hopper has no MXFP4 tensor cores: Triton upcasts the tile to bf16 in registers).
-Tiles.upcast="bits" instead upcasts the tile itself with integer operations (`_mxfp4_to_bf16`) and multiplies with
-`tl.dot`; Tiles.swap then makes the weights the dot's left operand (out^T = W^T x^T: wide weight tiles, the few
-rows as the narrow side), the shape Hopper's warpgroup MMA takes with the upcast tile in registers. Every variant
-multiplies the same bf16 numbers and rounds the same epilogue; `Tiles` says which one runs.
+Tiles.upcast="bits" instead upcasts the tile itself (`_mxfp4_to_bf16`: bit operations, then two exact bf16
+multiplies by powers of two) and multiplies with `tl.dot`; Tiles.swap then makes the weights the dot's left operand
+(out^T = W^T x^T: wide weight tiles, the few rows as the narrow side), the shape Hopper's warpgroup MMA takes with
+the upcast tile in registers. Every variant multiplies the same bf16 numbers and rounds the same epilogue; `Tiles`
+says which one runs.
 The gate_up launch applies gpt-oss's clamped SwiGLU before it stores; the down launch adds the bias, multiplies by
 the routing weight and writes each row back to its token's slot. No host reads, fixed shapes: CUDA-graph capturable.
 
