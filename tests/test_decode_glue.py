@@ -4,6 +4,8 @@ compiled functions are checked against these eager ones on CUDA (tests/gpu_cuda_
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -153,3 +155,18 @@ def test_cuda_glue_is_compiled_unless_inductor_cannot_keep_the_roundings(monkeyp
     monkeypatch.setattr(decode_glue, "compile_blocker", lambda: "no emulate_precision_casts")
     fallback = decode_glue.decide_glue("cuda", "auto")  # eager on the GPU too, and the line says why
     assert fallback.rms_norm is decode_glue.rms_norm and fallback.how == "eager on CUDA: no emulate_precision_casts"
+
+
+def test_bench_generate_times_the_glue_eager_with_the_eagerglue_flag(monkeypatch):
+    # one run times both: graphs_mxfp4 (the glue compiled on CUDA) and graphs_mxfp4_eagerglue (the glue eager)
+    import benchmarks.bench_generate as bench
+    from tes_grpo import graph_decode
+
+    calls = []
+    monkeypatch.setattr(graph_decode, "generate", lambda *args, **kwargs: calls.append(kwargs))
+    model = SimpleNamespace(config=SimpleNamespace(vocab_size=512, pad_token_id=5))
+    for variant in ("graphs_mxfp4", "graphs_mxfp4_eagerglue", "static_eagerglue_unshared"):
+        bench.run_generate(model, None, None, 4, variant, 16)
+    assert [c["glue"] for c in calls] == ["auto", "eager", "eager"]
+    assert [c["experts"] for c in calls] == ["mxfp4", "mxfp4", "model"] and calls[2]["share_prompts"] is False
+    assert bench.variant_flags("graphs_eagerglue_eagerglue") is None  # a flag twice is refused, as before
