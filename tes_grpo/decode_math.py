@@ -1,13 +1,14 @@
 """The decode step's math: one new token through gpt-oss, in the trainer's arithmetic (used by graph_decode.py).
 
 `decode_step` mirrors GptOssModel's forward for one token per row over a static KV cache (decode_cache.StaticCache):
-the layers' own modules (router, norms; the experts as the model has them, or mxfp4_decode's MXFP4 kernel), the
+the layers' own modules (router; the experts as the model has them, or mxfp4_decode's MXFP4 kernel), the
 attention projections as the base products with the LoRA adapter's output added in PEFT's order (`LowRank`: one
 low-rank product for q, k and v), one-query attention with gpt-oss's sinks (`attention_function`: flex attention's
 decoding kernel on CUDA, `one_query_attention` elsewhere) and the logits as TRL's fused LM head computes them
-(`head_logits`). `DecodeWeights` says what a step computes from besides the modules; `decode_weights` builds it once
-per generate call (the adapter trains between calls). Every operation is on the device with fixed shapes, so the
-step can be captured as a CUDA graph.
+(`head_logits`). The small steps between the products (residual adds and norms, rotary embedding, the sink step,
+the LoRA adds) are decode_glue's functions, compiled on CUDA with the trainer's roundings. `DecodeWeights` says what
+a step computes from besides the modules; `decode_weights` builds it once per generate call (the adapter trains
+between calls). Every operation is on the device with fixed shapes, so the step can be captured as a CUDA graph.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, flex_attention
-from transformers.models.gpt_oss.modeling_gpt_oss import apply_rotary_pos_emb
+
+from tes_grpo.decode_glue import EAGER, Glue, glue_for, with_sinks
 
 
 def one_query_attention(query, keys, values, mask, sinks, scaling: float) -> torch.Tensor:
@@ -58,27 +60,15 @@ def flex_decode_kernel(query, keys, values, mask, scaling: float):
     return out, aux.lse
 
 
-def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """Flex attention's output renormalised for gpt-oss's sinks op for op as transformers 5.17-5.24's flex attention
-    does it in the training forward (integrations/flex_attention.py: the log-sum-exp rounded to the values' dtype,
-    logsumexp with the sink, out * exp(lse - combined), eagerly, under the caller's autocast), so the decode step
-    rounds where the trainer rounds: bf16's log-sum-exp is off by up to 1/16 at 8 to 16, which moves the sink's share
-    of each head by up to ~1.5 % (a float32 sigmoid(lse - sink) here would not). out [B, H, Q, D], lse [B, H, Q]."""
-    lse = lse.to(out.dtype).unsqueeze(-1)
-    batch, heads, queries, _ = out.shape
-    sink = sinks.view(1, -1, 1, 1).expand(batch, heads, queries, 1)
-    combined = torch.logsumexp(torch.cat([lse, sink], dim=-1), dim=-1, keepdim=True)
-    return (out * torch.exp(lse - combined)).to(out.dtype)
-
-
-def flex_one_query_attention(query, keys, values, mask, sinks, scaling: float, kernel=flex_decode_kernel):
+def flex_one_query_attention(query, keys, values, mask, sinks, scaling: float, kernel=flex_decode_kernel,
+                             sink_step=with_sinks):
     """one_query_attention through flex attention, as the GPU trains with it: `kernel` (flex_decode_kernel, compiled
-    on CUDA: see attention_function) then the sinks as the training forward applies them (with_sinks, eagerly: a
-    compiled chain would keep its intermediates in float32 where the trainer rounds them). Same arguments and result
-    as one_query_attention."""
+    on CUDA: see attention_function) then the sinks as the training forward applies them (`sink_step`:
+    decode_glue.with_sinks, eager or compiled with the trainer's roundings: see decode_glue). Same arguments and
+    result as one_query_attention."""
     out, lse = kernel(query, keys, values, mask, scaling)
     batch, heads, _, dim = query.shape
-    return with_sinks(out, lse, sinks).to(query.dtype).transpose(1, 2).reshape(batch, 1, heads * dim)
+    return sink_step(out, lse, sinks).to(query.dtype).transpose(1, 2).reshape(batch, 1, heads * dim)
 
 
 @dataclass(frozen=True)
@@ -216,33 +206,36 @@ class DecodeWeights:
     experts: per layer, the MXFP4 copy of the layer's experts (mxfp4_decode.PackedExperts; see expert_packs);
     attention: per layer, the attention projections (Projections; see attention_projections);
     autocast: the dtype the trainer's forward runs under autocast in (bf16 on GPUs; None: no autocast): the decode
-    step runs under the same autocast, so every op the trainer's autocast casts is cast here too."""
+    step runs under the same autocast, so every op the trainer's autocast casts is cast here too;
+    glue: how the step's norms, residual adds, rotary embedding, sink step and LoRA adds run (decode_glue.Glue:
+    compiled on CUDA, see decode_glue.glue_for; default eager)."""
 
     experts: list | None = None
     attention: list | None = None
     autocast: torch.dtype | None = None
+    glue: Glue = EAGER
 
 
-def _add_lora(outputs, lora: LowRank | None, x: torch.Tensor):
-    """PEFT's `result = (result + lora_B(lora_A(x)) * scaling).to(result.dtype)` for each output."""
+def _add_lora(outputs, lora: LowRank | None, x: torch.Tensor, glue: Glue):
+    """PEFT's `result = (result + lora_B(lora_A(x)) * scaling).to(result.dtype)` for each output (decode_glue)."""
     if lora is None:
         return outputs
-    return [(out + extra).to(out.dtype) for out, extra in zip(outputs, lora(x), strict=True)]
+    return glue.add_lora(outputs, list(lora(x)))
 
 
-def qkv_projections(attn, projections: Projections | None, x: torch.Tensor):
+def qkv_projections(attn, projections: Projections | None, x: torch.Tensor, glue: Glue = EAGER):
     """q_proj, k_proj, v_proj of x as decode_step computes them (see Projections)."""
     if projections is None or projections.base is None:
         return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
     linear = torch.nn.functional.linear
-    return _add_lora([linear(x, *projections.base[i]) for i in range(3)], projections.qkv, x)
+    return _add_lora([linear(x, *projections.base[i]) for i in range(3)], projections.qkv, x, glue)
 
 
-def output_projection(attn, projections: Projections | None, x: torch.Tensor):
+def output_projection(attn, projections: Projections | None, x: torch.Tensor, glue: Glue = EAGER):
     """o_proj of x as decode_step computes it (see Projections)."""
     if projections is None or projections.base is None:
         return attn.o_proj(x)
-    return _add_lora([torch.nn.functional.linear(x, *projections.base[3])], projections.o, x)[0]
+    return _add_lora([torch.nn.functional.linear(x, *projections.base[3])], projections.o, x, glue)[0]
 
 
 def head_logits(lm, hidden: torch.Tensor) -> torch.Tensor:
@@ -274,15 +267,14 @@ def autocast_context(device: torch.device, dtype: torch.dtype | None):
 _COMPILED_ATTENTION: list = []
 
 
-def attention_function(like: torch.Tensor):
+def attention_function(like: torch.Tensor, glue: Glue = EAGER):
     """The one-query attention to use on like's device: on CUDA flex_one_query_attention, its flex kernel compiled
-    (once: the cache length is marked dynamic, so every bucket shares one kernel set) and its sink step eager, as the
-    training forward's; elsewhere one_query_attention, eagerly.
+    (once: the cache length is marked dynamic, so every bucket shares one kernel set) and its sink step glue's
+    (decode_glue.with_sinks, as the training forward applies the sinks); elsewhere one_query_attention, eagerly.
 
     Why: one_query_attention's scores for 64 sequences x 64 heads x the cache length go through memory several times
     (float32, + mask, the sink column, max, softmax, bf16), eagerly and still when compiled; flex attention's
-    decoding kernel reads the cache once and keeps the scores on chip (BENCHMARKS.md times both; the sink step
-    stays eager, a few small kernels a layer). CPUs run it eagerly:
+    decoding kernel reads the cache once and keeps the scores on chip (BENCHMARKS.md times both). CPUs run it eagerly:
     torch 2.13's inductor compiles flex attention on CPUs for inference only, without the log-sum-exp the sink needs
     (and the CPU trains with eager attention, which one_query_attention mirrors). Both follow the training forward's
     attention of their device: flex attention's float32 scores on GPUs, eager attention on CPUs.
@@ -290,9 +282,8 @@ def attention_function(like: torch.Tensor):
     if like.device.type != "cuda":
         return one_query_attention
     if not _COMPILED_ATTENTION:
-        _COMPILED_ATTENTION.append(functools.partial(flex_one_query_attention,
-                                                     kernel=torch.compile(flex_decode_kernel, fullgraph=True)))
-    return _COMPILED_ATTENTION[0]
+        _COMPILED_ATTENTION.append(torch.compile(flex_decode_kernel, fullgraph=True))
+    return functools.partial(flex_one_query_attention, kernel=_COMPILED_ATTENTION[0], sink_step=glue.with_sinks)
 
 
 def decode_step(lm, cache, tokens: torch.Tensor, slot: torch.Tensor, length: int,
@@ -302,9 +293,10 @@ def decode_step(lm, cache, tokens: torch.Tensor, slot: torch.Tensor, length: int
 
     Mirrors GptOssModel/GptOssDecoderLayer.forward for one token, with the module calls kept (so the experts
     implementation applies) and attention replaced by attention_function's one-query attention over the static cache.
-    weights: the MXFP4 experts, the attention projections (the base products, then LoRA added in PEFT's order) and
-    the trainer's autocast (DecodeWeights); the logits come from head_logits, as the trainer's fused head computes
-    them. Everything is a device operation on fixed shapes: no host reads, so it can be captured as a CUDA graph.
+    weights: the MXFP4 experts, the attention projections (the base products, then LoRA added in PEFT's order), the
+    trainer's autocast and how the glue between the products runs (DecodeWeights); the logits come from
+    head_logits, as the trainer's fused head computes them. Everything is a device operation on fixed shapes: no
+    host reads, so it can be captured as a CUDA graph.
     """
     weights = weights or DecodeWeights()
     with autocast_context(tokens.device, weights.autocast):
@@ -312,37 +304,39 @@ def decode_step(lm, cache, tokens: torch.Tensor, slot: torch.Tensor, length: int
 
 
 def _decode_hidden(lm, cache, tokens, slot, length: int, weights: DecodeWeights) -> torch.Tensor:
-    packs, attention = weights.experts, weights.attention
+    packs, attention, glue = weights.experts, weights.attention, weights.glue
     body = lm.model
+    layers = body.layers
     hidden = body.embed_tokens(tokens)
     cos, sin = body.rotary_emb(hidden, slot.view(1, 1))  # the trainer's position of this token: its column (prefill)
     full_mask, ring_mask = cache.masks(slot, length)
     batch = tokens.shape[0]
     if packs is not None:
         from tes_grpo.mxfp4_decode import moe_forward  # Triton: only where the MXFP4 experts decode
-    attend = attention_function(hidden)
-    for i, layer in enumerate(body.layers):
+    attend = attention_function(hidden, glue)
+    # each residual add is fused with the norm that reads its sum: the post-attention norm, the next layer's input
+    # norm, after the last layer the final norm
+    x = glue.norm(hidden, layers[0].input_layernorm)
+    for i, layer in enumerate(layers):
         attn = layer.self_attn
-        residual = hidden
-        x = layer.input_layernorm(hidden)
         projections = attention[i] if attention is not None else None
         query, key, value = (t.view(batch, 1, -1, attn.head_dim).transpose(1, 2)
-                             for t in qkv_projections(attn, projections, x))
-        query, key = apply_rotary_pos_emb(query, key, cos, sin)
+                             for t in qkv_projections(attn, projections, x, glue))
+        query, key = glue.rope_qk(query, key, cos, sin)
         keys, values = cache.write(i, slot, key, value, length)
         mask = ring_mask if cache.sliding[i] else full_mask
         for t, dim in ((keys, 2), (values, 2), (mask, 1)):
             torch._dynamo.maybe_mark_dynamic(t, dim)  # the cache length: one compiled kernel set for all buckets
         attended = attend(query, keys, values, mask, attn.sinks, attn.scaling)
-        hidden = residual + output_projection(attn, projections, attended)
-        residual = hidden
-        x = layer.post_attention_layernorm(hidden)
+        hidden, x = glue.add_norm(hidden, output_projection(attn, projections, attended, glue),
+                                  layer.post_attention_layernorm)
         if packs is not None and packs[i] is not None:
             out = moe_forward(layer.mlp, packs[i], x)
         else:
             out = layer.mlp(x)
-        hidden = residual + (out[0] if isinstance(out, tuple) else out)
-    return body.norm(hidden)
+        next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else body.norm
+        hidden, x = glue.add_norm(hidden, out[0] if isinstance(out, tuple) else out, next_norm)
+    return x
 
 
 def expert_packs(lm, experts: str, say=print) -> list | None:
@@ -358,7 +352,9 @@ def expert_packs(lm, experts: str, say=print) -> list | None:
 
 
 def decode_weights(lm, experts: str = "model", lora: str = "peft", autocast: torch.dtype | None = None,
-                   say=print) -> DecodeWeights:
+                   say=print, glue: str = "auto") -> DecodeWeights:
     """The DecodeWeights of one generate call: experts (expert_packs), attention projections (attention_projections:
-    lora "peft" or "merged") and the trainer's autocast dtype (None: the trainer runs without autocast)."""
-    return DecodeWeights(expert_packs(lm, experts, say), attention_projections(lm, lora, autocast), autocast)
+    lora "peft" or "merged"), the trainer's autocast dtype (None: the trainer runs without autocast) and the glue
+    (decode_glue.glue_for on the model's device: glue "auto" or "eager"; said through `say` when first decided)."""
+    return DecodeWeights(expert_packs(lm, experts, say), attention_projections(lm, lora, autocast), autocast,
+                         glue_for(lm.device, glue, say))

@@ -207,3 +207,101 @@ def test_mxfp4_codec_on_cuda_gives_the_cpus_codes():
         assert torch.equal(blocks.cpu(), cpu_blocks) and torch.equal(scales.cpu(), cpu_scales)
     blocks, scales = quantize_mxfp4(exact.cuda())
     assert torch.equal(dequantize_mxfp4(blocks, scales, torch.bfloat16).cpu(), exact)
+
+
+def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in units in the last place of bf16, elementwise (from the bit patterns: consecutive bf16 values of one
+    sign have consecutive patterns; values of opposite signs count as far apart)."""
+    ints = [t.contiguous().view(torch.int16).int() for t in (a, b)]
+    return torch.where((ints[0] < 0) == (ints[1] < 0), (ints[0] - ints[1]).abs(), 1 << 16)
+
+
+def glue_inputs(name: str, rows: int = 64):
+    """Inputs of a glue function at a 20B decode step's shapes (64 rows, hidden 2880, 64 query and 8 key/value heads
+    of 64), in bf16 as the model runs, with the query laid out as the decode step's (a transposed view)."""
+    g = torch.Generator().manual_seed(len(name))
+
+    def randn(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=g)).to(torch.bfloat16).cuda()
+
+    if name in ("rms_norm", "residual_norm"):
+        weight = (1 + 0.3 * torch.randn(2880, generator=g)).to(torch.bfloat16).cuda()
+        residual = randn(rows, 1, 2880, scale=20.0)
+        if name == "rms_norm":
+            return residual, weight, 1e-5
+        return residual, randn(rows, 1, 2880), weight, 1e-5
+    if name == "rope_qk":
+        angle = torch.rand(1, 1, 32, generator=g) * 6.3  # gpt-oss rotates the two halves of a head: D / 2 angles
+        cos, sin = (f(angle).to(torch.bfloat16).cuda() for f in (torch.cos, torch.sin))
+        return randn(rows, 1, 64, 64).transpose(1, 2), randn(rows, 8, 1, 64), cos, sin
+    if name == "with_sinks":
+        lse = (10 + 3 * torch.randn(rows, 64, 1, generator=g)).cuda()  # flex attention's float32 log-sum-exp
+        return randn(rows, 64, 1, 64), lse, randn(64)
+    if name == "add_lora":
+        sizes = (4096, 512, 512)  # q, k, v
+        return [randn(rows, 1, n) for n in sizes], [randn(rows, 1, n, scale=1e-2) for n in sizes]
+    raise ValueError(name)
+
+
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])  # decode steps run under the trainer's autocast
+@pytest.mark.parametrize("name", ["rms_norm", "residual_norm", "rope_qk", "with_sinks", "add_lora"])
+def test_compiled_glue_equals_the_eager_glue_on_cuda(name, autocast):
+    """Each glue function compiled as a GPU decode step runs it (decode_glue.decide_glue: inductor with
+    emulate_precision_casts) against itself run eagerly, on the same inputs. The rotary embedding and the LoRA add
+    are bf16 multiplications and additions, each rounded where eager rounds: bit for bit. The residual add too.
+    The RMSNorm's float32 mean of squares is a reduction another kernel sums in another order, and the sink step's
+    float32 exp and log come from Triton's math library, not CUDA's: a float32 result may differ in its last bits,
+    which moves the bf16 rounding after it by one unit in the last place where it lies near a rounding boundary: at
+    most 1 ulp, on at most 1 % of the elements (a float32 ulp moves a bf16 rounding on ~2^-16 of values; 1 % leaves
+    room for a whole row's mean moving at once, and still fails if a bf16 rounding were skipped, which moves far more
+    elements)."""
+    from tes_grpo import decode_glue
+
+    compiled = getattr(decode_glue.decide_glue("cuda", "auto"), name)
+    eager = getattr(decode_glue.EAGER, name)
+    args = glue_inputs(name)
+    with torch.no_grad(), torch.autocast("cuda", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        expected, got = eager(*args), compiled(*args)
+    expected = list(expected) if isinstance(expected, (list, tuple)) else [expected]
+    got = list(got) if isinstance(got, (list, tuple)) else [got]
+    if name == "residual_norm":  # the sum itself is exact bf16 arithmetic
+        assert torch.equal(got.pop(0), expected.pop(0))
+    for ours, theirs in zip(got, expected, strict=True):
+        assert ours.dtype == theirs.dtype == torch.bfloat16 and ours.shape == theirs.shape
+        if name in ("rope_qk", "add_lora"):
+            assert torch.equal(ours, theirs)
+            continue
+        ulps = bf16_ulps(ours, theirs)
+        assert int(ulps.max()) <= 1, int(ulps.max())
+        assert float((ulps > 0).float().mean()) <= 0.01, float((ulps > 0).float().mean())
+
+
+def test_a_compiled_glue_function_takes_more_batch_sizes_than_dynamos_default_limit():
+    """Each batch size is one more graph of a compiled glue function (fixed shapes); dynamo's default limit of 8 would
+    fail a fullgraph function at the ninth (decode_glue.GRAPHS_PER_FUNCTION raises it)."""
+    from tes_grpo import decode_glue
+
+    rms_norm = decode_glue.compiled(decode_glue.rms_norm)
+    weight = torch.ones(64, dtype=torch.bfloat16, device="cuda")
+    for rows in range(1, 12):
+        hidden = torch.randn(rows, 1, 64, device="cuda").to(torch.bfloat16)
+        assert rms_norm(hidden, weight, 1e-5).shape == hidden.shape
+
+
+def test_compiled_glue_decodes_the_eager_glues_tokens_on_cuda():
+    """graph_decode with the glue compiled (the default on CUDA) against the glue run eagerly, both replaying CUDA
+    graphs, under the trainer's bf16 autocast: the same tokens for the first 10 of every row (the compiled norm and
+    sink step may differ by one bf16 ulp on a few elements, see above, which can flip a bf16 near tie later on), and
+    each said how its glue ran."""
+    from tes_grpo import decode_glue, graph_decode
+
+    model = small_cuda_model()
+    ids, mask = left_padded_ids()
+    runs, said = {}, []
+    for glue in ("auto", "eager"):
+        runs[glue] = graph_decode.generate(model, ids, mask, generation_config(), graphs=True, say=said.append,
+                                           autocast=torch.bfloat16, glue=glue)
+    agree = ids.shape[1] + 10
+    assert torch.equal(runs["auto"][:, :agree], runs["eager"][:, :agree])
+    assert decode_glue.glue_for("cuda", "auto").how.startswith("compiled")
+    assert not any("decode glue" in line and "eager on CUDA" in line for line in said), said
