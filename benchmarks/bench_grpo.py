@@ -76,6 +76,7 @@ PROFILE_TRAIN = False  # after the steps, profile one forward/backward of the la
 LORA_RHO = 0.0  # >0: the adapter starts with B drawn so rms(delta) / rms(W) = this (a trained adapter; 0: PEFT's zeros)
 IMPORTANCE_SAMPLING = "off"  # train_grpo's IMPORTANCE_SAMPLING: off, token_truncate, ... (cap: train_grpo's default)
 DECODE_LORA = "peft"  # train_grpo's DECODE_LORA: peft (the trainer's order) or merged (folded into a weight copy)
+DECODE_GLUE = "eager"  # train_grpo's DECODE_GLUE: eager or compiled (the decode step's glue fused on CUDA)
 SAMPLING_METRICS = True  # False: the trainer without sampling_fidelity's measurement, to time what it costs
 
 
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
         DECODE_EXPERTS=bench.DECODE_EXPERTS, DECODE_GRAPHS=bench.DECODE_GRAPHS, TRAIN_EXPERTS=bench.TRAIN_EXPERTS,
         TRAIN_BATCH_SIZE=bench.TRAIN_BATCH_SIZE,
         TRAIN_TOKENS_PER_PASS=bench.TRAIN_TOKENS_PER_PASS, IMPORTANCE_SAMPLING=bench.IMPORTANCE_SAMPLING,
-        MEMORY_BUDGET_GB=bench.MEMORY_BUDGET_GB, DECODE_LORA=bench.DECODE_LORA)
+        MEMORY_BUDGET_GB=bench.MEMORY_BUDGET_GB, DECODE_LORA=bench.DECODE_LORA, DECODE_GLUE=bench.DECODE_GLUE)
     if not bench.SAMPLING_METRICS and bench.IMPORTANCE_SAMPLING != "off":
         raise SystemExit("error: SAMPLING_METRICS=0 times the trainer without the measurement; IMPORTANCE_SAMPLING "
                          "needs it (set it off)")
@@ -243,6 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"gpt-oss-{bench.MODEL_SIZE} shapes, EXPERTS={bench.EXPERTS}, DECODE_EXPERTS={bench.DECODE_EXPERTS}, "
           f"DECODE_GRAPHS={bench.DECODE_GRAPHS}, TRAIN_EXPERTS={bench.TRAIN_EXPERTS}, LORA_RHO={bench.LORA_RHO}, "
           f"IMPORTANCE_SAMPLING={bench.IMPORTANCE_SAMPLING}, DECODE_LORA={bench.DECODE_LORA}, "
+          f"DECODE_GLUE={bench.DECODE_GLUE}, "
           f"SAMPLING_METRICS={bench.SAMPLING_METRICS}, MAX_COMPLETION_LEN="
           f"{bench.MAX_COMPLETION_LEN}, prompt {prompt_tokens} tokens, {settings.NUM_GENERATIONS} generations x "
           f"{settings.GRADIENT_ACCUMULATION_STEPS} accumulation, {layout['train_batch_size']} completions a pass, "

@@ -11,10 +11,14 @@ sample the policy the trainer computes (graph_decode.py's docstring says why), s
 trainer's forward is kept. The functions take tensors and numbers only, no modules, so one compiled function serves
 every layer.
 
-`glue_for(device, mode)` decides, once per process for a device type and mode, how they run, and says it: on CUDA
-compiled (torch.compile, fullgraph, fixed shapes) with inductor's `emulate_precision_casts`, which keeps the bf16
-roundings of the eager code where it would otherwise keep fused intermediates in float32; elsewhere, or with mode
-"eager", or where inductor lacks that option, eagerly (the same functions). A `Glue` carries the choice through a
+`glue_for(device, mode)` decides, once per process for a device type and mode, how they run, and says it. Mode
+"eager" (train_grpo's DECODE_GLUE default): kernel by kernel, as the trainer's forward runs them. Mode "compiled": on
+CUDA through torch.compile (fullgraph, fixed shapes) with inductor's `emulate_precision_casts`, which keeps the bf16
+roundings of the eager code where it would otherwise keep fused intermediates in float32; eagerly elsewhere, or where
+inductor lacks that option (said). Compiled, the sink step runs compiled only under autocast (where its log-sum-exp
+takes float32 inputs, as the trainer's does): without autocast inductor's log-sum-exp of bf16 inputs rounds other
+than eager's, so it stays eager there. BENCHMARKS.md times both modes; "compiled" is not the default until its
+sampler-trainer gap is measured there. A `Glue` carries the choice through a
 decode step; decode_cache's DecodeGraphs runs a warm-up step before each capture, so the first (compiling) call is
 never inside a capture. Compiled results can differ from eager ones only where a float32 reduction or a float32
 exp/log is computed by another kernel (the RMSNorm's mean, the sinks' log-sum-exp): by a float32 rounding before the
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm, apply_rotary_pos_emb
 
-GLUE_MODES = ("auto", "eager")  # auto: compiled on CUDA, eager elsewhere; eager: eager everywhere
+GLUE_MODES = ("eager", "compiled")  # eager: kernel by kernel; compiled: through inductor on CUDA, eager elsewhere
 
 
 def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -112,7 +116,7 @@ class Glue:
 
 
 _FUNCTIONS = (rms_norm, residual_norm, rope_qk, with_sinks, add_lora)
-EAGER = Glue(*_FUNCTIONS, how="eager (glue='eager')")
+EAGER = Glue(*_FUNCTIONS, how="eager")
 
 
 def compile_blocker() -> str | None:
@@ -141,12 +145,10 @@ def compiled(function: Callable) -> Callable:
 _DECIDED: dict[tuple[str, str], Glue] = {}
 
 
-def glue_for(device: torch.device, mode: str = "auto", say=print) -> Glue:
-    """The Glue for decode steps on `device`. mode "auto": compiled on CUDA (see the module docstring), eager
-    elsewhere; "eager": eager everywhere (to compare with). Decided once per process for a (device type, mode), which
+def glue_for(device: torch.device, mode: str = "eager", say=print) -> Glue:
+    """The Glue for decode steps on `device`. mode "eager": eager everywhere; "compiled": compiled on CUDA (see the
+    module docstring), eager elsewhere. Decided once per process for a (device type, mode), which
     is when `say` hears how; later calls return the same Glue (its compiled functions keep their compiled code)."""
-    if mode not in GLUE_MODES:
-        raise ValueError(f"graph_decode: glue must be one of {', '.join(GLUE_MODES)}, got {mode!r}")
     key = (torch.device(device).type, mode)
     if key not in _DECIDED:
         _DECIDED[key] = decide_glue(key[0], mode)
@@ -156,12 +158,31 @@ def glue_for(device: torch.device, mode: str = "auto", say=print) -> Glue:
 
 def decide_glue(device_type: str, mode: str) -> Glue:
     """A new Glue for decode steps on a device of this type (glue_for's decision, not remembered)."""
+    if mode not in GLUE_MODES:
+        raise ValueError(f"DECODE_GLUE must be one of {', '.join(GLUE_MODES)}, got {mode!r}")
     if mode == "eager":
         return EAGER
     if device_type != "cuda":
-        return Glue(*_FUNCTIONS, how=f"eager (compiled only on CUDA; this is {device_type})")
+        return Glue(*_FUNCTIONS, how=f"eager (DECODE_GLUE=compiled compiles only on CUDA; this is {device_type})")
     blocker = compile_blocker()
     if blocker is not None:
         return Glue(*_FUNCTIONS, how=f"eager on CUDA: {blocker}")
-    return Glue(*(compiled(f) for f in _FUNCTIONS),
-                how="compiled (torch.compile, fullgraph, static shapes, inductor emulate_precision_casts)")
+    glue = {f.__name__: compiled(f) for f in _FUNCTIONS}
+    glue["with_sinks"] = SinksUnderAutocast(glue["with_sinks"], with_sinks)
+    return Glue(**glue, how="compiled (torch.compile, fullgraph, static shapes, inductor emulate_precision_casts; "
+                            "the sink step only under autocast)")
+
+
+@dataclass(frozen=True)
+class SinksUnderAutocast:
+    """with_sinks compiled where its inputs reach the log-sum-exp in float32 (under autocast, which runs logsumexp in
+    float32, as the trainer's forward does), eager otherwise: eager logsumexp of bf16 inputs rounds every step to
+    bf16, which inductor's compiled form does not repeat. Decided per call on the host: a captured step keeps the
+    kernels of the call it recorded."""
+
+    compiled: Callable
+    eager: Callable
+
+    def __call__(self, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+        under_autocast = torch.is_autocast_enabled(out.device.type)
+        return (self.compiled if under_autocast else self.eager)(out, lse, sinks)

@@ -208,7 +208,7 @@ class DecodeWeights:
     autocast: the dtype the trainer's forward runs under autocast in (bf16 on GPUs; None: no autocast): the decode
     step runs under the same autocast, so every op the trainer's autocast casts is cast here too;
     glue: how the step's norms, residual adds, rotary embedding, sink step and LoRA adds run (decode_glue.Glue:
-    compiled on CUDA, see decode_glue.glue_for; default eager)."""
+    eager, or compiled on CUDA with DECODE_GLUE=compiled; see decode_glue.glue_for)."""
 
     experts: list | None = None
     attention: list | None = None
@@ -352,9 +352,9 @@ def expert_packs(lm, experts: str, say=print) -> list | None:
 
 
 def decode_weights(lm, experts: str = "model", lora: str = "peft", autocast: torch.dtype | None = None,
-                   say=print, glue: str = "auto") -> DecodeWeights:
+                   say=print, glue: str = "eager") -> DecodeWeights:
     """The DecodeWeights of one generate call: experts (expert_packs), attention projections (attention_projections:
     lora "peft" or "merged"), the trainer's autocast dtype (None: the trainer runs without autocast) and the glue
-    (decode_glue.glue_for on the model's device: glue "auto" or "eager"; said through `say` when first decided)."""
+    (decode_glue.glue_for on the model's device: glue "eager" or "compiled"; said through `say` when first decided)."""
     return DecodeWeights(expert_packs(lm, experts, say), attention_projections(lm, lora, autocast), autocast,
                          glue_for(lm.device, glue, say))

@@ -18,6 +18,10 @@ has wrapped the model in LoRA, `choose(s, trainer, cuda)`, which returns the dec
   added, as the trainer's PEFT forward computes it (the sampler samples the policy being trained); merged = the
   adapter folded into a bf16 copy of the attention weights, fewer kernels a step but rounding of its own
   (BENCHMARKS.md measures both).
+- DECODE_GLUE (eager | compiled): how graph_decode runs the small steps between a decode step's products (norms,
+  residual adds, rotary embedding, the sink step, LoRA adds; decode_glue.py). eager = kernel by kernel, as the
+  trainer's forward; compiled = fused by torch.compile on CUDA, keeping the trainer's bf16 roundings (faster; its
+  sampler-trainer gap not yet measured, so not the default: BENCHMARKS.md).
 
 Besides these, `install` writes flex attention's padded masks as each row's bounds, keeps transformers from
 switching the experts for decoding, and on a CPU has TRL score completion positions only: library patches
@@ -126,12 +130,14 @@ def choose(s, trainer, cuda: bool, generation_sequences: int | None = None) -> F
                             f"generation batch, and only graph_decode splits a batch ({why}); use DECODE_GRAPHS=auto "
                             "or lower MAX_COMPLETION_LEN")
     backend = "vllm" if s.USE_VLLM else "graph_decode" if graphs else "generate"
-    spec = SamplerSpec(backend, experts=experts, lora=s.DECODE_LORA, max_batch=generation_sequences if split else None,
+    spec = SamplerSpec(backend, experts=experts, lora=s.DECODE_LORA, glue=s.DECODE_GLUE,
+                       max_batch=generation_sequences if split else None,
                        autocast=training_autocast(trainer), synced=sharded and process_count() > 1)
     label = {"graph_decode": "graph_decode.py, static KV cache", "generate": "transformers generate",
              "vllm": "vLLM, colocated"}[backend]
     reasons.append(f"decoding: {label} ({why}"
-                   + (f"; experts: {experts_why}; LoRA: DECODE_LORA={s.DECODE_LORA}" if graphs else "")
+                   + (f"; experts: {experts_why}; LoRA: DECODE_LORA={s.DECODE_LORA}; DECODE_GLUE={s.DECODE_GLUE}"
+                      if graphs else "")
                    + (f"; {generation_sequences} of the {batch} sequences a call, as memory allows" if split else "")
                    + ")")
     fused, fused_why = train_experts_choice(s, cuda)

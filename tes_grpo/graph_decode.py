@@ -67,7 +67,7 @@ def unsupported_options(generation_config, kwargs: dict) -> list[str]:
 def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, generation_config,
              graphs: bool | None = None, share_prompts: bool | None = None, prefill_bucket: int | None = None,
              experts: str = "model", say=print, lora: str = "peft", autocast: torch.dtype | None = None,
-             logprobs: bool = False, glue: str = "auto"):
+             logprobs: bool = False, glue: str = "eager"):
     """Prompt + sampled completion ids [B, prompt + n], as transformers' generate() returns them (n <= max_new_tokens;
     finished rows padded with pad_token_id; stops when every row has emitted an end token). logprobs=True: also the
     log-probability [B, n] (float32) of each sampled token under the distribution it was drawn from (log_softmax of
@@ -78,8 +78,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     prefill_bucket: see prefill (defaults SHARE_PROMPTS, PREFILL_BUCKET_TOKENS). experts: "model" (the model's MLP) or
     "mxfp4" (see expert_packs; what cannot be packed is said through `say`). lora: "peft" (the adapter added to the
     base products as PEFT's forward does) or "merged" (see attention_projections). autocast: the dtype the trainer's
-    forward runs under autocast in (decode_step). glue: "auto" (the decode step's glue compiled on CUDA) or "eager"
-    (decode_glue.glue_for; how it runs is said once through `say`). The random numbers drawn are generate()'s: one
+    forward runs under autocast in (decode_step). glue: "eager" or "compiled" (the decode step's glue compiled on
+    CUDA: decode_glue.glue_for; how it runs is said once through `say`). The random numbers drawn are generate()'s: one
     torch.multinomial over all rows per step, nothing in the prefill.
     """
     lm = causal_lm(model)
@@ -239,15 +239,16 @@ class GraphDecodeGenerate:
     (auto_decode_graphs), made once; each call checks only its options (unsupported_options).
 
     model: the GptOssForCausalLM; original: the generate() to fall back on; experts ("model" or "mxfp4", see
-    generate), lora ("peft" or "merged"), autocast (the trainer's autocast dtype, or None), max_batch (rows a generate
+    generate), lora ("peft" or "merged"), glue ("eager" or "compiled", see generate), autocast (the trainer's
+    autocast dtype, or None), max_batch (rows a generate
     call takes at most: a larger batch is generated in consecutive calls of that many rows, as the memory plan
     allows; None = all at once). A logits_processor of token_sampling.SampledLogprobs recorders is served here: each
     gets the sampled tokens' log-probabilities; any other processor sends the call to transformers' generate.
     """
 
     def __init__(self, model, original, experts: str = "model", lora: str = "peft",
-                 autocast: torch.dtype | None = None, max_batch: int | None = None, say=print):
-        self.model, self.original, self.say = model, original, say
+                 autocast: torch.dtype | None = None, max_batch: int | None = None, say=print, glue: str = "eager"):
+        self.model, self.original, self.say, self.glue = model, original, say, glue
         self.experts, self.lora, self.autocast, self.max_batch = experts, lora, autocast, max_batch
         self.reported: set[str] = set()
 
@@ -271,7 +272,8 @@ class GraphDecodeGenerate:
             attention_mask = torch.ones_like(input_ids)
         size = self.max_batch or input_ids.shape[0]
         parts = [generate(self.model, input_ids[i:i + size], attention_mask[i:i + size], config, experts=self.experts,
-                          say=self.say, lora=self.lora, autocast=self.autocast, logprobs=bool(recorders))
+                          say=self.say, lora=self.lora, autocast=self.autocast, logprobs=bool(recorders),
+                          glue=self.glue)
                  for i in range(0, input_ids.shape[0], size)]
         pad = config.pad_token_id if config.pad_token_id is not None else first_end_token(config)
         if not recorders:

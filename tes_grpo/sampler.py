@@ -32,13 +32,15 @@ BACKENDS = ("graph_decode", "generate", "vllm")
 @dataclass(frozen=True)
 class SamplerSpec:
     """What `install` builds: backend (one of BACKENDS); for graph_decode, its experts ("model" or "mxfp4"), lora
-    ("peft" or "merged") and max_batch (rows a generate call takes at most; None = the whole batch); autocast: the
+    ("peft" or "merged"), glue ("eager" or "compiled": decode_glue) and max_batch (rows a generate call takes at
+    most; None = the whole batch); autocast: the
     dtype the trainer's forward runs under autocast in (graph_decode decodes under it; None = none); synced: FSDP
     shards the weights over several processes, which must step together."""
 
     backend: str
     experts: str = "model"
     lora: str = "peft"
+    glue: str = "eager"
     max_batch: int | None = None
     autocast: torch.dtype | None = None
     synced: bool = False
@@ -74,7 +76,8 @@ def install(trainer, spec: SamplerSpec, correction: sampling_fidelity.Correction
             say("FSDP: generate() runs with synced_gpus=True (processes step together until all completions end)")
         if spec.backend == "graph_decode":
             generate = GraphDecodeGenerate(lm, generate, experts=spec.experts, lora=spec.lora,
-                                           autocast=spec.autocast, max_batch=spec.max_batch, say=say)
+                                           autocast=spec.autocast, max_batch=spec.max_batch, say=say,
+                                           glue=spec.glue)
         recording = RecordingGenerate(lm, generate, say=say)
         lm.generate = recording
     hook = sampling_fidelity.hook_trainer(trainer, correction, recording, say)

@@ -254,10 +254,10 @@ def test_compiled_glue_equals_the_eager_glue_on_cuda(name, autocast):
     which moves the bf16 rounding after it by one unit in the last place where it lies near a rounding boundary: at
     most 1 ulp, on at most 1 % of the elements (a float32 ulp moves a bf16 rounding on ~2^-16 of values; 1 % leaves
     room for a whole row's mean moving at once, and still fails if a bf16 rounding were skipped, which moves far more
-    elements)."""
+    elements). Without autocast the compiled glue's sink step is the eager one (decode_glue.SinksUnderAutocast)."""
     from tes_grpo import decode_glue
 
-    compiled = getattr(decode_glue.decide_glue("cuda", "auto"), name)
+    compiled = getattr(decode_glue.decide_glue("cuda", "compiled"), name)
     eager = getattr(decode_glue.EAGER, name)
     args = glue_inputs(name)
     with torch.no_grad(), torch.autocast("cuda", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
@@ -289,7 +289,7 @@ def test_a_compiled_glue_function_takes_more_batch_sizes_than_dynamos_default_li
 
 
 def test_compiled_glue_decodes_the_eager_glues_tokens_on_cuda():
-    """graph_decode with the glue compiled (the default on CUDA) against the glue run eagerly, both replaying CUDA
+    """graph_decode with the glue compiled (DECODE_GLUE=compiled) against the glue run eagerly, both replaying CUDA
     graphs, under the trainer's bf16 autocast: the same tokens for the first 10 of every row (the compiled norm and
     sink step may differ by one bf16 ulp on a few elements, see above, which can flip a bf16 near tie later on), and
     each said how its glue ran."""
@@ -298,10 +298,10 @@ def test_compiled_glue_decodes_the_eager_glues_tokens_on_cuda():
     model = small_cuda_model()
     ids, mask = left_padded_ids()
     runs, said = {}, []
-    for glue in ("auto", "eager"):
+    for glue in ("compiled", "eager"):
         runs[glue] = graph_decode.generate(model, ids, mask, generation_config(), graphs=True, say=said.append,
                                            autocast=torch.bfloat16, glue=glue)
     agree = ids.shape[1] + 10
-    assert torch.equal(runs["auto"][:, :agree], runs["eager"][:, :agree])
-    assert decode_glue.glue_for("cuda", "auto").how.startswith("compiled")
+    assert torch.equal(runs["compiled"][:, :agree], runs["eager"][:, :agree])
+    assert decode_glue.glue_for("cuda", "compiled").how.startswith("compiled")
     assert not any("decode glue" in line and "eager on CUDA" in line for line in said), said

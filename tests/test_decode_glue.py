@@ -135,38 +135,53 @@ def test_norm_weights_takes_only_gpt_oss_rms_norm_as_its_class_computes_it():
 def test_glue_for_decides_once_per_device_type_and_mode_and_says_so(monkeypatch):
     monkeypatch.setattr(decode_glue, "_DECIDED", {})
     said = []
-    cpu = decode_glue.glue_for(torch.device("cpu"), "auto", say=said.append)
-    assert decode_glue.glue_for(torch.device("cpu"), "auto", say=said.append) is cpu  # decided once
-    assert cpu.rms_norm is decode_glue.rms_norm and "eager (compiled only on CUDA; this is cpu)" in cpu.how
-    assert decode_glue.glue_for("cpu", "eager", say=said.append).how == "eager (glue='eager')"
+    cpu = decode_glue.glue_for(torch.device("cpu"), "compiled", say=said.append)
+    assert decode_glue.glue_for(torch.device("cpu"), "compiled", say=said.append) is cpu  # decided once
+    assert cpu.rms_norm is decode_glue.rms_norm
+    assert "eager (DECODE_GLUE=compiled compiles only on CUDA; this is cpu)" in cpu.how
+    assert decode_glue.glue_for("cpu", say=said.append).how == "eager"  # the default mode
     assert len(said) == 2 and said[0].startswith("decode glue (") and said[0].endswith(cpu.how), said
-    with pytest.raises(ValueError, match="glue must be one of auto, eager, got 'fast'"):
+    with pytest.raises(ValueError, match="DECODE_GLUE must be one of eager, compiled, got 'fast'"):
         decode_glue.glue_for("cpu", "fast")
 
 
 def test_cuda_glue_is_compiled_unless_inductor_cannot_keep_the_roundings(monkeypatch):
     # decided without running anything: torch.compile wraps the functions; they compile when first called
     assert decode_glue.compile_blocker() is None  # this torch has emulate_precision_casts (2.11 has it too)
-    glue = decode_glue.decide_glue("cuda", "auto")
+    glue = decode_glue.decide_glue("cuda", "compiled")
     assert glue.how.startswith("compiled") and "emulate_precision_casts" in glue.how
     assert all(getattr(glue, name) is not getattr(decode_glue.EAGER, name)
                for name in ("rms_norm", "residual_norm", "rope_qk", "with_sinks", "add_lora"))
     assert decode_glue.decide_glue("cuda", "eager") is decode_glue.EAGER
     monkeypatch.setattr(decode_glue, "compile_blocker", lambda: "no emulate_precision_casts")
-    fallback = decode_glue.decide_glue("cuda", "auto")  # eager on the GPU too, and the line says why
+    fallback = decode_glue.decide_glue("cuda", "compiled")  # eager on the GPU too, and the line says why
     assert fallback.rms_norm is decode_glue.rms_norm and fallback.how == "eager on CUDA: no emulate_precision_casts"
 
 
-def test_bench_generate_times_the_glue_eager_with_the_eagerglue_flag(monkeypatch):
-    # one run times both: graphs_mxfp4 (the glue compiled on CUDA) and graphs_mxfp4_eagerglue (the glue eager)
+def test_bench_generate_times_the_glue_compiled_with_the_compiledglue_flag(monkeypatch):
+    # one run times both: graphs_mxfp4 (the glue eager, the default) and graphs_mxfp4_compiledglue (compiled on CUDA)
     import benchmarks.bench_generate as bench
     from tes_grpo import graph_decode
 
     calls = []
     monkeypatch.setattr(graph_decode, "generate", lambda *args, **kwargs: calls.append(kwargs))
     model = SimpleNamespace(config=SimpleNamespace(vocab_size=512, pad_token_id=5))
-    for variant in ("graphs_mxfp4", "graphs_mxfp4_eagerglue", "static_eagerglue_unshared"):
+    for variant in ("graphs_mxfp4", "graphs_mxfp4_compiledglue", "static_compiledglue_unshared"):
         bench.run_generate(model, None, None, 4, variant, 16)
-    assert [c["glue"] for c in calls] == ["auto", "eager", "eager"]
+    assert [c["glue"] for c in calls] == ["eager", "compiled", "compiled"]
     assert [c["experts"] for c in calls] == ["mxfp4", "mxfp4", "model"] and calls[2]["share_prompts"] is False
-    assert bench.variant_flags("graphs_eagerglue_eagerglue") is None  # a flag twice is refused, as before
+    assert bench.variant_flags("graphs_compiledglue_compiledglue") is None  # a flag twice is refused, as before
+
+
+@pytest.mark.parametrize("cast, expected", [
+    (None, "eager"),  # bf16 inputs reach logsumexp: eager's rounds every step to bf16, inductor's does not
+    (torch.bfloat16, "compiled"),  # autocast runs logsumexp in float32, as the trainer's forward does
+])
+def test_the_compiled_sink_step_runs_only_under_autocast(cast, expected):
+    calls = []
+    sinks = decode_glue.SinksUnderAutocast(compiled=lambda *args: calls.append("compiled"),
+                                           eager=lambda *args: calls.append("eager"))
+    out = torch.zeros(1, 2, 1, 4, dtype=torch.bfloat16)
+    with autocast(cast):
+        sinks(out, torch.zeros(1, 2, 1), torch.zeros(2))
+    assert calls == [expected]

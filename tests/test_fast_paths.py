@@ -132,8 +132,8 @@ def test_the_sampler_is_built_in_one_order_with_its_settings_given(spec, parts):
     assert [type(p) for p in chain] == parts
     for p in chain:
         if isinstance(p, GraphDecodeGenerate):
-            assert (p.experts, p.lora, p.max_batch, p.autocast) == (spec.experts, spec.lora, spec.max_batch,
-                                                                  spec.autocast)
+            assert (p.experts, p.lora, p.glue, p.max_batch, p.autocast) == (spec.experts, spec.lora, spec.glue,
+                                                                              spec.max_batch, spec.autocast)
 
 
 def fake_trainer(model, fsdp=False, batch=64, precision="bf16"):
@@ -148,6 +148,8 @@ CHOSEN = [
     ({}, True, False, 1, 64, SamplerSpec("graph_decode", experts="mxfp4", autocast=torch.bfloat16)),  # fits: no split
     ({"DECODE_LORA": "merged"}, True, False, 1, None,
      SamplerSpec("graph_decode", experts="mxfp4", lora="merged", autocast=torch.bfloat16)),
+    ({"DECODE_GLUE": "compiled"}, True, False, 1, None,
+     SamplerSpec("graph_decode", experts="mxfp4", glue="compiled", autocast=torch.bfloat16)),
     ({}, False, False, 1, None, SamplerSpec("generate", autocast=torch.bfloat16)),  # CPU: transformers' generate
     ({}, True, True, 2, None, SamplerSpec("generate", autocast=torch.bfloat16, synced=True)),  # FSDP: step together
     ({"USE_VLLM": True}, True, False, 1, None, SamplerSpec("vllm", autocast=torch.bfloat16)),
