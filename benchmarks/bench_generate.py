@@ -221,7 +221,8 @@ def gap_row(name: str, values, reference) -> str:
 def compare_logprobs(model, seqs: int, tokens: int, prompt_len: int, autocast=None) -> list[str]:
     """Lines saying how far each sampler's log-probabilities of the same sampled tokens are from the trainer's (and from
     one plain forward): transformers' generate (which sampled them), graph_decode with the adapter in PEFT's order
-    and merged, with the model's experts and (on CUDA) the MXFP4 copy; graph_decode under `autocast`."""
+    and merged, with the model's experts and (on CUDA) the MXFP4 copy, and (on CUDA) with the MXFP4 copy, PEFT's order
+    and the glue compiled (DECODE_GLUE=compiled); graph_decode under `autocast`."""
     import torch
 
     from benchmarks.decode_compare import (
@@ -245,6 +246,9 @@ def compare_logprobs(model, seqs: int, tokens: int, prompt_len: int, autocast=No
             for lora in ("peft", "merged"):
                 samplers[f"graph_decode {experts} {lora}"] = decode_logprobs(
                     model, ids, mask, completion, graphs=graphs, experts=experts, lora=lora, autocast=autocast)
+        if graphs:  # the compiled glue's own gap: what DECODE_GLUE=compiled must match eager's on
+            samplers["graph_decode mxfp4 peft, glue compiled"] = decode_logprobs(
+                model, ids, mask, completion, graphs=True, experts="mxfp4", autocast=autocast, glue="compiled")
         trainer = trainer_logprobs(model, ids, mask, completion, autocast=autocast)
         plain = full_forward_logprobs(model, ids, mask, completion)
     lines = [f"log-probabilities of {seqs} x {tokens} sampled tokens (mean |log p| {trainer.abs().mean():.3f}) against "

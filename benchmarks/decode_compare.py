@@ -21,14 +21,15 @@ from tes_grpo import decode_cache, decode_math, lm_head
 @torch.no_grad()
 def decode_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_ids: torch.Tensor,
                     graphs: bool | None = None, share_prompts: bool | None = None, prefill_bucket: int | None = None,
-                    experts: str = "model", lora: str = "peft", autocast: torch.dtype | None = None) -> torch.Tensor:
+                    experts: str = "model", lora: str = "peft", autocast: torch.dtype | None = None,
+                    glue: str = "eager") -> torch.Tensor:
     """Log-probabilities [B, n] graph_decode's prefill and decode steps give the tokens of completion_ids [B, n] (fed
-    in as if sampled; no warpers)."""
+    in as if sampled; no warpers); glue: the decode step's glue, "eager" or "compiled" (decode_glue)."""
     lm = lm_head.causal_lm(model)
     device = input_ids.device
     batch, prompt_len = input_ids.shape
     steps = completion_ids.shape[1]
-    weights = decode_math.decode_weights(lm, experts, lora, autocast)
+    weights = decode_math.decode_weights(lm, experts, lora, autocast, glue=glue)
     logits, cache = decode_cache.prefill(lm, input_ids, attention_mask, steps, share_prompts=share_prompts,
                                          bucket=prefill_bucket, autocast=autocast)
     step = decode_cache.decode_steps(lm, cache, batch, device, graphs, weights)
