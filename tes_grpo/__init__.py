@@ -31,7 +31,7 @@ Training on a GPU:
 - sampler: the trainer's sampler, assembled in one function (backend, FSDP sync, log-prob recorder, vLLM guard)
 - graph_decode: sampling with a static KV cache and CUDA-graph decode steps, in the trainer's arithmetic
 - decode_cache: graph_decode's static KV cache, its prefill and the CUDA-graph capture of decode steps
-- decode_glue: the decode step's norms, residual adds, rotary embedding, sink step and LoRA adds, compiled on CUDA
+- decode_glue: the decode step's norms, residual adds, rotary embedding, sink step and LoRA adds (DECODE_GLUE)
 - decode_math: graph_decode's decode step: attention with sinks, LoRA in PEFT's order, MXFP4 experts, the LM head
 - token_sampling: one sampling step as transformers' generate takes it, and the recorder of its log-probabilities
 - mxfp4_decode: the MoE experts read as MXFP4 while decoding (Triton)

@@ -17,8 +17,7 @@ CUDA through torch.compile (fullgraph, fixed shapes) with inductor's `emulate_pr
 roundings of the eager code where it would otherwise keep fused intermediates in float32; eagerly elsewhere, or where
 inductor lacks that option (said). Compiled, the sink step runs compiled only under autocast (where its log-sum-exp
 takes float32 inputs, as the trainer's does): without autocast inductor's log-sum-exp of bf16 inputs rounds other
-than eager's, so it stays eager there. BENCHMARKS.md times both modes; "compiled" is not the default until its
-sampler-trainer gap is measured there. A `Glue` carries the choice through a
+than eager's, so it stays eager there. BENCHMARKS.md compares the two modes. A `Glue` carries the choice through a
 decode step; decode_cache's DecodeGraphs runs a warm-up step before each capture, so the first (compiling) call is
 never inside a capture. Compiled results can differ from eager ones only where a float32 reduction or a float32
 exp/log is computed by another kernel (the RMSNorm's mean, the sinks' log-sum-exp): by a float32 rounding before the
@@ -82,9 +81,12 @@ def add_lora(outputs: list[torch.Tensor], extras: list[torch.Tensor]) -> list[to
 
 
 def norm_weights(module) -> tuple[torch.Tensor, float] | None:
-    """(weight, eps) of a norm that rms_norm computes exactly: a GptOssRMSNorm running its class's forward. None for
-    anything else (another class, or a forward replaced on the instance, as a hub kernel would): call the module."""
+    """(weight, eps) of a norm that rms_norm computes exactly: a GptOssRMSNorm running its class's forward with no
+    hooks. None for anything else (another class, a forward replaced on the instance as a hub kernel would, or
+    forward hooks, which only a module call runs): call the module."""
     if type(module) is not GptOssRMSNorm or "forward" in vars(module):
+        return None
+    if module._forward_hooks or module._forward_pre_hooks:
         return None
     return module.weight, module.variance_epsilon
 
@@ -121,7 +123,7 @@ EAGER = Glue(*_FUNCTIONS, how="eager")
 
 def compile_blocker() -> str | None:
     """Why this torch cannot compile the glue with the trainer's roundings (None: it can)."""
-    from torch._inductor import config
+    from torch._inductor import config  # inductor loads only where the glue may compile, not for eager decoding
 
     if not hasattr(config, "emulate_precision_casts"):
         return (f"torch {torch.__version__}'s inductor has no emulate_precision_casts option, without which fused "

@@ -6,9 +6,10 @@ attention projections as the base products with the LoRA adapter's output added 
 low-rank product for q, k and v), one-query attention with gpt-oss's sinks (`attention_function`: flex attention's
 decoding kernel on CUDA, `one_query_attention` elsewhere) and the logits as TRL's fused LM head computes them
 (`head_logits`). The small steps between the products (residual adds and norms, rotary embedding, the sink step,
-the LoRA adds) are decode_glue's functions, compiled on CUDA with the trainer's roundings. `DecodeWeights` says what
-a step computes from besides the modules; `decode_weights` builds it once per generate call (the adapter trains
-between calls). Every operation is on the device with fixed shapes, so the step can be captured as a CUDA graph.
+the LoRA adds) are decode_glue's functions, run eagerly or (DECODE_GLUE=compiled) compiled on CUDA with the
+trainer's roundings. `DecodeWeights` says what a step computes from besides the modules; `decode_weights` builds it
+once per generate call (the adapter trains between calls). Every operation is on the device with fixed shapes, so
+the step can be captured as a CUDA graph.
 """
 
 from __future__ import annotations

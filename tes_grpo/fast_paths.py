@@ -20,8 +20,8 @@ has wrapped the model in LoRA, `choose(s, trainer, cuda)`, which returns the dec
   (BENCHMARKS.md measures both).
 - DECODE_GLUE (eager | compiled): how graph_decode runs the small steps between a decode step's products (norms,
   residual adds, rotary embedding, the sink step, LoRA adds; decode_glue.py). eager = kernel by kernel, as the
-  trainer's forward; compiled = fused by torch.compile on CUDA, keeping the trainer's bf16 roundings (faster; its
-  sampler-trainer gap not yet measured, so not the default: BENCHMARKS.md).
+  trainer's forward; compiled = fused by torch.compile on CUDA, keeping the trainer's bf16 roundings (BENCHMARKS.md
+  compares the two's speed and sampler-trainer gap).
 
 Besides these, `install` writes flex attention's padded masks as each row's bounds, keeps transformers from
 switching the experts for decoding, and on a CPU has TRL score completion positions only: library patches
@@ -46,8 +46,9 @@ def check_settings(s) -> None:
     """SettingsError for fast-path settings that contradict each other (their values are CHOICES-checked already)."""
     if s.USE_VLLM and s.DECODE_GRAPHS == "on":
         raise SettingsError("DECODE_GRAPHS=on and USE_VLLM=1 both choose how completions are generated; set one")
-    if s.DECODE_EXPERTS == "mxfp4" and (s.USE_VLLM or s.DECODE_GRAPHS == "off"):
-        raise SettingsError("DECODE_EXPERTS=mxfp4 is graph_decode's; it needs DECODE_GRAPHS=auto or on and no vLLM")
+    for name, value in (("DECODE_EXPERTS", "mxfp4"), ("DECODE_GLUE", "compiled")):
+        if s[name] == value and (s.USE_VLLM or s.DECODE_GRAPHS == "off"):
+            raise SettingsError(f"{name}={value} is graph_decode's; it needs DECODE_GRAPHS=auto or on and no vLLM")
 
 
 def _triton() -> bool:
@@ -137,7 +138,8 @@ def choose(s, trainer, cuda: bool, generation_sequences: int | None = None) -> F
              "vllm": "vLLM, colocated"}[backend]
     reasons.append(f"decoding: {label} ({why}"
                    + (f"; experts: {experts_why}; LoRA: DECODE_LORA={s.DECODE_LORA}; DECODE_GLUE={s.DECODE_GLUE}"
-                      if graphs else "")
+                      if graphs else "; DECODE_GLUE=compiled unused: it is graph_decode's"
+                      if s.DECODE_GLUE == "compiled" else "")
                    + (f"; {generation_sequences} of the {batch} sequences a call, as memory allows" if split else "")
                    + ")")
     fused, fused_why = train_experts_choice(s, cuda)

@@ -57,8 +57,9 @@ class Tiles:
     """Kernel launch shape and variant. Defaults from benchmarks/bench_mxfp4_decode.py's sweep on an H100
     (BENCHMARKS.md); rows per tile: 16 is the smallest a tensor-core dot takes as its left operand (8 with swap,
     where the rows are the right operand's columns), and a decode step routes ~8 rows to an expert (64 sequences x
-    4 / 32). upcast="bits" is exact for E8M0 scales 1..254 (_mxfp4_to_bf16; 0 and 255 are not weights a
-    checkpoint holds); the kernel reads no scale on the host to check it."""
+    4 / 32). upcast="bits" is exact for E8M0 scales 1..254 and for all-zero groups at scale 0 (_mxfp4_to_bf16);
+    a nonzero group at scale 0 (values below 2^-124, which mxfp4.quantize_mxfp4 writes for such tiny groups) reads
+    as zeros, and 255 (NaN in the format) as infinities; the kernel reads no scale on the host to check it."""
 
     block_m: int = 16
     block_n: int = 64

@@ -107,7 +107,8 @@ def test_train_experts_choice(value, cuda, triton, fused, monkeypatch):
 SAMPLERS = [
     (SamplerSpec("generate"), []),  # transformers' generate, recorded
     (SamplerSpec("generate", synced=True), [SyncedGenerate]),  # FSDP: processes step together
-    (SamplerSpec("graph_decode", experts="mxfp4", max_batch=32, lora="merged"), [GraphDecodeGenerate]),
+    (SamplerSpec("graph_decode", experts="mxfp4", max_batch=32, lora="merged", glue="compiled"),
+     [GraphDecodeGenerate]),
     (SamplerSpec("graph_decode", synced=True), [GraphDecodeGenerate, SyncedGenerate]),  # fallback stays in step
 ]
 
@@ -163,6 +164,16 @@ def test_choose_gives_the_sampler_its_settings(monkeypatch, overrides, cuda, fsd
     paths = fast_paths.choose(settings(**overrides), fake_trainer(small_model(), fsdp=fsdp), cuda, sequences)
     assert paths.sampler == expected
     assert any(line.startswith("decoding: ") for line in paths.reasons)
+
+
+@pytest.mark.parametrize("cuda, words", [
+    (True, "DECODE_GLUE=compiled)"),  # graph_decode takes it
+    (False, "DECODE_GLUE=compiled unused: it is graph_decode's"),  # auto chose transformers' generate: said
+])
+def test_the_decoding_line_says_what_becomes_of_decode_glue(monkeypatch, cuda, words):
+    monkeypatch.setattr(fast_paths, "_triton", lambda: True)
+    paths = fast_paths.choose(settings(DECODE_GLUE="compiled"), fake_trainer(small_model()), cuda)
+    assert any(line.startswith("decoding: ") and words in line for line in paths.reasons), paths.reasons
 
 
 def test_a_split_batch_without_graph_decode_is_refused(monkeypatch):

@@ -591,6 +591,22 @@ def test_wrapper_uses_transformers_for_unsupported_calls_and_says_so(model):
     assert len(calls) == 2 and out.shape[0] == 3  # supported: decoded here
 
 
+@pytest.mark.parametrize("glue, words", [
+    ("eager", "decode glue (norms, residual adds, rotary embedding, sinks, LoRA adds): eager"),
+    ("compiled", "eager (DECODE_GLUE=compiled compiles only on CUDA; this is cpu)"),  # reached, and said why not
+])
+def test_the_wrapper_passes_its_glue_setting_to_the_decode_step(model, monkeypatch, glue, words):
+    from tes_grpo import decode_glue
+
+    monkeypatch.setattr(decode_glue, "_DECIDED", {})
+    said = []
+    wrapper = graph_decode.GraphDecodeGenerate(model, lambda **kw: "transformers", say=said.append, glue=glue)
+    ids, mask = left_padded_prompts()
+    wrapper(input_ids=ids, attention_mask=mask, generation_config=trl_config(do_sample=False))
+    assert any(line.startswith("decode glue (") and words in line for line in said), said
+    assert list(decode_glue._DECIDED) == [("cpu", glue)]
+
+
 @pytest.mark.parametrize("max_batch", [1, 2])  # three rows: one a call, or two then one
 def test_a_batch_split_by_the_memory_plan_gives_the_same_tokens_and_logprobs(model, max_batch):
     """Greedy decoding depends on no random draw, so rows generated in several calls equal rows generated at once;

@@ -137,6 +137,16 @@ def test_bits_upcast_equals_the_codec():
     assert torch.equal(ours.view(torch.int16), dequantize_mxfp4(blocks, scales, torch.bfloat16).view(torch.int16))
 
 
+def test_bits_upcast_of_an_all_zero_group_at_scale_0_is_the_codecs():
+    # quantize_mxfp4 writes scale 0 for an all-zero group; its codes are +0 (0x0) and -0 (0x8) in either nibble
+    from tes_grpo.mxfp4 import dequantize_mxfp4
+
+    blocks = torch.tensor([0x00, 0x08, 0x80, 0x88] * 4, dtype=torch.uint8).reshape(1, 1, 16)
+    scales = torch.zeros(1, 1, dtype=torch.uint8)
+    ours = md.upcast_mxfp4(blocks, scales)
+    assert torch.equal(ours.view(torch.int16), dequantize_mxfp4(blocks, scales, torch.bfloat16).view(torch.int16))
+
+
 @pytest.mark.parametrize("fields, message", [
     ({"upcast": "fp8"}, "upcast='fp8'; valid: 'dot_scaled', 'bits'"),
     ({"swap": True}, "swap=True needs upcast='bits'"),  # the swapped dot_scaled was measured slower and is gone
