@@ -221,8 +221,8 @@ def gap_row(name: str, values, reference) -> str:
 def compare_logprobs(model, seqs: int, tokens: int, prompt_len: int, autocast=None) -> list[str]:
     """Lines saying how far each sampler's log-probabilities of the same sampled tokens are from the trainer's (and from
     one plain forward): transformers' generate (which sampled them), graph_decode with the adapter in PEFT's order
-    and merged, with the model's experts and (on CUDA) the MXFP4 copy, and (on CUDA) with the MXFP4 copy, PEFT's order
-    and the glue compiled (DECODE_GLUE=compiled); graph_decode under `autocast`."""
+    and merged, with the model's experts and (on CUDA) the MXFP4 copy, and on CUDA also the MXFP4 copy in PEFT's
+    order with the glue compiled (DECODE_GLUE=compiled); graph_decode under `autocast`."""
     import torch
 
     from benchmarks.decode_compare import (
