@@ -77,7 +77,7 @@ DECODE_GRAPHS = "auto"  # sample with graph_decode.py (static KV cache, CUDA gra
 DECODE_EXPERTS = "auto"  # graph_decode's experts; auto = MXFP4 kernel on a GPU with Triton (fast_paths.py)
 TRAIN_EXPERTS = "auto"  # training MoE elementwise work; auto = fused on a GPU with Triton (fast_paths.py)
 DECODE_LORA = "peft"  # graph_decode's LoRA: peft = in the trainer's order (exact policy); merged = faster, own rounding
-DECODE_GLUE = "eager"  # graph_decode's norms, RoPE, sinks, adds: eager = as the trainer; compiled = fused (CUDA)
+DECODE_GLUE = "auto"  # graph_decode's norms, RoPE, sinks, adds: compiled = fused; auto = compiled on a GPU with Triton
 EXPERTS = "auto"  # frozen MoE experts: auto = resident as MXFP4 (mxfp4_experts.py) unless LORA_EXPERT_LAYERS
 ATTN_IMPLEMENTATION = "auto"  # auto = flex_attention on CUDA (supports gpt-oss's sinks), eager on CPU
 USE_VLLM = False  # generate with vLLM (colocated; needs requirements-gpu.txt's vllm) instead of transformers

@@ -76,7 +76,7 @@ PROFILE_TRAIN = False  # after the steps, profile one forward/backward of the la
 LORA_RHO = 0.0  # >0: the adapter starts with B drawn so rms(delta) / rms(W) = this (a trained adapter; 0: PEFT's zeros)
 IMPORTANCE_SAMPLING = "off"  # train_grpo's IMPORTANCE_SAMPLING: off, token_truncate, ... (cap: train_grpo's default)
 DECODE_LORA = "peft"  # train_grpo's DECODE_LORA: peft (the trainer's order) or merged (folded into a weight copy)
-DECODE_GLUE = "eager"  # train_grpo's DECODE_GLUE: eager or compiled (the decode step's glue fused on CUDA)
+DECODE_GLUE = "auto"  # train_grpo's DECODE_GLUE: auto, eager or compiled (the decode step's glue fused on CUDA)
 SAMPLING_METRICS = True  # False: the trainer without sampling_fidelity's measurement, to time what it costs
 
 

@@ -10,7 +10,7 @@ FAST_PATHS = {
     "DECODE_EXPERTS": ("auto", "mxfp4", "grouped_mm", "transformers"),
     "TRAIN_EXPERTS": ("auto", "fused", "transformers"),
     "DECODE_LORA": ("peft", "merged"),
-    "DECODE_GLUE": ("eager", "compiled"),
+    "DECODE_GLUE": ("auto", "eager", "compiled"),
 }
 # sampling_fidelity.py: IMPORTANCE_SAMPLING, TRL's vllm_importance_sampling_mode names
 IS_MODES = ("off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")

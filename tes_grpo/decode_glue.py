@@ -12,7 +12,7 @@ trainer's forward is kept. The functions take tensors and numbers only, no modul
 every layer.
 
 `glue_for(device, mode)` decides, once per process for a device type and mode, how they run, and says it. Mode
-"eager" (train_grpo's DECODE_GLUE default): kernel by kernel, as the trainer's forward runs them. Mode "compiled": on
+"eager": kernel by kernel, as the trainer's forward runs them. Mode "compiled": on
 CUDA through torch.compile (fullgraph, fixed shapes) with inductor's `emulate_precision_casts`, which keeps the bf16
 roundings of the eager code where it would otherwise keep fused intermediates in float32; eagerly elsewhere, or where
 inductor lacks that option (said). Compiled, the sink step runs compiled only under autocast (where its log-sum-exp

@@ -18,10 +18,11 @@ has wrapped the model in LoRA, `choose(s, trainer, cuda)`, which returns the dec
   added, as the trainer's PEFT forward computes it (the sampler samples the policy being trained); merged = the
   adapter folded into a bf16 copy of the attention weights, fewer kernels a step but rounding of its own
   (BENCHMARKS.md measures both).
-- DECODE_GLUE (eager | compiled): how graph_decode runs the small steps between a decode step's products (norms,
-  residual adds, rotary embedding, the sink step, LoRA adds; decode_glue.py). eager = kernel by kernel, as the
-  trainer's forward; compiled = fused by torch.compile on CUDA, keeping the trainer's bf16 roundings (BENCHMARKS.md
-  compares the two's speed and sampler-trainer gap).
+- DECODE_GLUE (auto | eager | compiled): how graph_decode runs the small steps between a decode step's products
+  (norms, residual adds, rotary embedding, the sink step, LoRA adds; decode_glue.py). eager = kernel by kernel, as
+  the trainer's forward; compiled = fused by torch.compile on CUDA, keeping the trainer's bf16 roundings
+  (BENCHMARKS.md compares the two's speed and sampler-trainer gap); auto = compiled on a GPU with Triton, else
+  eager.
 
 Besides these, `install` writes flex attention's padded masks as each row's bounds, keeps transformers from
 switching the experts for decoding, and on a CPU has TRL score completion positions only: library patches
@@ -88,6 +89,17 @@ def decode_experts_choice(s, cuda: bool) -> tuple[str, str]:
     return "mxfp4", "DECODE_EXPERTS=auto: mxfp4 (GPU with Triton)"
 
 
+def decode_glue_choice(s, cuda: bool) -> tuple[str, str]:
+    """(graph_decode's glue: "eager" or "compiled", why) for DECODE_GLUE, once graph_decode is on."""
+    if s.DECODE_GLUE != "auto":
+        return s.DECODE_GLUE, f"DECODE_GLUE={s.DECODE_GLUE}"
+    if not cuda:
+        return "eager", "DECODE_GLUE=auto: eager (no GPU to compile for)"
+    if not _triton():
+        return "eager", "DECODE_GLUE=auto: eager (no triton for torch.compile's kernels)"
+    return "compiled", "DECODE_GLUE=auto: compiled (GPU with Triton)"
+
+
 def train_experts_choice(s, cuda: bool) -> tuple[bool, str]:
     """(fuse the training forward's MoE elementwise work?, why) for TRAIN_EXPERTS. "fused" on a CPU runs the same
     functions eagerly."""
@@ -124,6 +136,7 @@ def choose(s, trainer, cuda: bool, generation_sequences: int | None = None) -> F
         reasons.append("note: the FSDP config has no effect without GPUs; accelerate runs plain data parallelism here")
     graphs, why = decode_graphs_choice(s, model, cuda, sharded)
     experts, experts_why = decode_experts_choice(s, cuda) if graphs else ("model", "")
+    glue, glue_why = decode_glue_choice(s, cuda) if graphs else ("eager", "")
     batch = trainer.args.per_device_train_batch_size * trainer.args.steps_per_generation
     split = generation_sequences is not None and generation_sequences < batch
     if split and not graphs:
@@ -131,13 +144,13 @@ def choose(s, trainer, cuda: bool, generation_sequences: int | None = None) -> F
                             f"generation batch, and only graph_decode splits a batch ({why}); use DECODE_GRAPHS=auto "
                             "or lower MAX_COMPLETION_LEN")
     backend = "vllm" if s.USE_VLLM else "graph_decode" if graphs else "generate"
-    spec = SamplerSpec(backend, experts=experts, lora=s.DECODE_LORA, glue=s.DECODE_GLUE,
+    spec = SamplerSpec(backend, experts=experts, lora=s.DECODE_LORA, glue=glue,
                        max_batch=generation_sequences if split else None,
                        autocast=training_autocast(trainer), synced=sharded and process_count() > 1)
     label = {"graph_decode": "graph_decode.py, static KV cache", "generate": "transformers generate",
              "vllm": "vLLM, colocated"}[backend]
     reasons.append(f"decoding: {label} ({why}"
-                   + (f"; experts: {experts_why}; LoRA: DECODE_LORA={s.DECODE_LORA}; DECODE_GLUE={s.DECODE_GLUE}"
+                   + (f"; experts: {experts_why}; LoRA: DECODE_LORA={s.DECODE_LORA}; glue: {glue_why}"
                       if graphs else "; DECODE_GLUE=compiled unused: it is graph_decode's"
                       if s.DECODE_GLUE == "compiled" else "")
                    + (f"; {generation_sequences} of the {batch} sequences a call, as memory allows" if split else "")

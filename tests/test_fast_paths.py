@@ -144,13 +144,20 @@ def fake_trainer(model, fsdp=False, batch=64, precision="bf16"):
 
 # (settings, cuda, FSDP, processes, sequences a generate call may take, the SamplerSpec chosen)
 CHOSEN = [
-    ({}, True, False, 1, None, SamplerSpec("graph_decode", experts="mxfp4", autocast=torch.bfloat16)),  # GPU default
-    ({}, True, False, 1, 32, SamplerSpec("graph_decode", experts="mxfp4", max_batch=32, autocast=torch.bfloat16)),
-    ({}, True, False, 1, 64, SamplerSpec("graph_decode", experts="mxfp4", autocast=torch.bfloat16)),  # fits: no split
+    ({}, True, False, 1, None,
+     SamplerSpec("graph_decode", experts="mxfp4", glue="compiled", autocast=torch.bfloat16)),  # GPU default
+    ({}, True, False, 1, 32,
+     SamplerSpec("graph_decode", experts="mxfp4", glue="compiled", max_batch=32, autocast=torch.bfloat16)),
+    ({}, True, False, 1, 64,
+     SamplerSpec("graph_decode", experts="mxfp4", glue="compiled", autocast=torch.bfloat16)),  # fits: no split
     ({"DECODE_LORA": "merged"}, True, False, 1, None,
-     SamplerSpec("graph_decode", experts="mxfp4", lora="merged", autocast=torch.bfloat16)),
+     SamplerSpec("graph_decode", experts="mxfp4", lora="merged", glue="compiled", autocast=torch.bfloat16)),
+    ({"DECODE_GLUE": "eager"}, True, False, 1, None,
+     SamplerSpec("graph_decode", experts="mxfp4", glue="eager", autocast=torch.bfloat16)),  # as the trainer
     ({"DECODE_GLUE": "compiled"}, True, False, 1, None,
      SamplerSpec("graph_decode", experts="mxfp4", glue="compiled", autocast=torch.bfloat16)),
+    ({"DECODE_GRAPHS": "on"}, False, False, 1, None,
+     SamplerSpec("graph_decode", experts="model", glue="eager", autocast=torch.bfloat16)),  # CPU: auto glue eager
     ({}, False, False, 1, None, SamplerSpec("generate", autocast=torch.bfloat16)),  # CPU: transformers' generate
     ({}, True, True, 2, None, SamplerSpec("generate", autocast=torch.bfloat16, synced=True)),  # FSDP: step together
     ({"USE_VLLM": True}, True, False, 1, None, SamplerSpec("vllm", autocast=torch.bfloat16)),
@@ -166,13 +173,16 @@ def test_choose_gives_the_sampler_its_settings(monkeypatch, overrides, cuda, fsd
     assert any(line.startswith("decoding: ") for line in paths.reasons)
 
 
-@pytest.mark.parametrize("cuda, words", [
-    (True, "DECODE_GLUE=compiled)"),  # graph_decode takes it
-    (False, "DECODE_GLUE=compiled unused: it is graph_decode's"),  # auto chose transformers' generate: said
+@pytest.mark.parametrize("glue, cuda, triton, words", [
+    ("compiled", True, True, "glue: DECODE_GLUE=compiled)"),  # graph_decode takes it
+    ("compiled", False, True, "DECODE_GLUE=compiled unused: it is graph_decode's"),  # auto chose generate: said
+    ("auto", True, True, "glue: DECODE_GLUE=auto: compiled (GPU with Triton)"),  # the GPU default
+    ("auto", True, False, "glue: DECODE_GLUE=auto: eager (no triton"),  # nothing to compile with: said
+    ("eager", True, True, "glue: DECODE_GLUE=eager)"),  # asked for: kept
 ])
-def test_the_decoding_line_says_what_becomes_of_decode_glue(monkeypatch, cuda, words):
-    monkeypatch.setattr(fast_paths, "_triton", lambda: True)
-    paths = fast_paths.choose(settings(DECODE_GLUE="compiled"), fake_trainer(small_model()), cuda)
+def test_the_decoding_line_says_what_becomes_of_decode_glue(monkeypatch, glue, cuda, triton, words):
+    monkeypatch.setattr(fast_paths, "_triton", lambda: triton)
+    paths = fast_paths.choose(settings(DECODE_GLUE=glue), fake_trainer(small_model()), cuda)
     assert any(line.startswith("decoding: ") and words in line for line in paths.reasons), paths.reasons
 
 

@@ -114,7 +114,7 @@ BAD_SETTINGS = [
     ({"MEMORY_BUDGET_GB": -24.0}, "MEMORY_BUDGET_GB=-24.0"),  # a budget is GiB, not a margin
     ({"EXPERTS": "int4"}, "EXPERTS='int4'"),  # the experts' forms: auto, mxfp4, bf16
     ({"DECODE_LORA": "fused"}, "DECODE_LORA='fused'"),
-    ({"DECODE_GLUE": "auto"}, "DECODE_GLUE='auto'"),  # eager or compiled, nothing chosen for the user
+    ({"DECODE_GLUE": "fused"}, "DECODE_GLUE='fused'"),  # auto, eager or compiled
     ({"IMPORTANCE_SAMPLING": "token"}, "IMPORTANCE_SAMPLING='token'"),
     ({"USE_VLLM": True, "DECODE_GRAPHS": "on"}, "both choose how completions are generated"),
     ({"DECODE_EXPERTS": "mxfp4", "DECODE_GRAPHS": "off"}, "DECODE_EXPERTS=mxfp4 is graph_decode's"),
