@@ -27,7 +27,7 @@ export PYTHONUNBUFFERED=1  # a part stopped by its timeout still leaves every li
 CUDA="tests/gpu_cuda_test.py tests/test_mxfp4_experts.py tests/test_fused_experts.py tests/test_train_grpo.py tests/test_oom.py tests/test_sampling_fidelity.py"
 run_pytest() {  # a part's pytest, stopped at 590 s so the part ends within 10 minutes
   local start=$SECONDS
-  timeout 590 python3 -m pytest -q -p no:cacheprovider -rfEs "$@"
+  timeout 590 python3 -m pytest -q -p no:cacheprovider -rfEs --durations=15 "$@"
   local code=$?
   echo "part $part: exit $code after $((SECONDS - start)) s"
   return $code
