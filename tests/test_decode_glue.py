@@ -158,19 +158,19 @@ def test_cuda_glue_is_compiled_unless_inductor_cannot_keep_the_roundings(monkeyp
     assert fallback.rms_norm is decode_glue.rms_norm and fallback.how == "eager on CUDA: no emulate_precision_casts"
 
 
-def test_bench_generate_times_the_glue_compiled_with_the_compiledglue_flag(monkeypatch):
-    # one run times both: graphs_mxfp4 (the glue eager, the default) and graphs_mxfp4_compiledglue (compiled on CUDA)
+def test_bench_generate_times_the_glue_eager_with_the_eagerglue_flag(monkeypatch):
+    # one run times both: graphs_mxfp4 (the glue compiled on CUDA, train_grpo's default) and graphs_mxfp4_eagerglue
     import benchmarks.bench_generate as bench
     from tes_grpo import graph_decode
 
     calls = []
     monkeypatch.setattr(graph_decode, "generate", lambda *args, **kwargs: calls.append(kwargs))
     model = SimpleNamespace(config=SimpleNamespace(vocab_size=512, pad_token_id=5))
-    for variant in ("graphs_mxfp4", "graphs_mxfp4_compiledglue", "static_compiledglue_unshared"):
+    for variant in ("graphs_mxfp4", "graphs_mxfp4_eagerglue", "static_eagerglue_unshared"):
         bench.run_generate(model, None, None, 4, variant, 16)
-    assert [c["glue"] for c in calls] == ["eager", "compiled", "compiled"]
+    assert [c["glue"] for c in calls] == ["compiled", "eager", "eager"]
     assert [c["experts"] for c in calls] == ["mxfp4", "mxfp4", "model"] and calls[2]["share_prompts"] is False
-    assert bench.variant_flags("graphs_compiledglue_compiledglue") is None  # a flag twice is refused, as before
+    assert bench.variant_flags("graphs_eagerglue_eagerglue") is None  # a flag twice is refused, as before
 
 
 @pytest.mark.parametrize("cast, expected", [
