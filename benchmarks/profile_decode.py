@@ -10,10 +10,10 @@ Run on the GPU machine (the table goes to BENCHMARKS.md):
 
 The run is GRPO's decode as bench_generate.py times it: NUM_SEQS sequences = NUM_PROMPTS prompts x NUM_SEQS /
 NUM_PROMPTS, PROMPT_LEN tokens left-padded (up to PROMPT_LEN_SPREAD shorter), train_grpo's LoRA adapter of rank
-LORA_R in train mode (B drawn to LORA_RHO), decoded by graph_decode with EXPERTS and DECODE_LORA under the trainer's
-autocast, random 20B-shaped weights (gpt_oss_shapes.py). After the real prefill, the cache sized for NEW_TOKENS, the
-decode step that writes the cache after DECODE_AT new tokens (bench_generate's mean cache length at the defaults)
-is captured as a CUDA graph and:
+LORA_R in train mode (B drawn to LORA_RHO), decoded by graph_decode with EXPERTS, DECODE_LORA and DECODE_GLUE under
+the trainer's autocast, random 20B-shaped weights (gpt_oss_shapes.py). After the real prefill, the cache sized for
+NEW_TOKENS, the decode step that writes the cache after DECODE_AT new tokens (bench_generate's mean cache length at
+the defaults) is captured as a CUDA graph and:
 - timed: its replays back to back (CUDA events: GPU time a step) and graph_decode.generate's own loop over
   WALL_STEPS steps (wall time a step: the replay, sampling, the host's launches and its per-step read of whether
   every row has ended), the prefill, weights and step runner handed to generate ready-made (`ready_made`) so the
@@ -21,8 +21,9 @@ is captured as a CUDA graph and:
 - profiled (torch.profiler, CUDA activity): PROFILE_STEPS replays, and the same loop with the step replaced by fixed
   logits (the sampling kernels alone: temperature, softmax over the vocabulary, the multinomial draw, the recorded
   log-probability). If the replays hide their kernels from the profiler, the eager step is profiled instead (said);
-- grouped: each call site of the step (attention projections with LoRA, flex decode attention on a full and a
-  sliding layer, KV write, router + MXFP4 experts, LM head) runs once more under the profiler on its own (`probe`),
+- grouped: each call site of the step (attention projections with LoRA, flex decode attention with its sink step on
+  a full and a sliding layer, KV write, router + MXFP4 experts, LM head, a residual add with its norm and the rotary
+  embedding) runs once more under the profiler on its own (`probe`),
   which says what kernels, for how long, each site launches; `allocate` shares each replayed kernel's time among
   the sites that launched it and gives what is left to the first of RULES (kernel-name patterns) it matches.
   Names no site launched and no rule matches are printed as ungrouped.
@@ -63,6 +64,7 @@ LORA_R = 4  # train_grpo's LoRA adapter of this rank, in train mode (0 = none)
 LORA_RHO = 1e-3  # its B drawn so that rms(LoRA delta) / rms(W) = this (bench_generate.grpo_state)
 EXPERTS = "mxfp4"  # graph_decode's experts: mxfp4 (the MXFP4 kernel) or model (the model's own MLP)
 DECODE_LORA = "peft"  # graph_decode's lora: peft (PEFT's order) or merged
+DECODE_GLUE = "compiled"  # graph_decode's glue: compiled (train_grpo's default on a GPU; eager on a CPU) or eager
 AUTOCAST = "bf16"  # the trainer's autocast, which graph_decode decodes under: bf16 or none
 ATTN = "flex_attention"  # the model's attention (its prefill): flex_attention (GPU), eager (the CPU check)
 DEVICE = "cuda"  # cuda, or cpu for a check of the flow at tiny OVERRIDES (no graphs, CPU ops for kernels)
@@ -85,11 +87,11 @@ GROUPS = (MOE, ROUTING, ATTENTION, PROJECTIONS, ELEMENTWISE, HEAD, SAMPLING, KV_
 # own glue (norms, RoPE, masks, residual adds, the embedding, the graph's input copies) and anything a probe missed.
 RULES = (
     (MOE, r"_experts_kernel"),
-    (ATTENTION, r"flex|triton_(tem|per|red)_"),  # the step's only compiled code is flex attention's decoding kernel
+    (ATTENTION, r"flex|triton_tem_"),  # flex attention's decoding template; its other kernels are claimed by probes
     (ROUTING, r"[Tt]op[Kk]|[Ss]ort|searchsorted"),
     (KV_WRITES, r"index_copy|indexFunc|index_put"),
     (ELEMENTWISE, r"elementwise|reduce_kernel|Reduce|gather|index_select|indexSelect|CatArrayBatched|cat_|"
-                  r"[Ff]ill|[Cc]opy|[Mm]emcpy|[Mm]emset|triton_poi_|^aten::"),
+                  r"[Ff]ill|[Cc]opy|[Mm]emcpy|[Mm]emset|triton_(poi|per|red)_|^aten::"),  # + the compiled glue
 )
 
 # decode_limit's items that each group must move (the sampling group: the float32 logits, outside the limit)
@@ -254,7 +256,8 @@ def site_probes(decode_math, lm, cache, weights, slot: int, length: int, autocas
     key = torch.randn(batch, config.num_key_value_heads, 1, config.head_dim, device=device, dtype=hidden.dtype)
     slot_t = torch.tensor(slot, device=device)
     full_mask, ring_mask = cache.masks(slot_t, length)
-    attend = decode_math.attention_function(hidden)
+    glue = weights.glue
+    attend = decode_math.attention_function(hidden, glue)
     projections = weights.attention
     packs = weights.experts
 
@@ -275,7 +278,12 @@ def site_probes(decode_math, lm, cache, weights, slot: int, length: int, autocas
 
     attn = layers[full].self_attn
     proj = projections[full] if projections is not None else None
-    x = layers[full].input_layernorm(hidden)
+    x = glue.norm(hidden, layers[full].input_layernorm)
+    # the rotary embedding's key laid out as decode_step's (a transposed view), for the compiled glue's guards
+    rope_key = torch.randn(batch, 1, config.num_key_value_heads, config.head_dim, device=device,
+                           dtype=hidden.dtype).transpose(1, 2)
+    cos, sin = lm.model.rotary_emb(hidden, slot_t.view(1, 1))
+    delta = torch.randn_like(hidden)
     attended = torch.randn(batch, 1, config.num_attention_heads * config.head_dim, device=device, dtype=hidden.dtype)
     mlp = layers[full].mlp
     if packs is not None and packs[full] is not None:
@@ -285,8 +293,8 @@ def site_probes(decode_math, lm, cache, weights, slot: int, length: int, autocas
         def moe():
             return mlp(x)
     expected = {
-        PROJECTIONS: probe(under_autocast(lambda: (decode_math.qkv_projections(attn, proj, x),
-                                                   decode_math.output_projection(attn, proj, attended))),
+        PROJECTIONS: probe(under_autocast(lambda: (decode_math.qkv_projections(attn, proj, x, glue),
+                                                   decode_math.output_projection(attn, proj, attended, glue))),
                            len(layers), device),
         KV_WRITES: probe(under_autocast(lambda: cache.write(full, slot_t, key, key, length)), len(layers), device),
         HEAD: probe(under_autocast(lambda: decode_math.head_logits(lm, hidden)), 1, device),
@@ -296,6 +304,14 @@ def site_probes(decode_math, lm, cache, weights, slot: int, length: int, autocas
         for name, us in probe(under_autocast(attention(sliding[0])), len(sliding), device).items():
             attention_us[name] = attention_us.get(name, 0.0) + us
     expected[ATTENTION] = attention_us
+    # the glue between the products: two residual adds with their norms and one rotary embedding a layer (the
+    # step's first norm, once, is left to RULES)
+    glue_us = probe(under_autocast(lambda: glue.add_norm(hidden, delta, layers[full].post_attention_layernorm)),
+                    2 * len(layers), device)
+    for name, us in probe(under_autocast(lambda: glue.rope_qk(query, rope_key, cos, sin)), len(layers),
+                          device).items():
+        glue_us[name] = glue_us.get(name, 0.0) + us
+    expected[ELEMENTWISE] = glue_us
     expected.update(split_probe(probe(under_autocast(moe), len(layers), device)))
     return expected
 
@@ -333,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     if s.EXPERTS not in ("mxfp4", "model") or s.DECODE_LORA not in ("peft", "merged"):
         raise SystemExit(f"error: EXPERTS={s.EXPERTS!r} / DECODE_LORA={s.DECODE_LORA!r}: mxfp4 or model / peft or "
                          "merged")
+    if s.DECODE_GLUE not in ("eager", "compiled"):
+        raise SystemExit(f"error: DECODE_GLUE={s.DECODE_GLUE!r}: eager or compiled")
     if s.NUM_SEQS % s.NUM_PROMPTS:
         raise SystemExit(f"error: NUM_SEQS={s.NUM_SEQS} is not a multiple of NUM_PROMPTS={s.NUM_PROMPTS}")
     import torch
@@ -362,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     slot = s.PROMPT_LEN + s.DECODE_AT
     with torch.no_grad():
         logits, cache = decode_cache.prefill(lm, ids, mask, s.NEW_TOKENS, pad, autocast=autocast)
-        weights = decode_math.decode_weights(lm, s.EXPERTS, s.DECODE_LORA, autocast)
+        weights = decode_math.decode_weights(lm, s.EXPERTS, s.DECODE_LORA, autocast, glue=s.DECODE_GLUE)
         length = decode_cache.bucket_length(slot, cache.total)
         last = slot + max(s.WALL_STEPS, s.PROFILE_STEPS)
         if last >= cache.total or decode_cache.bucket_length(last, cache.total) != length:
@@ -396,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
                                        pad_token_id=pad, eos_token_id=None)
             with ready_made(graph_decode, logits, cache, weights, step):
                 out = graph_decode.generate(model, ids, mask, config_, graphs=cuda, experts=s.EXPERTS,
-                                            lora=s.DECODE_LORA, autocast=autocast, logprobs=True)
+                                            lora=s.DECODE_LORA, autocast=autocast, logprobs=True,
+                                            glue=s.DECODE_GLUE)
             _sync(device)
             return out
 

@@ -16,7 +16,8 @@ TINY = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 64, "num
 @pytest.mark.parametrize("name, group", [
     ("_experts_kernel", pd.MOE),
     ("triton_tem_fused_flex_decoding_0", pd.ATTENTION),
-    ("triton_per_fused_2", pd.ATTENTION),
+    ("triton_per_fused_2", pd.ELEMENTWISE),  # the compiled glue's norms; flex's own are claimed by its probe
+    ("triton_poi_fused_add_cat_mul_0", pd.ELEMENTWISE),  # the compiled glue's rotary embedding
     ("void at::native::sbtopk::gatherTopK<c10::BFloat16, unsigned int, 2, false>(...)", pd.ROUTING),
     ("void at::native::bitonicSortKVInPlace<...>", pd.ROUTING),
     ("void at::native::index_copy_kernel_impl<...>", pd.KV_WRITES),
@@ -91,6 +92,7 @@ def test_the_whole_flow_on_cpu(tmp_path, capsys):
                     f"--OVERRIDES={json.dumps(TINY)}", f"--KERNELS_OUT={out}"]) == 0
     text = capsys.readouterr().out
     assert "measured from the router" in text and "kernels no probe launched and no rule matched (0;" in text
+    assert "eager (DECODE_GLUE=compiled compiles only on CUDA; this is cpu)" in text  # the default glue, passed down
     table = text[text.index("group "):].splitlines()
     assert [line[:32].strip() for line in table[1:]] == list(pd.GROUPS) + [pd.GAPS, "whole step (wall)"]
     lines = out.read_text().splitlines()
