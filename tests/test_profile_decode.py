@@ -85,7 +85,13 @@ def test_ready_made_restores_and_says_when_generate_did_not_ask():
 
 
 @pytest.mark.slow
-def test_the_whole_flow_on_cpu(tmp_path, capsys):
+def test_the_whole_flow_on_cpu(tmp_path, capsys, monkeypatch):
+    from tes_grpo import decode_glue
+
+    monkeypatch.setattr(decode_glue, "_DECIDED", {})  # said once a process: an earlier test may have decided it
+    probes = []
+    site_probes = pd.site_probes
+    monkeypatch.setattr(pd, "site_probes", lambda *args: probes.append(site_probes(*args)) or probes[-1])
     out = tmp_path / "kernels.tsv"
     assert pd.main(["--DEVICE=cpu", "--ATTN=eager", "--EXPERTS=model", "--NUM_SEQS=4", "--PROMPT_LEN=40",
                     "--NEW_TOKENS=64", "--DECODE_AT=8", "--WALL_STEPS=4", "--PROFILE_STEPS=2", "--REPLAYS=2",
@@ -93,6 +99,8 @@ def test_the_whole_flow_on_cpu(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "measured from the router" in text and "kernels no probe launched and no rule matched (0;" in text
     assert "eager (DECODE_GLUE=compiled compiles only on CUDA; this is cpu)" in text  # the default glue, passed down
+    glue_ops = probes[0][pd.ELEMENTWISE]  # the glue's own probe: the norm's rsqrt, the rotary embedding's halves
+    assert glue_ops.get("aten::rsqrt", 0) > 0 and glue_ops.get("aten::cat", 0) > 0, glue_ops
     table = text[text.index("group "):].splitlines()
     assert [line[:32].strip() for line in table[1:]] == list(pd.GROUPS) + [pd.GAPS, "whole step (wall)"]
     lines = out.read_text().splitlines()
