@@ -12,10 +12,10 @@ trainer's forward is kept. The functions take tensors and numbers only, no modul
 every layer.
 
 `glue_for(device, mode)` decides, once per process for a device type and mode, how they run, and says it. Mode
-"eager": kernel by kernel, as the trainer's forward runs them. Mode "compiled": on
-CUDA through torch.compile (fullgraph, fixed shapes) with inductor's `emulate_precision_casts`, which keeps the bf16
-roundings of the eager code where it would otherwise keep fused intermediates in float32; eagerly elsewhere, or where
-inductor lacks that option (said). Compiled, the sink step runs compiled only under autocast (where its log-sum-exp
+"eager": kernel by kernel, as the trainer's forward runs them. Mode "compiled": on CUDA through torch.compile
+(fullgraph, fixed shapes) with inductor's `emulate_precision_casts`, which keeps the bf16 roundings of the eager code
+where it would otherwise keep fused intermediates in float32; eagerly elsewhere, or where inductor lacks that option
+(said). Compiled, the sink step runs compiled only under autocast (where its log-sum-exp
 takes float32 inputs, as the trainer's does): without autocast inductor's log-sum-exp of bf16 inputs rounds other
 than eager's, so it stays eager there. BENCHMARKS.md compares the two modes. A `Glue` carries the choice through a
 decode step; decode_cache's DecodeGraphs runs a warm-up step before each capture, so the first (compiling) call is

@@ -56,6 +56,14 @@ def _triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def _no_gpu_with_triton(cuda: bool) -> str | None:
+    """What keeps an `auto` setting from its Triton fast path here ("no GPU", "no triton"), or None: the one rule
+    DECODE_EXPERTS, DECODE_GLUE and TRAIN_EXPERTS share."""
+    if not cuda:
+        return "no GPU"
+    return None if _triton() else "no triton"
+
+
 def decode_graphs_choice(s, model, cuda: bool, sharded: bool) -> tuple[bool, str]:
     """(sample with graph_decode?, why) for DECODE_GRAPHS, the model already wrapped in LoRA. Every blocker is
     checked here, once; on with a blocker is a SettingsError naming it."""
@@ -82,10 +90,9 @@ def decode_experts_choice(s, cuda: bool) -> tuple[str, str]:
         return "mxfp4", "DECODE_EXPERTS=mxfp4"
     if s.DECODE_EXPERTS != "auto":
         return "model", f"DECODE_EXPERTS={s.DECODE_EXPERTS}: the model's own experts"
-    if not cuda:
-        return "model", "DECODE_EXPERTS=auto: the model's own experts (no GPU for the MXFP4 kernel)"
-    if not _triton():
-        return "model", "DECODE_EXPERTS=auto: the model's own experts (no triton for the MXFP4 kernel)"
+    missing = _no_gpu_with_triton(cuda)
+    if missing:
+        return "model", f"DECODE_EXPERTS=auto: the model's own experts ({missing} for the MXFP4 kernel)"
     return "mxfp4", "DECODE_EXPERTS=auto: mxfp4 (GPU with Triton)"
 
 
@@ -93,10 +100,9 @@ def decode_glue_choice(s, cuda: bool) -> tuple[str, str]:
     """(graph_decode's glue: "eager" or "compiled", why) for DECODE_GLUE, once graph_decode is on."""
     if s.DECODE_GLUE != "auto":
         return s.DECODE_GLUE, f"DECODE_GLUE={s.DECODE_GLUE}"
-    if not cuda:
-        return "eager", "DECODE_GLUE=auto: eager (no GPU to compile for)"
-    if not _triton():
-        return "eager", "DECODE_GLUE=auto: eager (no triton for torch.compile's kernels)"
+    missing = _no_gpu_with_triton(cuda)
+    if missing:
+        return "eager", f"DECODE_GLUE=auto: eager ({missing} for torch.compile's kernels)"
     return "compiled", "DECODE_GLUE=auto: compiled (GPU with Triton)"
 
 
@@ -105,10 +111,9 @@ def train_experts_choice(s, cuda: bool) -> tuple[bool, str]:
     functions eagerly."""
     if s.TRAIN_EXPERTS != "auto":
         return s.TRAIN_EXPERTS == "fused", f"TRAIN_EXPERTS={s.TRAIN_EXPERTS}"
-    if not cuda:
-        return False, "TRAIN_EXPERTS=auto: no GPU"
-    if not _triton():
-        return False, "TRAIN_EXPERTS=auto: no triton for torch.compile's kernels"
+    missing = _no_gpu_with_triton(cuda)
+    if missing:
+        return False, f"TRAIN_EXPERTS=auto: {missing} for torch.compile's kernels"
     return True, "TRAIN_EXPERTS=auto: GPU with Triton"
 
 

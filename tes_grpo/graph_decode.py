@@ -240,10 +240,10 @@ class GraphDecodeGenerate:
 
     model: the GptOssForCausalLM; original: the generate() to fall back on; experts ("model" or "mxfp4", see
     generate), lora ("peft" or "merged"), glue ("eager" or "compiled", see generate), autocast (the trainer's
-    autocast dtype, or None), max_batch (rows a generate
-    call takes at most: a larger batch is generated in consecutive calls of that many rows, as the memory plan
-    allows; None = all at once). A logits_processor of token_sampling.SampledLogprobs recorders is served here: each
-    gets the sampled tokens' log-probabilities; any other processor sends the call to transformers' generate.
+    autocast dtype, or None), max_batch (rows a generate call takes at most: a larger batch is generated in
+    consecutive calls of that many rows, as the memory plan allows; None = all at once). A logits_processor of
+    token_sampling.SampledLogprobs recorders is served here: each gets the sampled tokens' log-probabilities; any
+    other processor sends the call to transformers' generate.
     """
 
     def __init__(self, model, original, experts: str = "model", lora: str = "peft",
