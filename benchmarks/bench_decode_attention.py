@@ -3,11 +3,14 @@ from the exact (float64) result. Run on the GPU machine (the numbers go to BENCH
 
     python benchmarks/bench_decode_attention.py
     python benchmarks/bench_decode_attention.py --LENGTHS=1536,5376 --ROWS=128
+    python benchmarks/bench_decode_attention.py --LENGTHS=128,2048,4096 --FLEX=0,2,4,8,8/128 --ONE_QUERY=0
 
-Implementations: decode_math.one_query_attention eagerly and compiled, and decode_math.flex_one_query_attention
-compiled (what attention_function gives a GPU). The keys, values and mask are a cache-length view of a longer
-buffer, as StaticCache.write returns them, the length marked dynamic as decode_step marks it; the last line counts
-the graphs torch.compile built over all lengths (1 = one kernel set for every bucket).
+Implementations: decode_math.one_query_attention eagerly and compiled (ONE_QUERY), and
+decode_math.flex_one_query_attention compiled (what attention_function gives a GPU), once per FLEX entry:
+SPLIT[/BLOCK_N[/num_warps/num_stages]], flex attention's decoding kernel options (decode_math.flex_decode_kernel;
+0 leaves an option to flex attention, a SPLIT of 0 its own split). The keys, values and mask are a cache-length
+view of a longer buffer, as StaticCache.write returns them, the length marked dynamic as decode_step marks it; the
+last line counts the graphs torch.compile built over all lengths (1 = one kernel set for every bucket).
 """
 
 from __future__ import annotations
@@ -25,14 +28,34 @@ ROWS = 64  # sequences decoded together (4 prompts x 16 at the reference recipe)
 LENGTHS = (1536, 2560, 3584, 5376)  # cache lengths (a decode step attends over its 512-slot bucket of the cache)
 MASKED = 40  # leading slots masked in every other row (left padding)
 REPS = 50  # timed calls per measurement
+ONE_QUERY = True  # also time decode_math.one_query_attention, eager and compiled
+FLEX = ("0",)  # flex decoding kernel options per entry: SPLIT[/BLOCK_N[/num_warps/num_stages]], 0 = flex's own
+
+
+def flex_options(entry: str) -> dict:
+    """A FLEX entry ("8", "8/128", "8/64/4/2") -> flex attention's kernel options it sets (0s left out); ValueError
+    names the entry and the syntax otherwise."""
+    values = entry.split("/")
+    if len(values) not in (1, 2, 4) or not all(v.strip().isdigit() for v in values):
+        raise ValueError(f"FLEX: {entry!r} is not SPLIT[/BLOCK_N[/num_warps/num_stages]] (whole numbers, 0 = flex "
+                         f"attention's own)")
+    names = ("SPLIT_KV", "BLOCK_N", "num_warps", "num_stages")
+    return {name: int(v) for name, v in zip(names, values, strict=False) if int(v)}
 
 
 def main(argv: list[str] | None = None) -> int:
     s = resolve(globals(), argv)
+    try:
+        variants = {entry: flex_options(entry) for entry in s.FLEX}
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    import functools
+
     import torch
     from torch._dynamo.utils import counters
 
-    from benchmarks.bench_flex_attention import cuda_ms
+    from benchmarks.timing import timed_ms
     from tes_grpo import decode_math
     from tes_grpo.gpt_oss_shapes import stack_versions
 
@@ -42,12 +65,17 @@ def main(argv: list[str] | None = None) -> int:
     total = max(s.LENGTHS) + 512
     buffers = [torch.randn(s.ROWS, kv_heads, total, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
     sinks = torch.randn(heads, device="cuda", dtype=torch.bfloat16)
-    implementations = {
-        "one_query eager": decode_math.one_query_attention,
-        "one_query compiled": torch.compile(decode_math.one_query_attention, fullgraph=True,
-                                            options={"emulate_precision_casts": True}),
-        "flex compiled": torch.compile(decode_math.flex_one_query_attention, fullgraph=True),
-    }
+    implementations = {}
+    if s.ONE_QUERY:
+        implementations["one_query eager"] = decode_math.one_query_attention
+        implementations["one_query compiled"] = torch.compile(decode_math.one_query_attention, fullgraph=True,
+                                                              options={"emulate_precision_casts": True})
+    for entry, options in variants.items():
+        kernel = functools.partial(decode_math.flex_decode_kernel, kernel_options=options or None)
+        implementations[f"flex {entry}"] = torch.compile(
+            functools.partial(decode_math.flex_one_query_attention, kernel=kernel), fullgraph=True)
+    # every variant shares flex_decode_kernel's code object, whose compiled entries dynamo caps at 8 by default
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(implementations))
     graphs = dict.fromkeys(implementations, 0)
     rows = []
     for length in s.LENGTHS:
@@ -64,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             out = fn(*args, dim ** -0.5)
             graphs[name] += counters["stats"]["unique_graphs"] - before
             error = (out.double() - exact).abs()
-            ms = cuda_ms(lambda fn=fn, args=args: fn(*args, dim ** -0.5), s.REPS)
+            ms = timed_ms(lambda fn=fn, args=args: fn(*args, dim ** -0.5), s.REPS)
             gb = 2 * keys.numel() * keys.element_size() / 1e9  # keys and values read once
             rows.append((length, name, ms, gb / ms, error.mean().item(), error.max().item()))
             print(rows[-1], flush=True)
@@ -73,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'length':>7}  {'implementation':<20}{'us':>8}{'GB/s':>8}{'mean |err|':>12}{'max |err|':>11}")
     for length, name, ms, rate, mean, worst in rows:
         print(f"{length:>7}  {name:<20}{1000 * ms:>8.1f}{rate * 1000:>8.0f}{mean:>12.2e}{worst:>11.2e}")
-    print("graphs compiled over all lengths: " + ", ".join(f"{n} {c}" for n, c in graphs.items() if "compiled" in n))
+    compiled = (f"{name} {count}" for name, count in graphs.items() if name != "one_query eager")
+    print("graphs compiled over all lengths: " + ", ".join(compiled))
     return 0
 
 

@@ -16,7 +16,8 @@ loaded dequantized), then:
 - SWEEP: the kernel's time for each tile configuration in SWEEP_CONFIGS at the first token count, fastest first,
   each with whether its output is bit-equal to the default tiles' and its largest difference to transformers' MLP.
   An entry is [VARIANT:]BLOCK_N/BLOCK_K/num_warps/num_stages[/BLOCK_M] (sweep_tiles); VARIANT is dot_scaled (the
-  default), bits (the kernel's own upcast, then tl.dot) or bits-swap (that, the weights as the dot's left operand).
+  default), bits (the kernel's own upcast, then tl.dot), bits-swap (that, the weights as the dot's left operand),
+  tiled or bits-tiled (dot_scaled or bits reading a tile-ordered copy of the weights: what the stored layout is worth).
   SWEEP_LIST=variants sweeps _VARIANT_SWEEP (the variants across tile shapes for Hopper) by default instead.
 """
 
@@ -45,7 +46,7 @@ _VARIANT_SWEEP = ("64/128/4/3", "128/256/8/3", "bits:64/128/4/3", "bits:64/256/4
                   "bits-swap:64/128/4/3/16", "bits-swap:64/128/4/3/8", "bits-swap:64/128/4/2/16",
                   "bits-swap:64/128/4/4/16", "bits-swap:64/256/4/3/16", "bits-swap:64/64/4/4/16",
                   "bits-swap:128/128/4/3/16", "bits-swap:128/128/8/3/16", "bits-swap:128/256/8/3/16",
-                  "bits-swap:128/256/8/2/8")
+                  "bits-swap:128/256/8/2/8", "tiled:64/128/4/3", "tiled:64/256/4/3", "bits-tiled:64/128/4/3")
 PRESETS = {"SWEEP_LIST": {"variants": {"SWEEP_CONFIGS": _VARIANT_SWEEP}}}
 CHOICES = {"SWEEP_LIST": ("tiles", "variants")}
 SEED = 0  # torch seed
@@ -93,7 +94,9 @@ def graph_time(fn, reps: int) -> float:
 
 
 SWEEP_VARIANTS = {"dot_scaled": {"upcast": "dot_scaled", "swap": False}, "bits": {"upcast": "bits", "swap": False},
-                  "bits-swap": {"upcast": "bits", "swap": True}}  # an entry's VARIANT: prefix -> Tiles fields
+                  "bits-swap": {"upcast": "bits", "swap": True},
+                  "tiled": {"upcast": "dot_scaled", "swap": False, "layout": "tiled"},
+                  "bits-tiled": {"upcast": "bits", "swap": False, "layout": "tiled"}}  # VARIANT: prefix -> Tiles fields
 
 
 def sweep_tiles(config: str) -> dict:

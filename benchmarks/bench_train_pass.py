@@ -23,8 +23,7 @@ _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))
 import sys
 import time
 
-from bench_flex_attention import cuda_ms  # warms up once, then times reps calls by CUDA events
-
+from benchmarks.timing import timed_ms  # warms up once, then times reps calls by CUDA events
 from tes_grpo.script_config import resolve
 
 LAYERS = 4  # decoder layers built (alternating sliding / full attention, as gpt-oss-20b's 24)
@@ -175,8 +174,8 @@ def probe_attention(model, ids, mask, s) -> list[tuple]:
                 with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
                     return flex_attention_forward(module, qq, kk, vv, use_mask, **kwargs)[0]
 
-            fwd = cuda_ms(forward, s.REPS)
-            both = cuda_ms(lambda forward=forward, grad=grad: forward().backward(grad), s.REPS)
+            fwd = timed_ms(forward, s.REPS)
+            both = timed_ms(lambda forward=forward, grad=grad: forward().backward(grad), s.REPS)
             rows.append((layer, kind, name, fwd, both))
             print(rows[-1], flush=True)
     return rows
@@ -201,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         train_pass(model, ids, mask, s.AUTOCAST)
         torch.cuda.synchronize()
         first = time.perf_counter() - start
-        ms = cuda_ms(lambda: train_pass(model, ids, mask, s.AUTOCAST), s.REPS)
+        ms = timed_ms(lambda: train_pass(model, ids, mask, s.AUTOCAST), s.REPS)
         model.zero_grad(set_to_none=True)
         peak = torch.cuda.max_memory_allocated() / 2**30
         results.append((variant, first, ms, peak))

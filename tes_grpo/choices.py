@@ -7,7 +7,7 @@ from __future__ import annotations
 # fast_paths.py: which sampler and kernels a run takes
 FAST_PATHS = {
     "DECODE_GRAPHS": ("auto", "on", "off"),
-    "DECODE_EXPERTS": ("auto", "mxfp4", "grouped_mm", "transformers"),
+    "DECODE_EXPERTS": ("auto", "mxfp4", "mxfp4_tiled", "grouped_mm", "transformers"),
     "TRAIN_EXPERTS": ("auto", "fused", "transformers"),
     "DECODE_LORA": ("peft", "merged"),
     "DECODE_GLUE": ("auto", "eager", "compiled"),

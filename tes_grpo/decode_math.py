@@ -49,15 +49,21 @@ def one_query_attention(query, keys, values, mask, sinks, scaling: float) -> tor
     return out.reshape(batch, 1, heads * dim)
 
 
-def flex_decode_kernel(query, keys, values, mask, scaling: float):
+def flex_decode_kernel(query, keys, values, mask, scaling: float, kernel_options: dict | None = None):
     """flex attention for one query, without the sinks: (output [B, H, 1, D] in the query's dtype, float32 log-sum-exp
     [B, H, 1]). On CUDA, compiled, it is flex attention's split-KV decoding kernel, which reads each key and value once
-    and keeps the scores (float32) on chip. The mask [B, L] is added as a score_mod."""
+    and keeps the scores (float32) on chip. The mask [B, L] is added as a score_mod.
+
+    kernel_options: flex attention's, passed on; among them SPLIT_KV, into how many parts the decoding kernel cuts each
+    sequence's keys for each key-value head, the parts read in parallel and combined after (read by inductor's
+    flex decoding lowering in torch 2.11 and 2.13, though not listed in FlexKernelOptions). Without it flex attention
+    gives 2 x SMs // (B x key-value heads) parts, at least one: a single part once B x key-value heads exceed the
+    SMs."""
     def add_mask(score, batch, head, q_index, kv_index):
         return score + mask[batch, kv_index]
 
     out, aux = flex_attention(query, keys, values, score_mod=add_mask, scale=scaling, enable_gqa=True,
-                              return_aux=AuxRequest(lse=True))
+                              return_aux=AuxRequest(lse=True), kernel_options=kernel_options)
     return out, aux.lse
 
 
@@ -342,14 +348,16 @@ def _decode_hidden(lm, cache, tokens, slot, length: int, weights: DecodeWeights)
 
 def expert_packs(lm, experts: str, say=print) -> list | None:
     """experts="mxfp4": each layer's MXFP4 copy of its experts (mxfp4_decode.pack_model; packed once, kept while the
-    weights stay as they are; None for a layer that cannot be packed); "model": None (the model's own MLP)."""
+    weights stay as they are; None for a layer that cannot be packed); "mxfp4_tiled": the same, read through a
+    tile-ordered copy (mxfp4_decode.TILED); "model": None (the model's own MLP)."""
     if experts == "model":
         return None
-    if experts != "mxfp4":
-        raise ValueError(f"graph_decode: experts must be 'model' or 'mxfp4', got {experts!r}")
-    from tes_grpo.mxfp4_decode import pack_model  # Triton: only where the MXFP4 experts decode
+    if experts not in ("mxfp4", "mxfp4_tiled"):
+        raise ValueError(f"graph_decode: experts must be 'model', 'mxfp4' or 'mxfp4_tiled', got {experts!r}")
+    from tes_grpo import mxfp4_decode  # Triton: only where the MXFP4 experts decode
 
-    return pack_model(lm.model.layers, say=say)
+    tiles = mxfp4_decode.TILED if experts == "mxfp4_tiled" else mxfp4_decode.TILES
+    return mxfp4_decode.pack_model(lm.model.layers, say=say, tiles=tiles)
 
 
 def decode_weights(lm, experts: str = "model", lora: str = "peft", autocast: torch.dtype | None = None,

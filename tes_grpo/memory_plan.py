@@ -226,6 +226,19 @@ def expert_bytes(m: ModelShape, mxfp4: bool, b: int = 2, layers: int | None = No
     return params * 17 // 32 if mxfp4 else params * b
 
 
+TILE = 128  # mxfp4_decode.TILED's block_n and block_k: its copy pads each expert matrix to whole 128 x 128 tiles
+
+
+def tiled_expert_bytes(m: ModelShape) -> int:
+    """DECODE_EXPERTS=mxfp4_tiled's tile-ordered copy of the MXFP4 experts (mxfp4_decode.tile_layout at TILE): each
+    matrix padded to whole tiles (~2 % more than expert_bytes at gpt-oss's shapes), 17 bytes a 32-block."""
+    def up(n: int) -> int:
+        return -(-n // TILE) * TILE
+
+    per_expert = up(2 * m.intermediate) * up(m.hidden) + up(m.hidden) * up(m.intermediate)  # gate_up, down
+    return m.experts * m.layers * per_expert * 17 // 32
+
+
 def resident_expert_bytes(m: ModelShape, bf16_expert_layers: int = 0) -> int:
     """The resident MXFP4 experts (mxfp4_experts.py): every layer's but those of the `bf16_expert_layers` layers
     that keep bf16 experts (EXPERTS=mxfp4 with LORA_EXPERT_LAYERS: PEFT adapts bf16 parameters)."""
@@ -360,18 +373,20 @@ class MemoryFacts:
 
 
 def recipe_facts(s, m: ModelShape, loaded: bool, experts_resident_mxfp4: bool, mxfp4_decode_copy: bool,
-                 device=None, bf16_expert_layers: int = 0) -> MemoryFacts:
+                 device=None, bf16_expert_layers: int = 0, tiled_decode_copy: bool = False) -> MemoryFacts:
     """MemoryFacts for train_grpo's recipe, measured now: before loading (loaded=False) the weights still to come
     count against the free memory; experts_resident_mxfp4: training dequantizes one layer's experts at a time
     (mxfp4_experts.py); mxfp4_decode_copy: DECODE_EXPERTS=mxfp4 over bf16 experts packs an MXFP4 copy at the first
     generation and keeps it; bf16_expert_layers: layers whose experts stay bf16 among resident ones (weights_bytes);
+    tiled_decode_copy: DECODE_EXPERTS=mxfp4_tiled's tile-ordered copy, also made at the first generation and kept;
     LoRA r = s.LORA_R."""
     return MemoryFacts.measured(
         device,
         to_load_bytes=0 if loaded else weights_bytes(m, experts_mxfp4=experts_resident_mxfp4,
                                                      bf16_expert_layers=bf16_expert_layers),
         train_transient_bytes=expert_layer_bytes(m) if experts_resident_mxfp4 else 0,
-        later_resident_bytes=expert_bytes(m, mxfp4=True) if mxfp4_decode_copy else 0,
+        later_resident_bytes=((expert_bytes(m, mxfp4=True) if mxfp4_decode_copy else 0)
+                              + (tiled_expert_bytes(m) if tiled_decode_copy else 0)),
         trainable_params=lora_params(m, s.LORA_R))
 
 
@@ -452,8 +467,9 @@ def plan_run(s, config, longest_prompt: int, steps_per_generation: int | None, e
                 "whole batch")
         return None
     m = ModelShape.from_config(config)
-    decode_copy = not experts_resident_mxfp4 and s.DECODE_EXPERTS in ("auto", "mxfp4")
-    facts = recipe_facts(s, m, loaded, experts_resident_mxfp4, decode_copy, bf16_expert_layers=bf16_expert_layers)
+    decode_copy = not experts_resident_mxfp4 and s.DECODE_EXPERTS in ("auto", "mxfp4", "mxfp4_tiled")
+    facts = recipe_facts(s, m, loaded, experts_resident_mxfp4, decode_copy, bf16_expert_layers=bf16_expert_layers,
+                         tiled_decode_copy=s.DECODE_EXPERTS == "mxfp4_tiled")
     if s.DECODE_LORA == "merged":  # graph_decode folds LoRA into a copy of the attention weights per generate call
         facts = dataclasses.replace(facts, generation_fixed_bytes=attention_weight_bytes(m))
     plan = plan_memory(s, m, longest_prompt, facts, steps_per_generation)

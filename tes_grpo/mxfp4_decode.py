@@ -24,8 +24,10 @@ multiplying with `tl.dot_scaled` (Hopper has no MXFP4 tensor cores: Triton upcas
 Tiles.upcast="bits" instead upcasts the tile itself (`_mxfp4_to_bf16`: bit operations, then two exact bf16
 multiplies by powers of two) and multiplies with `tl.dot`; Tiles.swap then makes the weights the dot's left operand
 (out^T = W^T x^T: wide weight tiles, the few rows as the narrow side), the shape Hopper's warpgroup MMA takes with
-the upcast tile in registers. Every variant multiplies the same bf16 numbers and rounds the same epilogue; `Tiles`
-says which one runs.
+the upcast tile in registers. Tiles.layout="tiled" reads a copy of the weights stored tile by tile (`tile_layout`:
+each K step of a program one contiguous piece instead of BLOCK_N rows' short runs), to measure what the stored
+layout is worth: the copy costs the experts' size again. Every variant multiplies the same bf16 numbers and rounds
+the same epilogue; `Tiles` says which one runs.
 The gate_up launch applies gpt-oss's clamped SwiGLU before it stores; the down launch adds the bias, multiplies by
 the routing weight and writes each row back to its token's slot. No host reads, fixed shapes: CUDA-graph capturable.
 
@@ -37,9 +39,10 @@ triton was first imported, without the interpreter, and fail inside an interpret
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -50,6 +53,7 @@ from tes_grpo.mxfp4 import BLOCK_SIZE, dequantize_mxfp4, quantize_mxfp4
 from tes_grpo.mxfp4_experts import is_resident
 
 UPCASTS = ("dot_scaled", "bits")  # Tiles.upcast
+LAYOUTS = ("checkpoint", "tiled")  # Tiles.layout
 
 
 @dataclass(frozen=True)
@@ -68,15 +72,20 @@ class Tiles:
     num_stages: int = 3
     upcast: str = "dot_scaled"  # "dot_scaled": tl.dot_scaled upcasts; "bits": _mxfp4_to_bf16, then tl.dot
     swap: bool = False  # upcast="bits" only: the weight tile is the dot's left operand (acc [BLOCK_N, BLOCK_M])
+    layout: str = "checkpoint"  # "checkpoint": the packed weights as stored; "tiled": a tile-ordered copy (tile_layout)
 
     def __post_init__(self):
         if self.upcast not in UPCASTS:
             raise ValueError(f"Tiles: upcast={self.upcast!r}; valid: {', '.join(map(repr, UPCASTS))}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"Tiles: layout={self.layout!r}; valid: {', '.join(map(repr, LAYOUTS))}")
         if self.swap and self.upcast != "bits":
             raise ValueError(f"Tiles: swap=True needs upcast='bits' (got upcast={self.upcast!r})")
 
 
 TILES = Tiles()
+# DECODE_EXPERTS=mxfp4_tiled's tiles: the fastest bit-equal shape of bench_mxfp4_decode.py's tiled sweep (BENCHMARKS.md)
+TILED = Tiles(block_n=128, block_k=128, layout="tiled")
 
 
 @triton.jit
@@ -163,14 +172,16 @@ def upcast_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def _experts_kernel(x_ptr, x_rows_ptr, offsets_ptr, blocks_ptr, scales_ptr, bias_ptr, weight_ptr, out_ptr,
                     out_rows_ptr, N, K, alpha, limit,
                     SWIGLU: tl.constexpr, ROUTED_OUT: tl.constexpr, UPCAST_BITS: tl.constexpr, SWAP: tl.constexpr,
-                    INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    TILED: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
     """out[r] = f(x[x_rows[r]] @ W_e + b_e) for the rows r in offsets[e]:offsets[e+1] (rows sorted by expert).
 
     W_e is stored as the checkpoint stores it: blocks [E, N, K/32, 16] (two FP4 codes a byte, low nibble first),
     scales [E, N, K/32] (E8M0). SWIGLU: f is gpt-oss's clamped SwiGLU over interleaved (gate, up) columns, out has
     N/2 columns. ROUTED_OUT: f multiplies by weight[out_rows[r]] and the row is stored at out_rows[r].
     UPCAST_BITS: the weight tile is upcast by _mxfp4_to_bf16 and multiplied by tl.dot, not tl.dot_scaled; SWAP (with
-    UPCAST_BITS): acc^T [BLOCK_N, BLOCK_M] = W_tile^T [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M]."""
+    UPCAST_BITS): acc^T [BLOCK_N, BLOCK_M] = W_tile^T [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M]. TILED: blocks
+    and scales are tile_layout's copies (whole tiles, padded: no masks on the weights)."""
     expert = tl.program_id(0)
     start = tl.load(offsets_ptr + expert)
     end = tl.load(offsets_ptr + expert + 1)
@@ -181,6 +192,8 @@ def _experts_kernel(x_ptr, x_rows_ptr, offsets_ptr, blocks_ptr, scales_ptr, bias
     w_cols = blocks_ptr + expert.to(tl.int64) * N * packed_cols + cols.to(tl.int64) * packed_cols
     s_base = scales_ptr + expert.to(tl.int64) * N * scale_cols + cols[:, None].to(tl.int64) * scale_cols
     bias = tl.load(bias_ptr + expert * N + cols, mask=col_ok, other=0.0).to(tl.float32)
+    local = tl.arange(0, BLOCK_N)
+    first_tile = (expert.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)) * ((K + BLOCK_K - 1) // BLOCK_K)
     for row0 in range(start, end, BLOCK_M):
         rows = row0 + tl.arange(0, BLOCK_M)
         row_ok = rows < end
@@ -199,13 +212,25 @@ def _experts_kernel(x_ptr, x_rows_ptr, offsets_ptr, blocks_ptr, scales_ptr, bias
             else:
                 x = tl.load(x_ptr + src[:, None].to(tl.int64) * K + ks[None, :],
                             mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
-            if UPCAST_BITS:  # [BLOCK_N, BLOCK_K / 2]: a column's bytes along a row
-                w = tl.load(w_cols[:, None] + half[None, :], mask=col_ok[:, None] & (half[None, :] < packed_cols),
-                            other=0)
-            else:  # [BLOCK_K / 2, BLOCK_N], as tl.dot_scaled takes it
-                w = tl.load(w_cols[None, :] + half[:, None], mask=col_ok[None, :] & (half[:, None] < packed_cols),
-                            other=0)
-            s = tl.load(s_base + groups[None, :], mask=col_ok[:, None] & (groups[None, :] < scale_cols), other=127)
+            if TILED:  # this K step's tile: [BLOCK_N, BLOCK_K / 2] bytes, then [BLOCK_N, BLOCK_K / 32] scales
+                tile = first_tile + k0 // BLOCK_K
+                w_tile = blocks_ptr + tile * (BLOCK_N * BLOCK_K // 2)
+                within = tl.arange(0, BLOCK_K // 2)
+                if UPCAST_BITS:
+                    w = tl.load(w_tile + local[:, None] * (BLOCK_K // 2) + within[None, :])
+                else:
+                    w = tl.load(w_tile + local[None, :] * (BLOCK_K // 2) + within[:, None])
+                s = tl.load(scales_ptr + tile * (BLOCK_N * BLOCK_K // 32) + local[:, None] * (BLOCK_K // 32)
+                            + tl.arange(0, BLOCK_K // 32)[None, :])
+            else:
+                if UPCAST_BITS:  # [BLOCK_N, BLOCK_K / 2]: a column's bytes along a row
+                    w = tl.load(w_cols[:, None] + half[None, :],
+                                mask=col_ok[:, None] & (half[None, :] < packed_cols), other=0)
+                else:  # [BLOCK_K / 2, BLOCK_N], as tl.dot_scaled takes it
+                    w = tl.load(w_cols[None, :] + half[:, None],
+                                mask=col_ok[None, :] & (half[:, None] < packed_cols), other=0)
+                s = tl.load(s_base + groups[None, :], mask=col_ok[:, None] & (groups[None, :] < scale_cols),
+                            other=127)
             if UPCAST_BITS:
                 w = _mxfp4_to_bf16(w, s, BLOCK_N, BLOCK_K, INTERPRETED)  # [BLOCK_N, BLOCK_K] bf16
                 if SWAP:
@@ -236,12 +261,29 @@ def _experts_kernel(x_ptr, x_rows_ptr, offsets_ptr, blocks_ptr, scales_ptr, bias
                      mask=row_ok[:, None] & col_ok[None, :])
 
 
+def tile_layout(blocks: torch.Tensor, scales: torch.Tensor, block_n: int, block_k: int):
+    """Checkpoint-layout blocks [E, N, K/32, 16] and scales [E, N, K/32] -> copies for Tiles(layout="tiled"):
+    [E, N tiles, K tiles, block_n, block_k / 2] bytes and [E, N tiles, K tiles, block_n, block_k / 32] scales, so
+    each K step of a program reads one contiguous piece of each. Padded to whole tiles with zero bytes at scale 127,
+    the values 0 that the kernel's masked loads give the checkpoint layout, so both layouts compute the same sums."""
+    experts, n, groups, _ = blocks.shape
+    n_tiles, k_tiles, per_tile = triton.cdiv(n, block_n), triton.cdiv(groups * BLOCK_SIZE, block_k), block_k // 32
+    padded = blocks.new_zeros(experts, n_tiles * block_n, k_tiles * per_tile * 16)
+    padded[:, :n, :groups * 16] = blocks.reshape(experts, n, groups * 16)
+    padded_scales = scales.new_full((experts, n_tiles * block_n, k_tiles * per_tile), 127)
+    padded_scales[:, :n, :groups] = scales
+    return tuple(t.view(experts, n_tiles, block_n, k_tiles, -1).permute(0, 1, 3, 2, 4).contiguous()
+                 for t in (padded, padded_scales))
+
+
 def experts_matmul(x, x_rows, offsets, blocks, scales, bias, *, swiglu=None, weights=None, out_rows=None,
-                   tiles: Tiles = TILES) -> torch.Tensor:
+                   tiles: Tiles = TILES, tiled=None) -> torch.Tensor:
     """One launch of the experts kernel; see _experts_kernel. x [T, K] bf16 (contiguous), x_rows [S] (the row of x
     for sorted row r), offsets [E + 1] (sorted rows of expert e: offsets[e]:offsets[e+1]), blocks/scales as packed
     (N outputs: blocks.shape[1]), bias [E, N]. swiglu=(alpha, limit) applies gpt-oss's gate (out [S, N/2]);
-    weights [S'] with out_rows [S] writes row r, times weights[out_rows[r]], to out[out_rows[r]] (out [S', N])."""
+    weights [S'] with out_rows [S] writes row r, times weights[out_rows[r]], to out[out_rows[r]] (out [S', N]).
+    tiled: tile_layout's copies of blocks and scales at tiles' block_n and block_k, read when tiles.layout is
+    "tiled" (blocks then gives only the shapes)."""
     experts, n, groups, _ = blocks.shape
     k = groups * BLOCK_SIZE
     if x.shape[-1] != k or x.dtype != torch.bfloat16:
@@ -251,11 +293,15 @@ def experts_matmul(x, x_rows, offsets, blocks, scales, bias, *, swiglu=None, wei
     shape = (rows, n // 2) if swiglu else ((weights.shape[0] if weights is not None else rows), n)
     out = torch.empty(shape, dtype=torch.bfloat16, device=x.device)
     alpha, limit = swiglu if swiglu else (0.0, 0.0)
+    if tiles.layout == "tiled":
+        if tiled is None:
+            raise ValueError("experts_matmul: tiles.layout='tiled' needs tile_layout's copies (tiled=)")
+        blocks, scales = tiled
     grid = (experts, triton.cdiv(n, tiles.block_n))
     _experts_kernel[grid](x, x_rows, offsets, blocks, scales, bias, weights if weights is not None else bias, out,
                           out_rows if out_rows is not None else x_rows, n, k, float(alpha), float(limit),
                           SWIGLU=bool(swiglu), ROUTED_OUT=weights is not None, UPCAST_BITS=tiles.upcast == "bits",
-                          SWAP=tiles.swap, INTERPRETED=interpreted(),
+                          SWAP=tiles.swap, TILED=tiles.layout == "tiled", INTERPRETED=interpreted(),
                           BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
                           num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
@@ -276,10 +322,20 @@ class PackedExperts:
     limit: float
     versions: tuple[int, int]
     resident: bool = False  # the blocks/scales are the module's own resident parameters (mxfp4_experts.py), no copy
+    tiles: Tiles = TILES  # what moe_forward runs this pack with unless told otherwise (pack_model's tiles)
+    tiled_copies: dict = field(default_factory=dict, repr=False)  # (block_n, block_k) -> tiled(): made on first use
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.gate_up_blocks, self.gate_up_scales,
                                                          self.down_blocks, self.down_scales))
+
+    def tiled(self, tiles: Tiles) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """tile_layout's copies of (gate_up, down) for tiles' block_n and block_k, made once (Tiles.layout)."""
+        key = (tiles.block_n, tiles.block_k)
+        if key not in self.tiled_copies:
+            self.tiled_copies[key] = (tile_layout(self.gate_up_blocks, self.gate_up_scales, *key),
+                                      tile_layout(self.down_blocks, self.down_scales, *key))
+        return self.tiled_copies[key]
 
 
 def pack_blockers(experts) -> list[str]:
@@ -360,9 +416,10 @@ def packed_experts(experts) -> tuple[PackedExperts | str, bool]:
     return result, True
 
 
-def pack_model(layers, say=print) -> list[PackedExperts | None]:
-    """Every layer's packed experts (None for a layer that cannot be packed). Says what it packed, and why a layer
-    keeps its bf16 experts, when that was worked out now (later calls reuse the packs silently)."""
+def pack_model(layers, say=print, tiles: Tiles = TILES) -> list[PackedExperts | None]:
+    """Every layer's packed experts (None for a layer that cannot be packed), each to run with `tiles`; a tiled
+    layout's copies (tile_layout) are made here, so a captured step finds them. Says what it packed or copied, and
+    why a layer keeps its bf16 experts, when that was worked out now (later calls reuse the packs silently)."""
     start = time.perf_counter()
     packs, new, resident, reasons = [], [], [], {}
     for i, layer in enumerate(layers):
@@ -380,7 +437,16 @@ def pack_model(layers, say=print) -> list[PackedExperts | None]:
             f"({sum(p.nbytes() for p in resident) / 2**30:.2f} GiB, no copy)")
     for reason, ids in reasons.items():
         say(f"DECODE_EXPERTS=mxfp4: layers {ids} decode with their bf16 experts ({reason})")
-    return packs
+    if tiles == TILES:
+        return packs
+    key = (tiles.block_n, tiles.block_k)
+    copied = [pack.tiled(tiles) for pack in packs
+              if pack is not None and tiles.layout == "tiled" and key not in pack.tiled_copies]
+    if copied:
+        size = sum(t.nbytes for pair in copied for part in pair for t in part)
+        say(f"DECODE_EXPERTS=mxfp4_tiled: {len(copied)} layers' MXFP4 experts copied in tile order for decoding "
+            f"({size / 2**30:.2f} GiB more)")
+    return [None if pack is None else dataclasses.replace(pack, tiles=tiles) for pack in packs]
 
 
 ROUTE_IN_ONE_PROGRAM_UP_TO = 256  # routed rows (tokens x k) up to which a CUDA step sorts them with moe_routing
@@ -393,9 +459,10 @@ def routing_for(device_type: str, rows: int) -> str:
     return "triton" if device_type == "cuda" and rows <= ROUTE_IN_ONE_PROGRAM_UP_TO else "torch"
 
 
-def moe_forward(mlp, packed: PackedExperts, hidden: torch.Tensor, tiles: Tiles = TILES,
+def moe_forward(mlp, packed: PackedExperts, hidden: torch.Tensor, tiles: Tiles | None = None,
                 routing: str = "auto") -> torch.Tensor:
-    """gpt-oss's MLP (router, top-k experts, weighted sum) for hidden [..., H] with the experts read from `packed`.
+    """gpt-oss's MLP (router, top-k experts, weighted sum) for hidden [..., H] with the experts read from `packed`,
+    by the kernel with `tiles` (default: the pack's own, PackedExperts.tiles).
     routing: how the routed rows are sorted by expert, "torch" (sort, searchsorted, division) or "triton" (one
     program, moe_routing.route_with_triton: the same tensors); "auto": routing_for's choice. A device and a shape
     decide it, so a captured step reads nothing on the host."""
@@ -409,11 +476,14 @@ def moe_forward(mlp, packed: PackedExperts, hidden: torch.Tensor, tiles: Tiles =
     if chosen not in route:
         raise ValueError(f"moe_forward: routing={routing!r}; valid: 'auto', 'torch', 'triton'")
     order, offsets, token_rows = route[chosen](indices, experts)
+    tiles = tiles or packed.tiles
+    gate_up_tiled, down_tiled = packed.tiled(tiles) if tiles.layout == "tiled" else (None, None)
     gated = experts_matmul(x.contiguous(), token_rows, offsets, packed.gate_up_blocks, packed.gate_up_scales,
-                           packed.gate_up_bias, swiglu=(packed.alpha, packed.limit), tiles=tiles)
+                           packed.gate_up_bias, swiglu=(packed.alpha, packed.limit), tiles=tiles, tiled=gate_up_tiled)
     sequence_rows = torch.arange(order.shape[0], device=x.device)
     routed = experts_matmul(gated, sequence_rows, offsets, packed.down_blocks, packed.down_scales, packed.down_bias,
-                            weights=scores.reshape(-1).to(torch.bfloat16), out_rows=order, tiles=tiles)
+                            weights=scores.reshape(-1).to(torch.bfloat16), out_rows=order, tiles=tiles,
+                            tiled=down_tiled)
     # transformers sums the k weighted rows of a token in float32 and rounds once
     return routed.view(tokens, top_k, -1).sum(dim=1).to(hidden.dtype).view(shape)
 

@@ -43,8 +43,9 @@ def test_bits_upcast_equals_the_codec_on_cuda():
 
 
 @pytest.mark.parametrize("variant", [{}, {"upcast": "bits"}, {"upcast": "bits", "swap": True},
-                                     {"upcast": "bits", "swap": True, "block_m": 8}],
-                         ids=["dot_scaled", "bits", "bits-swap-16", "bits-swap-8"])
+                                     {"upcast": "bits", "swap": True, "block_m": 8}, {"layout": "tiled"},
+                                     {"upcast": "bits", "layout": "tiled"}],
+                         ids=["dot_scaled", "bits", "bits-swap-16", "bits-swap-8", "tiled", "bits-tiled"])
 @pytest.mark.parametrize("routing", ["torch", "triton"])
 @pytest.mark.parametrize("tokens", [1, 37])
 def test_mxfp4_decode_kernel_matches_the_mlp_on_cuda(tokens, routing, variant):
@@ -128,24 +129,25 @@ def generation_config(**changes) -> GenerationConfig:
     return GenerationConfig(**{**settings, **changes})
 
 
-@pytest.mark.parametrize("experts", ["model", "mxfp4"])
+@pytest.mark.parametrize("experts", ["model", "mxfp4", "mxfp4_tiled"])
 def test_graph_decode_replays_its_steps_as_cuda_graphs_from_the_models_best_first_token(experts):
     """The captured steps must give the tokens the same steps give eagerly for the first 10 tokens of every row (a
     stale cache or a wrong position diverges at once; after that, bf16 sums in another order may flip a near tie:
     seen once, at token 20), with the model's experts and with the MXFP4 kernel (its routing as a decode step of up
     to 256 rows takes it on CUDA: moe_routing's program, inside the graph). Against transformers: the first token
     (from graph_decode's prefill, left padding included) must be one the model's own forward rates within bf16
-    rounding of its best; a bf16 near tie made it differ from generate's pick once. The CPU tests compare
+    rounding of its best; a bf16 near tie made it differ from generate's pick once. mxfp4_tiled: the kernel through
+    its tile-ordered copy, made before the capture. The CPU tests compare
     graph_decode's steps with generate's token for token in float32."""
     from tes_grpo import graph_decode
 
-    model = small_cuda_model(experts_mxfp4=experts == "mxfp4")
+    model = small_cuda_model(experts_mxfp4=experts != "model")
     ids, mask = left_padded_ids()
     generation = generation_config()
     said = []
     replayed = graph_decode.generate(model, ids, mask, generation, graphs=True, experts=experts, say=said.append)
     eager = graph_decode.generate(model, ids, mask, generation, graphs=False, experts=experts, say=said.append)
-    if experts == "mxfp4":
+    if experts != "model":
         assert any("packed 4 layers' experts as MXFP4" in line for line in said), said
     agree = ids.shape[1] + 10
     assert torch.equal(replayed[:, :agree], eager[:, :agree])

@@ -112,6 +112,8 @@ SWEEP_ENTRIES = [
                          "num_stages": 2}),
     ("bits-swap:128/128/8/3/8", {"upcast": "bits", "swap": True, "block_n": 128, "block_k": 128, "num_warps": 8,
                                  "num_stages": 3, "block_m": 8}),
+    ("tiled:64/128/4/3", {"upcast": "dot_scaled", "swap": False, "layout": "tiled", "block_n": 64, "block_k": 128,
+                          "num_warps": 4, "num_stages": 3}),  # a tile-ordered copy of the weights
     ("128/64/4", None),  # three numbers
     ("bits-swap:128/64/4/3/8/2", None),  # six
     ("128/64/4/a", None),  # not a number
@@ -140,4 +142,28 @@ def test_mxfp4_variant_sweep_list_parses_and_covers_every_variant():
     fields = [sweep_tiles(entry) for entry in _VARIANT_SWEEP]
     assert {(f["upcast"], f["swap"]) for f in fields} == {(v["upcast"], v["swap"]) for v in SWEEP_VARIANTS.values()}
     assert {f.get("block_m") for f in fields if f["swap"]} == {8, 16}
+    assert {f.get("layout", "checkpoint") for f in fields} == {"checkpoint", "tiled"}
     assert len(set(_VARIANT_SWEEP)) == len(_VARIANT_SWEEP)
+
+
+# (FLEX entry of bench_decode_attention.py, the flex attention kernel options it sets, or None where it is refused)
+FLEX_ENTRIES = [
+    ("0", {}),  # flex attention's own choices
+    ("8", {"SPLIT_KV": 8}),  # the keys of each sequence and key-value head in 8 parts
+    ("8/128", {"SPLIT_KV": 8, "BLOCK_N": 128}),
+    ("0/32/4/2", {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}),  # flex's own split, the rest given
+    ("8/128/4", None),  # three numbers
+    ("8/x", None),  # not a number
+    ("", None),  # empty
+]
+
+
+@pytest.mark.parametrize("entry, options", FLEX_ENTRIES)
+def test_decode_attention_flex_entries(entry, options):
+    from benchmarks.bench_decode_attention import flex_options
+
+    if options is None:
+        with pytest.raises(ValueError, match="FLEX"):
+            flex_options(entry)
+    else:
+        assert flex_options(entry) == options

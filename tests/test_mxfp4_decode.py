@@ -90,6 +90,8 @@ VARIANTS = {
     "bits": {"upcast": "bits"},
     "bits-swap-16": {"upcast": "bits", "swap": True},
     "bits-swap-8": {"upcast": "bits", "swap": True, "block_m": 8},
+    "tiled": {"layout": "tiled"},  # a tile-ordered copy of the weights (tile_layout), dot_scaled
+    "bits-tiled": {"upcast": "bits", "layout": "tiled"},
 }
 
 
@@ -166,6 +168,7 @@ def test_bits_upcast_of_an_all_zero_group_at_scale_0_is_the_codecs():
 @pytest.mark.parametrize("fields, message", [
     ({"upcast": "fp8"}, "upcast='fp8'; valid: 'dot_scaled', 'bits'"),
     ({"swap": True}, "swap=True needs upcast='bits'"),  # the swapped dot_scaled was measured slower and is gone
+    ({"layout": "transposed"}, "layout='transposed'; valid: 'checkpoint', 'tiled'"),
 ])
 def test_tiles_refuse_an_unknown_variant(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -228,12 +231,38 @@ def test_graph_decode_samples_the_same_tokens_with_mxfp4_experts():
                               eos_token_id=[3])
     said = []
     outputs = {}
-    for experts in ("model", "mxfp4"):
+    for experts in ("model", "mxfp4", "mxfp4_tiled"):
         torch.manual_seed(7)
         outputs[experts] = graph_decode.generate(model, ids, mask, config, graphs=False, experts=experts,
                                                  say=said.append)
     assert torch.equal(outputs["model"], outputs["mxfp4"])
+    assert torch.equal(outputs["model"], outputs["mxfp4_tiled"])
     assert any("packed 2 layers' experts as MXFP4" in line for line in said)
+    assert any("2 layers' MXFP4 experts copied in tile order" in line for line in said)
+
+
+@runs_kernel
+def test_a_tiled_pack_runs_with_its_copies_and_counts_them_as_the_memory_plan_does():
+    """pack_model with TILED makes each layer's tile-ordered copies once (a later call copies nothing), returns packs
+    that run with TILED by default, equal to transformers' MLP bit for bit; memory_plan.tiled_expert_bytes counts
+    the copies' bytes exactly."""
+    from tes_grpo import memory_plan
+
+    model = small_bf16_model()
+    said = []
+    packs = md.pack_model(model.model.layers, say=said.append, tiles=md.TILED)
+    assert all(pack.tiles == md.TILED for pack in packs)
+    copies = [pack.tiled_copies[(md.TILED.block_n, md.TILED.block_k)] for pack in packs]
+    size = sum(t.nbytes for pair in copies for part in pair for t in part)
+    assert size == memory_plan.tiled_expert_bytes(memory_plan.ModelShape.from_config(model.config))
+    assert memory_plan.TILE == md.TILED.block_n == md.TILED.block_k
+    again = []
+    md.pack_model(model.model.layers, say=again.append, tiles=md.TILED)
+    assert not any("copied in tile order" in line for line in again)
+    x = torch.randn(1, 6, model.config.hidden_size).to(torch.bfloat16)
+    mlp = model.model.layers[0].mlp
+    with torch.backends.mkldnn.flags(enabled=False):  # ATen's sums, as test_kernel_equals_transformers_mlp's
+        assert torch.equal(md.moe_forward(mlp, packs[0], x), mlp(x)[0])
 
 
 @runs_kernel
