@@ -20,6 +20,7 @@ from pathlib import Path as _Path
 
 _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))
 
+import functools
 import sys
 
 from tes_grpo.script_config import resolve
@@ -50,8 +51,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    import functools
-
     import torch
     from torch._dynamo.utils import counters
 

@@ -57,7 +57,7 @@ def flex_decode_kernel(query, keys, values, mask, scaling: float, kernel_options
     kernel_options: flex attention's, passed on; among them SPLIT_KV, into how many parts the decoding kernel cuts each
     sequence's keys for each key-value head, the parts read in parallel and combined after (read by inductor's
     flex decoding lowering in torch 2.11 and 2.13, though not listed in FlexKernelOptions). Without it flex attention
-    gives 2 x SMs // (B x key-value heads) parts, at least one: a single part once B x key-value heads exceed the
+    gives (SMs // (B x key-value heads)) x 2 parts, at least one: a single part once B x key-value heads exceed the
     SMs."""
     def add_mask(score, batch, head, q_index, kv_index):
         return score + mask[batch, kv_index]

@@ -231,7 +231,7 @@ TILE = 128  # mxfp4_decode.TILED's block_n and block_k: its copy pads each exper
 
 def tiled_expert_bytes(m: ModelShape) -> int:
     """DECODE_EXPERTS=mxfp4_tiled's tile-ordered copy of the MXFP4 experts (mxfp4_decode.tile_layout at TILE): each
-    matrix padded to whole tiles (~2 % more than expert_bytes at gpt-oss's shapes), 17 bytes a 32-block."""
+    matrix padded to whole tiles, 17 bytes a 32-block."""
     def up(n: int) -> int:
         return -(-n // TILE) * TILE
 

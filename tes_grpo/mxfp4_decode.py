@@ -1,7 +1,7 @@
 """gpt-oss's MoE experts computed from MXFP4 weights while decoding. Library module, not a script.
 
-graph_decode.py calls `moe_forward` in place of the model's MLP when DECODE_EXPERTS resolves to mxfp4; the benchmark
-times it against the bf16 experts:
+graph_decode.py calls `moe_forward` in place of the model's MLP when DECODE_EXPERTS resolves to mxfp4 or
+mxfp4_tiled; the benchmark times it against the bf16 experts:
 
     python benchmarks/bench_mxfp4_decode.py      # GPU machine: kernel check, timings, decode speed
 
@@ -25,9 +25,9 @@ Tiles.upcast="bits" instead upcasts the tile itself (`_mxfp4_to_bf16`: bit opera
 multiplies by powers of two) and multiplies with `tl.dot`; Tiles.swap then makes the weights the dot's left operand
 (out^T = W^T x^T: wide weight tiles, the few rows as the narrow side), the shape Hopper's warpgroup MMA takes with
 the upcast tile in registers. Tiles.layout="tiled" reads a copy of the weights stored tile by tile (`tile_layout`:
-each K step of a program one contiguous piece instead of BLOCK_N rows' short runs), to measure what the stored
-layout is worth: the copy costs the experts' size again. Every variant multiplies the same bf16 numbers and rounds
-the same epilogue; `Tiles` says which one runs.
+each K step of a program one contiguous piece instead of BLOCK_N rows' short runs, no masks), which
+DECODE_EXPERTS=mxfp4_tiled uses (`TILED`): faster, for a second copy of the experts. Every variant multiplies the
+same bf16 numbers and rounds the same epilogue; `Tiles` says which one runs.
 The gate_up launch applies gpt-oss's clamped SwiGLU before it stores; the down launch adds the bias, multiplies by
 the routing weight and writes each row back to its token's slot. No host reads, fixed shapes: CUDA-graph capturable.
 
@@ -294,8 +294,12 @@ def experts_matmul(x, x_rows, offsets, blocks, scales, bias, *, swiglu=None, wei
     out = torch.empty(shape, dtype=torch.bfloat16, device=x.device)
     alpha, limit = swiglu if swiglu else (0.0, 0.0)
     if tiles.layout == "tiled":
-        if tiled is None:
-            raise ValueError("experts_matmul: tiles.layout='tiled' needs tile_layout's copies (tiled=)")
+        n_tiles, k_tiles = triton.cdiv(n, tiles.block_n), triton.cdiv(k, tiles.block_k)
+        shapes = ((experts, n_tiles, k_tiles, tiles.block_n, tiles.block_k // 2),
+                  (experts, n_tiles, k_tiles, tiles.block_n, tiles.block_k // 32))
+        if tiled is None or tuple(tuple(t.shape) for t in tiled) != shapes:
+            raise ValueError(f"experts_matmul: tiles {tiles} need tile_layout's copies of shapes {shapes}, got "
+                             f"{None if tiled is None else [tuple(t.shape) for t in tiled]}")
         blocks, scales = tiled
     grid = (experts, triton.cdiv(n, tiles.block_n))
     _experts_kernel[grid](x, x_rows, offsets, blocks, scales, bias, weights if weights is not None else bias, out,
@@ -320,10 +324,12 @@ class PackedExperts:
     down_bias: torch.Tensor
     alpha: float
     limit: float
-    versions: tuple[int, int]
+    versions: tuple
     resident: bool = False  # the blocks/scales are the module's own resident parameters (mxfp4_experts.py), no copy
     tiles: Tiles = TILES  # what moe_forward runs this pack with unless told otherwise (pack_model's tiles)
-    tiled_copies: dict = field(default_factory=dict, repr=False)  # (block_n, block_k) -> tiled(): made on first use
+    # (block_n, block_k) -> tiled(): made on first use; pack_model's copies of a pack (dataclasses.replace) share the
+    # dict, so the copies live as long as the pack kept for the module (_PACKS) and later generate calls reuse them
+    tiled_copies: dict = field(default_factory=dict, repr=False)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.gate_up_blocks, self.gate_up_scales,
@@ -333,6 +339,9 @@ class PackedExperts:
         """tile_layout's copies of (gate_up, down) for tiles' block_n and block_k, made once (Tiles.layout)."""
         key = (tiles.block_n, tiles.block_k)
         if key not in self.tiled_copies:
+            if self.gate_up_blocks.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("PackedExperts.tiled: the tiled copies must exist before a CUDA graph capture "
+                                   "(pack_model(..., tiles=...) makes them)")
             self.tiled_copies[key] = (tile_layout(self.gate_up_blocks, self.gate_up_scales, *key),
                                       tile_layout(self.down_blocks, self.down_scales, *key))
         return self.tiled_copies[key]
@@ -397,7 +406,10 @@ _PACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # experts modul
 
 
 def _versions(experts) -> tuple | None:
-    names = ("gate_up_proj_blocks", "down_proj_blocks") if is_resident(experts) else ("gate_up_proj", "down_proj")
+    """The versions of the parameters a pack copies from: resident experts' blocks and scales (a tiled copy holds
+    both), or the bf16 weights."""
+    names = (("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
+             if is_resident(experts) else ("gate_up_proj", "down_proj"))
     params = [getattr(experts, name, None) for name in names]
     return tuple(p._version for p in params) if all(isinstance(p, torch.Tensor) for p in params) else None
 

@@ -279,6 +279,25 @@ RECIPES = [
 ]
 
 
+def test_recipe_facts_count_the_tiled_decode_copy(monkeypatch):
+    """DECODE_EXPERTS=mxfp4_tiled: the tile-ordered copy is held from the first generation on (resident experts:
+    the only copy made), and plan_run passes the setting on."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * GIB, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    settings = train_grpo.default_settings(DECODE_EXPERTS="mxfp4_tiled")
+    got = memory_plan.recipe_facts(settings, M20B, True, True, False, tiled_decode_copy=True)
+    assert got.later_resident_bytes == memory_plan.tiled_expert_bytes(M20B)
+    assert round(got.later_resident_bytes / GIB, 2) == 9.74  # what the H100 run's pack line said it copied
+    seen = []
+    monkeypatch.setattr(memory_plan, "recipe_facts", lambda *args, **kwargs: seen.append(kwargs) or got)
+    monkeypatch.setattr(memory_plan, "plan_memory", lambda *args: "plan")
+    monkeypatch.setattr(memory_plan, "no_plan_reason", lambda s: None)
+    assert memory_plan.plan_run(settings, gpt_oss_20b_config(), 900, loaded=False, experts_resident_mxfp4=True,
+                                steps_per_generation=16) == "plan"
+    assert seen[-1]["tiled_decode_copy"] is True
+
+
 @pytest.mark.parametrize("loaded, resident, decode_copy, extras", RECIPES)
 def test_recipe_facts(monkeypatch, loaded, resident, decode_copy, extras):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * GIB, 80 * GIB))

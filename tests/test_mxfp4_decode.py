@@ -242,27 +242,54 @@ def test_graph_decode_samples_the_same_tokens_with_mxfp4_experts():
 
 
 @runs_kernel
-def test_a_tiled_pack_runs_with_its_copies_and_counts_them_as_the_memory_plan_does():
-    """pack_model with TILED makes each layer's tile-ordered copies once (a later call copies nothing), returns packs
-    that run with TILED by default, equal to transformers' MLP bit for bit; memory_plan.tiled_expert_bytes counts
-    the copies' bytes exactly."""
-    from tes_grpo import memory_plan
-
+def test_a_tiled_pack_reads_its_copies_made_once():
+    """pack_model with TILED makes each layer's tile-ordered copies once (a later call copies nothing) and returns
+    packs that run with TILED by default, equal to transformers' MLP bit for bit, from the copies alone: with the
+    checkpoint-layout blocks zeroed afterwards the output stays the same."""
     model = small_bf16_model()
     said = []
     packs = md.pack_model(model.model.layers, say=said.append, tiles=md.TILED)
     assert all(pack.tiles == md.TILED for pack in packs)
-    copies = [pack.tiled_copies[(md.TILED.block_n, md.TILED.block_k)] for pack in packs]
-    size = sum(t.nbytes for pair in copies for part in pair for t in part)
-    assert size == memory_plan.tiled_expert_bytes(memory_plan.ModelShape.from_config(model.config))
-    assert memory_plan.TILE == md.TILED.block_n == md.TILED.block_k
     again = []
     md.pack_model(model.model.layers, say=again.append, tiles=md.TILED)
     assert not any("copied in tile order" in line for line in again)
     x = torch.randn(1, 6, model.config.hidden_size).to(torch.bfloat16)
     mlp = model.model.layers[0].mlp
     with torch.backends.mkldnn.flags(enabled=False):  # ATen's sums, as test_kernel_equals_transformers_mlp's
-        assert torch.equal(md.moe_forward(mlp, packs[0], x), mlp(x)[0])
+        reference = mlp(x)[0]
+        assert torch.equal(md.moe_forward(mlp, packs[0], x), reference)
+        packs[0].gate_up_blocks.zero_()  # the pack's own copy (bf16 experts): the tiled kernel must not read it
+        packs[0].down_blocks.zero_()
+        assert torch.equal(md.moe_forward(mlp, packs[0], x), reference)
+        assert not torch.equal(md.moe_forward(mlp, packs[0], x, md.TILES), reference)
+
+
+def test_the_memory_plan_counts_the_tiled_copies_bytes():
+    """memory_plan.tiled_expert_bytes against tile_layout's copies, at a shape whose gate_up and down pad
+    differently (hidden 96, intermediate 160: 2 x 160 = 320 -> 384 and 160 -> 256, 96 -> 128)."""
+    from dataclasses import replace
+
+    from tes_grpo import memory_plan
+    from tes_grpo.gpt_oss_shapes import gpt_oss_20b_config
+
+    mlp = random_mlp(hidden=96, inter=160, experts=8)
+    pack = md.pack_experts(mlp.experts)
+    copies = pack.tiled(md.TILED)
+    shape = replace(memory_plan.ModelShape.from_config(gpt_oss_20b_config()), hidden=96, intermediate=160, experts=8,
+                    layers=1)
+    assert sum(t.nbytes for pair in copies for t in pair) == memory_plan.tiled_expert_bytes(shape)
+    assert memory_plan.TILE == md.TILED.block_n == md.TILED.block_k
+
+
+def test_experts_matmul_refuses_tiled_copies_of_other_tiles():
+    mlp = random_mlp()
+    pack = md.pack_experts(mlp.experts)
+    other = md.Tiles(block_n=64, block_k=64, layout="tiled")
+    x = torch.randn(3, mlp.router.hidden_dim).to(torch.bfloat16)
+    rows, offsets = torch.arange(3), torch.tensor([0, 3] + [3] * 7)
+    with pytest.raises(ValueError, match="need tile_layout's copies of shapes"):
+        md.experts_matmul(x, rows, offsets, pack.gate_up_blocks, pack.gate_up_scales, pack.gate_up_bias,
+                          tiles=md.TILED, tiled=pack.tiled(other)[0])
 
 
 @runs_kernel
@@ -317,6 +344,17 @@ def test_resident_layers_are_packed_as_they_are(tiny_bf16):
             assert torch.equal(getattr(pack, field), checkpoint[f"model.layers.{i}.mlp.experts.{name}"])
             assert torch.equal(getattr(requantized[i], field), getattr(pack, field))
     assert md.packed_experts(models["mxfp4"].model.layers[0].mlp.experts) == (packs[0], False)  # kept
+
+
+def test_a_resident_pack_is_redone_when_its_scales_change_in_place(tiny_bf16):
+    """A tiled copy holds the scales too, so a change to the resident scales alone must make a new pack (whose
+    tiled copies are then made afresh)."""
+    _, models = tiny_bf16
+    experts = models["mxfp4"].model.layers[1].mlp.experts
+    pack, _ = md.packed_experts(experts)
+    experts.down_proj_scales.add_(0)  # an in-place write: the buffer's version moves, its values stay
+    again, fresh = md.packed_experts(experts)
+    assert fresh and again is not pack and again.tiled_copies == {}
 
 
 def test_resident_float32_experts_are_not_packed(tiny_bf16):
