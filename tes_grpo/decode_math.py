@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
+from tes_grpo.choices import MXFP4_DECODE_EXPERTS
 from tes_grpo.decode_glue import EAGER, Glue, glue_for, with_sinks
 
 
@@ -352,8 +353,9 @@ def expert_packs(lm, experts: str, say=print) -> list | None:
     tile-ordered copy (mxfp4_decode.TILED); "model": None (the model's own MLP)."""
     if experts == "model":
         return None
-    if experts not in ("mxfp4", "mxfp4_tiled"):
-        raise ValueError(f"graph_decode: experts must be 'model', 'mxfp4' or 'mxfp4_tiled', got {experts!r}")
+    if experts not in MXFP4_DECODE_EXPERTS:
+        raise ValueError(f"graph_decode: experts must be one of 'model', {', '.join(map(repr, MXFP4_DECODE_EXPERTS))}, "
+                         f"got {experts!r}")
     from tes_grpo import mxfp4_decode  # Triton: only where the MXFP4 experts decode
 
     tiles = mxfp4_decode.TILED if experts == "mxfp4_tiled" else mxfp4_decode.TILES

@@ -37,6 +37,7 @@ import importlib.util
 from dataclasses import dataclass
 
 from tes_grpo import graph_decode
+from tes_grpo.choices import MXFP4_DECODE_EXPERTS
 from tes_grpo.fused_experts import use_fused_experts
 from tes_grpo.lm_head import causal_lm
 from tes_grpo.patches import transformers_patches, trl_patches
@@ -49,7 +50,8 @@ def check_settings(s) -> None:
     """SettingsError for fast-path settings that contradict each other (their values are CHOICES-checked already)."""
     if s.USE_VLLM and s.DECODE_GRAPHS == "on":
         raise SettingsError("DECODE_GRAPHS=on and USE_VLLM=1 both choose how completions are generated; set one")
-    for name, value in (("DECODE_EXPERTS", "mxfp4"), ("DECODE_EXPERTS", "mxfp4_tiled"), ("DECODE_GLUE", "compiled")):
+    graph_decode_only = [("DECODE_EXPERTS", value) for value in MXFP4_DECODE_EXPERTS] + [("DECODE_GLUE", "compiled")]
+    for name, value in graph_decode_only:
         if s[name] == value and (s.USE_VLLM or s.DECODE_GRAPHS == "off"):
             raise SettingsError(f"{name}={value} is graph_decode's; it needs DECODE_GRAPHS=auto or on and no vLLM")
 
@@ -89,7 +91,7 @@ def decode_graphs_choice(s, model, cuda: bool, sharded: bool) -> tuple[bool, str
 def decode_experts_choice(s, cuda: bool) -> tuple[str, str]:
     """(graph_decode's experts: "mxfp4", "mxfp4_tiled" or "model", why) for DECODE_EXPERTS, once graph_decode is
     on."""
-    if s.DECODE_EXPERTS in ("mxfp4", "mxfp4_tiled"):
+    if s.DECODE_EXPERTS in MXFP4_DECODE_EXPERTS:
         return s.DECODE_EXPERTS, f"DECODE_EXPERTS={s.DECODE_EXPERTS}"
     if s.DECODE_EXPERTS != "auto":
         return "model", f"DECODE_EXPERTS={s.DECODE_EXPERTS}: the model's own experts"

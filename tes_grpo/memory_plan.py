@@ -84,6 +84,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tes_grpo import model_loading  # the module: tests stand in for its cuda_available
+from tes_grpo.choices import MXFP4_DECODE_EXPERTS
 from tes_grpo.processes import local_rank, process_count, uses_fsdp
 from tes_grpo.script_config import SettingsError
 
@@ -467,7 +468,7 @@ def plan_run(s, config, longest_prompt: int, steps_per_generation: int | None, e
                 "whole batch")
         return None
     m = ModelShape.from_config(config)
-    decode_copy = not experts_resident_mxfp4 and s.DECODE_EXPERTS in ("auto", "mxfp4", "mxfp4_tiled")
+    decode_copy = not experts_resident_mxfp4 and s.DECODE_EXPERTS in ("auto", *MXFP4_DECODE_EXPERTS)
     facts = recipe_facts(s, m, loaded, experts_resident_mxfp4, decode_copy, bf16_expert_layers=bf16_expert_layers,
                          tiled_decode_copy=s.DECODE_EXPERTS == "mxfp4_tiled")
     if s.DECODE_LORA == "merged":  # graph_decode folds LoRA into a copy of the attention weights per generate call

@@ -449,15 +449,15 @@ def pack_model(layers, say=print, tiles: Tiles = TILES) -> list[PackedExperts | 
             f"({sum(p.nbytes() for p in resident) / 2**30:.2f} GiB, no copy)")
     for reason, ids in reasons.items():
         say(f"DECODE_EXPERTS=mxfp4: layers {ids} decode with their bf16 experts ({reason})")
+    if tiles.layout == "tiled":
+        key = (tiles.block_n, tiles.block_k)
+        copied = [pack.tiled(tiles) for pack in packs if pack is not None and key not in pack.tiled_copies]
+        if copied:
+            size = sum(t.nbytes for pair in copied for part in pair for t in part)
+            say(f"DECODE_EXPERTS=mxfp4_tiled: {len(copied)} layers' MXFP4 experts copied in tile order for decoding "
+                f"({size / 2**30:.2f} GiB more)")
     if tiles == TILES:
         return packs
-    key = (tiles.block_n, tiles.block_k)
-    copied = [pack.tiled(tiles) for pack in packs
-              if pack is not None and tiles.layout == "tiled" and key not in pack.tiled_copies]
-    if copied:
-        size = sum(t.nbytes for pair in copied for part in pair for t in part)
-        say(f"DECODE_EXPERTS=mxfp4_tiled: {len(copied)} layers' MXFP4 experts copied in tile order for decoding "
-            f"({size / 2**30:.2f} GiB more)")
     return [None if pack is None else dataclasses.replace(pack, tiles=tiles) for pack in packs]
 
 
