@@ -74,7 +74,7 @@ IMPORTANCE_SAMPLING_CAP = 3.0  # upper bound of pi_train/pi_sampler there (TRL's
 ROUTER_AUX_LOSS_COEF = 0.0  # MoE load-balancing loss weight; 0 = off (the router stays frozen under LoRA)
 GRADIENT_CHECKPOINTING = True  # recompute activations in backward (saves memory; generation still uses its KV cache)
 DECODE_GRAPHS = "auto"  # sample with graph_decode.py (static KV cache, CUDA graphs); auto = where it can run
-DECODE_EXPERTS = "auto"  # graph_decode's experts: auto = the MXFP4 kernel on a GPU; mxfp4_tiled: faster, 2 copies
+DECODE_EXPERTS = "auto"  # graph_decode's experts: auto = the MXFP4 kernel on a GPU (fast_paths.py)
 TRAIN_EXPERTS = "auto"  # training MoE elementwise work; auto = fused on a GPU with Triton (fast_paths.py)
 DECODE_LORA = "peft"  # graph_decode's LoRA: peft = in the trainer's order (exact policy); merged = faster, own rounding
 DECODE_GLUE = "auto"  # graph_decode's norms, RoPE, sinks, adds: compiled = fused; auto = compiled on a GPU with Triton

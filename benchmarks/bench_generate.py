@@ -15,8 +15,8 @@ experts to `batched_mm` while decoding; `grouped_mm` keeps grouped GEMM througho
 `patches.transformers_patches.grouped_mm_experts_for_decode`); `static` is graph_decode.py's decode loop without CUDA
 graphs and `graphs` the same with each decode step replayed as a CUDA graph (train_grpo's DECODE_GRAPHS); both
 prefill each distinct prompt once, `static_unshared` / `graphs_unshared` prefill every row; `graphs_mxfp4` /
-`static_mxfp4` compute the experts from their MXFP4 copy (mxfp4_decode.py, train_grpo's DECODE_EXPERTS=mxfp4), with
-`_tiled` through a tile-ordered copy of it (DECODE_EXPERTS=mxfp4_tiled); a `_merged` suffix decodes with the LoRA
+`static_mxfp4` compute the experts from their MXFP4 copy (mxfp4_decode.py, train_grpo's DECODE_EXPERTS=mxfp4); a
+`_merged` suffix decodes with the LoRA
 adapter merged into bf16 copies of the attention weights (the earlier decode path) instead of adding its output in
 PEFT's order. graph_decode variants run the decode step's glue (norms,
 residual adds, rotary embedding, sinks, LoRA adds: decode_glue.py) compiled on CUDA, as train_grpo's default
@@ -93,16 +93,14 @@ def variant_generate_kwargs(variant: str) -> dict:
 
 
 _TRANSFORMERS_VARIANTS = ("default", "grouped_mm", "grouped_mm_graphs")
-_GRAPH_DECODE_FLAGS = ("unshared", "mxfp4", "tiled", "merged", "eagerglue")  # static|graphs + any of these, by _
+_GRAPH_DECODE_FLAGS = ("unshared", "mxfp4", "merged", "eagerglue")  # static|graphs + any of these, by _
 
 
 def variant_flags(variant: str) -> set[str] | None:
-    """The flags of a graph_decode variant (static|graphs followed by _unshared, _mxfp4, _tiled, _merged, _eagerglue
-    in any order; _tiled only with _mxfp4), or None for a variant that is not graph_decode's."""
+    """The flags of a graph_decode variant (static|graphs followed by _unshared, _mxfp4, _merged, _eagerglue in any
+    order), or None for a variant that is not graph_decode's."""
     base, *flags = variant.split("_")
     if base not in ("static", "graphs") or not set(flags) <= set(_GRAPH_DECODE_FLAGS) or len(set(flags)) < len(flags):
-        return None
-    if "tiled" in flags and "mxfp4" not in flags:
         return None
     return set(flags)
 
@@ -114,10 +112,8 @@ def variant_experts(variant: str) -> str:
 
 
 def graph_decode_experts(flags: set[str]) -> str:
-    """graph_decode's experts for a variant's flags: "mxfp4_tiled", "mxfp4" or "model"."""
-    if "mxfp4" not in flags:
-        return "model"
-    return "mxfp4_tiled" if "tiled" in flags else "mxfp4"
+    """graph_decode's experts for a variant's flags: "mxfp4" or "model"."""
+    return "mxfp4" if "mxfp4" in flags else "model"
 
 
 def is_graph_decode(variant: str) -> bool:

@@ -56,7 +56,7 @@ from tes_grpo.script_config import resolve
 STEPS = 2  # optimizer steps to time (the first includes compilation and warm-up); a multiple of GENERATION_STEPS
 GENERATION_STEPS = 1  # train_grpo's GENERATION_STEPS: optimizer steps whose completions one generation batch samples
 MAX_COMPLETION_LEN = 512  # tokens per completion (random weights always reach it)
-DECODE_EXPERTS = "auto"  # train_grpo's DECODE_EXPERTS: auto | mxfp4 | mxfp4_tiled | grouped_mm | transformers
+DECODE_EXPERTS = "auto"  # train_grpo's DECODE_EXPERTS: auto | mxfp4 | grouped_mm | transformers
 DECODE_GRAPHS = "auto"  # train_grpo's DECODE_GRAPHS: auto (on, on a GPU), on, off (transformers' generate)
 TRAIN_EXPERTS = "auto"  # train_grpo's TRAIN_EXPERTS: auto (fused on a GPU), fused, transformers
 MODEL_SIZE = "20b"  # gpt-oss shapes: 20b, or 120b (resident MXFP4 experts: ~61 GiB on the GPU; an H200)

@@ -15,9 +15,10 @@ loaded dequantized), then:
   sort, searchsorted and division (moe_forward's `routing`), and checks the output is the same;
 - SWEEP: the kernel's time for each tile configuration in SWEEP_CONFIGS at the first token count, fastest first,
   each with whether its output is bit-equal to the default tiles' and its largest difference to transformers' MLP.
-  An entry is [VARIANT:]BLOCK_N/BLOCK_K/num_warps/num_stages[/BLOCK_M] (sweep_tiles); VARIANT is dot_scaled (the
-  default), bits (the kernel's own upcast, then tl.dot), bits-swap (that, the weights as the dot's left operand),
-  tiled or bits-tiled (dot_scaled or bits reading a tile-ordered copy of the weights: what the stored layout is worth).
+  An entry is [VARIANT:]BLOCK_N/BLOCK_K/num_warps/num_stages[/BLOCK_M] (sweep_tiles); VARIANT is default
+  (mxfp4_decode.TILES' upcast), dot_scaled (tl.dot_scaled upcasts), bits (the kernel's own upcast, then tl.dot) or
+  bits-swap (that, the weights as the dot's left operand).
+  A BLOCK_N/BLOCK_K other than the stored tile (mxfp4.TILE) reads a copy of the weights in that tile order.
   SWEEP_LIST=variants sweeps _VARIANT_SWEEP (the variants across tile shapes for Hopper) by default instead.
 """
 
@@ -36,17 +37,18 @@ TOKENS = (16, 64, 128, 256)  # tokens per decode step (= sequences decoded toget
 REPS = 50  # graph replays timed per measurement
 SWEEP = False  # also time the kernel for each tile configuration (first token count)
 # [VARIANT:]BLOCK_N/BLOCK_K/num_warps/num_stages[/BLOCK_M] tried by SWEEP (on the command line:
-# --SWEEP_CONFIGS=64/128/4/3,bits-swap:64/256/4/3/8)
+# --SWEEP_CONFIGS=128/128/4/3,dot_scaled:64/256/4/3/8); a tile other than mxfp4.TILE reads a copy in its order
 SWEEP_CONFIGS = ("32/128/4/3", "64/64/4/3", "64/128/4/2", "64/128/4/4", "64/256/4/3", "128/128/4/3",
                  "128/128/8/3", "128/256/8/3", "32/256/4/4")
 SWEEP_LIST = "tiles"  # "variants": SWEEP_CONFIGS defaults to _VARIANT_SWEEP (the kernel variants on Hopper)
-# Today's tiles, then the kernel's own upcast (bits) and that with the weights as the left operand (bits-swap): a
-# warpgroup MMA takes 64 weight rows a warpgroup (BLOCK_N 64 with 4 warps, 128 with 8) and 8 or 16 token rows
-_VARIANT_SWEEP = ("64/128/4/3", "128/256/8/3", "bits:64/128/4/3", "bits:64/256/4/3",
+# Triton's upcast (dot_scaled), the kernel's own (bits) and that with the weights as the left operand (bits-swap, the
+# default): a warpgroup MMA takes 64 weight rows a warpgroup (BLOCK_N 64 with 4 warps, 128 with 8), 8 or 16 token
+# rows
+_VARIANT_SWEEP = ("dot_scaled:64/128/4/3", "dot_scaled:128/256/8/3", "bits:64/128/4/3", "bits:64/256/4/3",
                   "bits-swap:64/128/4/3/16", "bits-swap:64/128/4/3/8", "bits-swap:64/128/4/2/16",
                   "bits-swap:64/128/4/4/16", "bits-swap:64/256/4/3/16", "bits-swap:64/64/4/4/16",
                   "bits-swap:128/128/4/3/16", "bits-swap:128/128/8/3/16", "bits-swap:128/256/8/3/16",
-                  "bits-swap:128/256/8/2/8", "tiled:64/128/4/3", "tiled:64/256/4/3", "bits-tiled:64/128/4/3")
+                  "bits-swap:128/256/8/2/8")
 PRESETS = {"SWEEP_LIST": {"variants": {"SWEEP_CONFIGS": _VARIANT_SWEEP}}}
 CHOICES = {"SWEEP_LIST": ("tiles", "variants")}
 SEED = 0  # torch seed
@@ -93,10 +95,9 @@ def graph_time(fn, reps: int) -> float:
     return 1000 * start.elapsed_time(end) / reps
 
 
-SWEEP_VARIANTS = {"dot_scaled": {"upcast": "dot_scaled", "swap": False}, "bits": {"upcast": "bits", "swap": False},
-                  "bits-swap": {"upcast": "bits", "swap": True},
-                  "tiled": {"upcast": "dot_scaled", "swap": False, "layout": "tiled"},
-                  "bits-tiled": {"upcast": "bits", "swap": False, "layout": "tiled"}}  # VARIANT: prefix -> Tiles fields
+SWEEP_VARIANTS = {"default": {}, "dot_scaled": {"upcast": "dot_scaled", "swap": False},
+                  "bits": {"upcast": "bits", "swap": False},
+                  "bits-swap": {"upcast": "bits", "swap": True}}  # VARIANT: prefix -> Tiles fields
 
 
 def sweep_tiles(config: str) -> dict:
@@ -105,7 +106,7 @@ def sweep_tiles(config: str) -> dict:
     syntax = (f"SWEEP_CONFIGS: {config!r} is not [VARIANT:]BLOCK_N/BLOCK_K/num_warps/num_stages[/BLOCK_M] (whole "
               f"numbers; VARIANT one of {', '.join(SWEEP_VARIANTS)})")
     variant, colon, numbers = config.rpartition(":")
-    variant = variant if colon else "dot_scaled"
+    variant = variant if colon else "default"
     values = numbers.split("/")
     if variant not in SWEEP_VARIANTS or len(values) not in (4, 5) or not all(v.strip().isdigit() for v in values):
         raise ValueError(syntax)
@@ -162,13 +163,14 @@ def main(argv: list[str] | None = None) -> int:
         for config, fields in configs.items():
             tiles = mxfp4_decode.Tiles(**fields)
             try:
+                pack = mxfp4_decode.retiled(packed, tiles)  # a copy where its tile is not the stored one
                 with torch.no_grad():
-                    out = mxfp4_decode.moe_forward(mlp, packed, x, tiles, routing="torch")
+                    out = mxfp4_decode.moe_forward(mlp, pack, x, routing="torch")
                     # another K tile sums in another order: equal up to bf16 rounding, not always bit for bit
                     ok = (f"bit-equal to the default tiles: {torch.equal(default, out)}, max |diff| to "
                           f"transformers' MLP {(out.float() - ref).abs().max().item():.1e}")
-                    t = graph_time(lambda tiles=tiles: mxfp4_decode.moe_forward(mlp, packed, x, tiles, routing="torch"),
-                                   s.REPS)
+                    t = graph_time(lambda pack=pack: mxfp4_decode.moe_forward(mlp, pack, x, routing="torch"), s.REPS)
+                del pack
                 sweep.append((config, t, ok))
             except Exception as err:  # a tile size the compiler refuses is a result, not a crash
                 sweep.append((config, float("nan"), f"{type(err).__name__}: {str(err)[:80]}"))

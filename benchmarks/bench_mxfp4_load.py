@@ -13,7 +13,8 @@ machine (the numbers go to BENCHMARKS.md; a few minutes on an H100 at the 20B sh
    its peak host memory (VmHWM, and its rise over the process before loading) and the GPU memory allocated after
    the load and at its peak.
 2. Dequantization of one layer's experts (gate_up + down -> [E, in, out] bf16): the Triton kernel
-   (mxfp4_experts.dequantize_with_triton, what a resident layer runs; at its TILE and each of DEQUANT_TILES),
+   (mxfp4_experts.dequantize_with_triton, what a resident layer runs, from the tile order the resident experts are
+   kept in; at its DEQUANT_TILE and each of DEQUANT_TILES, and once from the checkpoint's layout),
    torch's codec, and transformers' own
    convert_moe_packed_tensors (what the dequantized load runs once); time, GB written per second, and whether the
    kernel's output equals transformers' bit for bit (this layer, and every byte x every scale value).
@@ -230,9 +231,17 @@ def dequantization(s, blocks) -> list[dict]:
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     from tes_grpo import mxfp4_experts as mx
+    from tes_grpo.mxfp4 import to_tile_order
+
+    projections = ("gate_up_proj", "down_proj")
+    stored = {p: (to_tile_order(blocks[f"{p}_blocks"], "blocks"), to_tile_order(blocks[f"{p}_scales"], "scales"),
+                  (blocks[f"{p}_blocks"].shape[1], blocks[f"{p}_blocks"].shape[2] * 32)) for p in projections}
 
     def both(fn):
-        return [fn(blocks[f"{p}_blocks"], blocks[f"{p}_scales"]) for p in ("gate_up_proj", "down_proj")]
+        return [fn(blocks[f"{p}_blocks"], blocks[f"{p}_scales"]) for p in projections]
+
+    def both_stored(fn):  # from the tile order a resident module keeps (fn gets blocks, scales, size)
+        return [fn(*stored[p]) for p in projections]
 
     reference = both(lambda b, sc: convert_moe_packed_tensors(b, sc, dtype=torch.bfloat16))
     written = sum(t.numel() * t.element_size() for t in reference)
@@ -240,17 +249,25 @@ def dequantization(s, blocks) -> list[dict]:
              lambda b, sc: convert_moe_packed_tensors(b, sc, dtype=torch.bfloat16)),
             ("torch codec (mxfp4_experts, per expert)", lambda b, sc: mx.dequantize_with_torch(b, sc, torch.bfloat16))]
     if device() == "cuda" and mx._has_triton():
-        tiles = [mx.TILE] + [tuple(int(v) for v in t.split("/")) for t in s.DEQUANT_TILES]
-        for i, tile in enumerate(tiles):
-            ways.insert(i, (f"Triton kernel, tile {'/'.join(map(str, tile))}" + (" (used)" if i == 0 else ""),
-                            lambda b, sc, tile=tile: mx.dequantize_with_triton(b, sc, torch.bfloat16, tile)))
+        programs = [mx.DEQUANT_TILE] + [tuple(int(v) for v in t.split("/")) for t in s.DEQUANT_TILES]
+        for i, program in enumerate(programs):
+            ways.insert(i, (f"Triton kernel from tile order, program {'/'.join(map(str, program))}"
+                            + (" (used)" if i == 0 else ""),
+                            lambda b, sc, size, program=program: mx.dequantize_with_triton(
+                                b, sc, torch.bfloat16, program, size=size)))
+        ways.insert(len(programs), ("Triton kernel from the checkpoint's layout",
+                                    lambda b, sc: mx.dequantize_with_triton(b, sc, torch.bfloat16)))
     every = (torch.arange(256, dtype=torch.uint8, device=device()).repeat(256).view(1, 256, 16, 16),
              torch.arange(256, dtype=torch.uint8, device=device()).view(1, 256, 1).expand(1, 256, 16).contiguous())
     rows = []
     for name, fn in ways:
-        equal = all(bits_equal(a, b) for a, b in zip(both(fn), reference, strict=True))
-        table = bits_equal(fn(*every), convert_moe_packed_tensors(*every, dtype=torch.bfloat16))
-        ms = timed_ms(lambda fn=fn: both(fn), s.REPS)
+        tiled = name.startswith("Triton kernel from tile order")
+        run = (lambda fn=fn: both_stored(fn)) if tiled else (lambda fn=fn: both(fn))
+        equal = all(bits_equal(a, b) for a, b in zip(run(), reference, strict=True))
+        every_in = ((to_tile_order(every[0], "blocks"), to_tile_order(every[1], "scales"), (256, 512)) if tiled
+                    else every)
+        table = bits_equal(fn(*every_in), convert_moe_packed_tensors(*every, dtype=torch.bfloat16))
+        ms = timed_ms(run, s.REPS)
         rows.append({"way": name, "ms": ms, "gb_per_s": written / ms / 1e6, "equal_layer": equal,
                      "equal_every_byte_and_scale": table})
         print(f"dequantize: {name}: {ms:.2f} ms, {written / ms / 1e6:.0f} GB/s written, equal to transformers: "

@@ -27,8 +27,6 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from tes_grpo.choices import MXFP4_DECODE_EXPERTS
-
 # what decode_bytes counts, in the order it prints them; profile_decode.py maps its kernel groups onto these
 EXPERTS = "MoE experts hit"
 ROUTER = "router"
@@ -52,8 +50,8 @@ def expected_experts_hit(tokens: int, top_k: int, experts: int) -> float:
 
 def experts_format(decode_experts: str, resident: bool) -> str:
     """How a decode step reads the experts: "mxfp4" when decoding computes them from MXFP4 (graph_decode's
-    experts="mxfp4" or "mxfp4_tiled") or the model holds them resident as MXFP4; else "bf16"."""
-    return "mxfp4" if decode_experts in MXFP4_DECODE_EXPERTS or resident else "bf16"
+    experts="mxfp4") or the model holds them resident as MXFP4; else "bf16"."""
+    return "mxfp4" if decode_experts == "mxfp4" or resident else "bf16"
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,10 @@ from __future__ import annotations
 # fast_paths.py: which sampler and kernels a run takes
 FAST_PATHS = {
     "DECODE_GRAPHS": ("auto", "on", "off"),
-    "DECODE_EXPERTS": ("auto", "mxfp4", "mxfp4_tiled", "grouped_mm", "transformers"),
+    "DECODE_EXPERTS": ("auto", "mxfp4", "grouped_mm", "transformers"),
     "TRAIN_EXPERTS": ("auto", "fused", "transformers"),
     "DECODE_LORA": ("peft", "merged"),
     "DECODE_GLUE": ("auto", "eager", "compiled"),
 }
-MXFP4_DECODE_EXPERTS = ("mxfp4", "mxfp4_tiled")  # the DECODE_EXPERTS values graph_decode runs mxfp4_decode's kernel for
 # sampling_fidelity.py: IMPORTANCE_SAMPLING, TRL's vllm_importance_sampling_mode names
 IS_MODES = ("off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")

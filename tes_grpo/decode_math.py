@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
-from tes_grpo.choices import MXFP4_DECODE_EXPERTS
 from tes_grpo.decode_glue import EAGER, Glue, glue_for, with_sinks
 
 
@@ -349,17 +348,14 @@ def _decode_hidden(lm, cache, tokens, slot, length: int, weights: DecodeWeights)
 
 def expert_packs(lm, experts: str, say=print) -> list | None:
     """experts="mxfp4": each layer's MXFP4 copy of its experts (mxfp4_decode.pack_model; packed once, kept while the
-    weights stay as they are; None for a layer that cannot be packed); "mxfp4_tiled": the same, read through a
-    tile-ordered copy (mxfp4_decode.TILED); "model": None (the model's own MLP)."""
+    weights stay as they are; None for a layer that cannot be packed); "model": None (the model's own MLP)."""
     if experts == "model":
         return None
-    if experts not in MXFP4_DECODE_EXPERTS:
-        raise ValueError(f"graph_decode: experts must be one of 'model', {', '.join(map(repr, MXFP4_DECODE_EXPERTS))}, "
-                         f"got {experts!r}")
+    if experts != "mxfp4":
+        raise ValueError(f"graph_decode: experts must be 'model' or 'mxfp4', got {experts!r}")
     from tes_grpo import mxfp4_decode  # Triton: only where the MXFP4 experts decode
 
-    tiles = mxfp4_decode.TILED if experts == "mxfp4_tiled" else mxfp4_decode.TILES
-    return mxfp4_decode.pack_model(lm.model.layers, say=say, tiles=tiles)
+    return mxfp4_decode.pack_model(lm.model.layers, say=say)
 
 
 def decode_weights(lm, experts: str = "model", lora: str = "peft", autocast: torch.dtype | None = None,

@@ -9,11 +9,9 @@ has wrapped the model in LoRA, `choose(s, trainer, cuda)`, which returns the dec
   CUDA graph) instead of transformers' generate. auto = on when graph_decode.auto_decode_graphs finds nothing in
   this model, machine or parallel setup that blocks it (on CUDA, not under FSDP or vLLM); on = required (an error
   says what blocks it; on a CPU the steps run eagerly, which the tests use); off = transformers' generate.
-- DECODE_EXPERTS (auto | mxfp4 | mxfp4_tiled | grouped_mm | transformers): how graph_decode computes the MoE
-  experts. auto = mxfp4 (mxfp4_decode.py's Triton kernel reading the experts as MXFP4) on a GPU with Triton, else
-  the model's own experts; mxfp4_tiled = the same kernel reading a tile-ordered copy of the MXFP4 experts (faster,
-  and the experts' size again in GPU memory: never chosen by auto); transformers = also let transformers switch its
-  experts to batched_mm while decoding.
+- DECODE_EXPERTS (auto | mxfp4 | grouped_mm | transformers): how graph_decode computes the MoE experts. auto =
+  mxfp4 (mxfp4_decode.py's Triton kernel reading the experts as MXFP4) on a GPU with Triton, else the model's own
+  experts; transformers = also let transformers switch its experts to batched_mm while decoding.
 - TRAIN_EXPERTS (auto | fused | transformers): the training forward's MoE elementwise work fused (fused_experts.py)
   or transformers' grouped_mm. auto = fused on a GPU with Triton.
 - DECODE_LORA (peft | merged): how graph_decode applies the adapter. peft = the base product, then the LoRA output
@@ -37,7 +35,6 @@ import importlib.util
 from dataclasses import dataclass
 
 from tes_grpo import graph_decode
-from tes_grpo.choices import MXFP4_DECODE_EXPERTS
 from tes_grpo.fused_experts import use_fused_experts
 from tes_grpo.lm_head import causal_lm
 from tes_grpo.patches import transformers_patches, trl_patches
@@ -50,8 +47,7 @@ def check_settings(s) -> None:
     """SettingsError for fast-path settings that contradict each other (their values are CHOICES-checked already)."""
     if s.USE_VLLM and s.DECODE_GRAPHS == "on":
         raise SettingsError("DECODE_GRAPHS=on and USE_VLLM=1 both choose how completions are generated; set one")
-    graph_decode_only = [("DECODE_EXPERTS", value) for value in MXFP4_DECODE_EXPERTS] + [("DECODE_GLUE", "compiled")]
-    for name, value in graph_decode_only:
+    for name, value in (("DECODE_EXPERTS", "mxfp4"), ("DECODE_GLUE", "compiled")):
         if s[name] == value and (s.USE_VLLM or s.DECODE_GRAPHS == "off"):
             raise SettingsError(f"{name}={value} is graph_decode's; it needs DECODE_GRAPHS=auto or on and no vLLM")
 
@@ -89,10 +85,9 @@ def decode_graphs_choice(s, model, cuda: bool, sharded: bool) -> tuple[bool, str
 
 
 def decode_experts_choice(s, cuda: bool) -> tuple[str, str]:
-    """(graph_decode's experts: "mxfp4", "mxfp4_tiled" or "model", why) for DECODE_EXPERTS, once graph_decode is
-    on."""
-    if s.DECODE_EXPERTS in MXFP4_DECODE_EXPERTS:
-        return s.DECODE_EXPERTS, f"DECODE_EXPERTS={s.DECODE_EXPERTS}"
+    """(graph_decode's experts: "mxfp4" or "model", why) for DECODE_EXPERTS, once graph_decode is on."""
+    if s.DECODE_EXPERTS == "mxfp4":
+        return "mxfp4", "DECODE_EXPERTS=mxfp4"
     if s.DECODE_EXPERTS != "auto":
         return "model", f"DECODE_EXPERTS={s.DECODE_EXPERTS}: the model's own experts"
     missing = _no_gpu_with_triton(cuda)

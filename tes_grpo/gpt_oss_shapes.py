@@ -13,6 +13,7 @@ MXFP4).
 from __future__ import annotations
 
 import contextlib
+import math
 import platform
 
 import torch
@@ -21,7 +22,7 @@ from transformers import GptOssConfig, GptOssForCausalLM
 
 from tes_grpo.harmony import BOS_ID, PAD_ID, RETURN_ID
 from tes_grpo.mxfp4 import BLOCK_SIZE, E8M0_BIAS, mxfp4_to_expert_param
-from tes_grpo.mxfp4_experts import expected_shapes, is_resident, make_resident, resident_state
+from tes_grpo.mxfp4_experts import expected_shapes, is_resident, make_resident, resident_bytes
 
 # openai/gpt-oss-20b's config.json, less the quantization block (these weights are bf16 from the start); its
 # special token ids are harmony's (eos: <|return|>).
@@ -143,14 +144,15 @@ def build_random_model(attn_implementation: str = "flex_attention", device: str 
         if mxfp4_experts:
             random_mxfp4_experts(model, seed)
     model.eval()
-    # a resident expert weight is two FP4 values a blocks byte (its scales are not weights)
-    held = {**dict(model.named_parameters()), **resident_state(model)}
-    n = sum(p.numel() * (2 if name.endswith("_blocks") else 0 if name.endswith("_scales") else 1)
-            for name, p in held.items())
+    # a resident expert weight is two FP4 values a blocks byte in the checkpoint's shape (its scales are not weights)
+    params = dict(model.named_parameters())
+    n = sum(p.numel() for p in params.values()) + sum(
+        math.prod(shape) * 2 for module in model.modules() if is_resident(module)
+        for name, shape in expected_shapes(module).items() if name.endswith("_blocks"))
     experts = ("resident MXFP4 (random blocks and scales)" if resident
                else "random MXFP4 values" if mxfp4_experts else "random bf16")
     print(f"random gpt-oss-{size}-shaped model: {n / 1e9:.2f} B parameters, "
-          f"{sum(p.numel() * p.element_size() for p in held.values()) / 2**30:.1f} GiB, "
+          f"{(sum(p.nbytes for p in params.values()) + resident_bytes(model)) / 2**30:.1f} GiB, "
           f"attention {attn_implementation}, experts {experts}")
     return model
 

@@ -84,7 +84,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tes_grpo import model_loading  # the module: tests stand in for its cuda_available
-from tes_grpo.choices import MXFP4_DECODE_EXPERTS
+from tes_grpo.mxfp4 import tile_order_bytes
 from tes_grpo.processes import local_rank, process_count, uses_fsdp
 from tes_grpo.script_config import SettingsError
 
@@ -221,23 +221,14 @@ def expert_layer_bytes(m: ModelShape, b: int = 2) -> int:
 
 
 def expert_bytes(m: ModelShape, mxfp4: bool, b: int = 2, layers: int | None = None) -> int:
-    """The expert weights of `layers` layers (default: all): as MXFP4 (4-bit values + one 8-bit scale per 32: 17
-    bytes a 32-block; also the size of mxfp4_decode's decoding copy) or in the compute dtype."""
-    params = m.experts * 3 * m.hidden * m.intermediate * (m.layers if layers is None else layers)
-    return params * 17 // 32 if mxfp4 else params * b
-
-
-TILE = 128  # mxfp4_decode.TILED's block_n and block_k: its copy pads each expert matrix to whole 128 x 128 tiles
-
-
-def tiled_expert_bytes(m: ModelShape) -> int:
-    """DECODE_EXPERTS=mxfp4_tiled's tile-ordered copy of the MXFP4 experts (mxfp4_decode.tile_layout at TILE): each
-    matrix padded to whole tiles, 17 bytes a 32-block."""
-    def up(n: int) -> int:
-        return -(-n // TILE) * TILE
-
-    per_expert = up(2 * m.intermediate) * up(m.hidden) + up(m.hidden) * up(m.intermediate)  # gate_up, down
-    return m.experts * m.layers * per_expert * 17 // 32
+    """The expert weights of `layers` layers (default: all): as MXFP4 in tile order (mxfp4.tile_order_bytes: 4-bit
+    values + one 8-bit scale per 32, each matrix padded to whole tiles; how the resident experts and
+    mxfp4_decode's decoding copy are kept) or in the compute dtype."""
+    layers = m.layers if layers is None else layers
+    if mxfp4:  # gate_up [2 x intermediate, hidden] and down [hidden, intermediate], (out, in)
+        per_expert = tile_order_bytes(2 * m.intermediate, m.hidden) + tile_order_bytes(m.hidden, m.intermediate)
+        return m.experts * layers * per_expert
+    return m.experts * 3 * m.hidden * m.intermediate * layers * b
 
 
 def resident_expert_bytes(m: ModelShape, bf16_expert_layers: int = 0) -> int:
@@ -374,20 +365,18 @@ class MemoryFacts:
 
 
 def recipe_facts(s, m: ModelShape, loaded: bool, experts_resident_mxfp4: bool, mxfp4_decode_copy: bool,
-                 device=None, bf16_expert_layers: int = 0, tiled_decode_copy: bool = False) -> MemoryFacts:
+                 device=None, bf16_expert_layers: int = 0) -> MemoryFacts:
     """MemoryFacts for train_grpo's recipe, measured now: before loading (loaded=False) the weights still to come
     count against the free memory; experts_resident_mxfp4: training dequantizes one layer's experts at a time
     (mxfp4_experts.py); mxfp4_decode_copy: DECODE_EXPERTS=mxfp4 over bf16 experts packs an MXFP4 copy at the first
     generation and keeps it; bf16_expert_layers: layers whose experts stay bf16 among resident ones (weights_bytes);
-    tiled_decode_copy: DECODE_EXPERTS=mxfp4_tiled's tile-ordered copy, also made at the first generation and kept;
     LoRA r = s.LORA_R."""
     return MemoryFacts.measured(
         device,
         to_load_bytes=0 if loaded else weights_bytes(m, experts_mxfp4=experts_resident_mxfp4,
                                                      bf16_expert_layers=bf16_expert_layers),
         train_transient_bytes=expert_layer_bytes(m) if experts_resident_mxfp4 else 0,
-        later_resident_bytes=((expert_bytes(m, mxfp4=True) if mxfp4_decode_copy else 0)
-                              + (tiled_expert_bytes(m) if tiled_decode_copy else 0)),
+        later_resident_bytes=expert_bytes(m, mxfp4=True) if mxfp4_decode_copy else 0,
         trainable_params=lora_params(m, s.LORA_R))
 
 
@@ -468,9 +457,8 @@ def plan_run(s, config, longest_prompt: int, steps_per_generation: int | None, e
                 "whole batch")
         return None
     m = ModelShape.from_config(config)
-    decode_copy = not experts_resident_mxfp4 and s.DECODE_EXPERTS in ("auto", *MXFP4_DECODE_EXPERTS)
-    facts = recipe_facts(s, m, loaded, experts_resident_mxfp4, decode_copy, bf16_expert_layers=bf16_expert_layers,
-                         tiled_decode_copy=s.DECODE_EXPERTS == "mxfp4_tiled")
+    decode_copy = not experts_resident_mxfp4 and s.DECODE_EXPERTS in ("auto", "mxfp4")
+    facts = recipe_facts(s, m, loaded, experts_resident_mxfp4, decode_copy, bf16_expert_layers=bf16_expert_layers)
     if s.DECODE_LORA == "merged":  # graph_decode folds LoRA into a copy of the attention weights per generate call
         facts = dataclasses.replace(facts, generation_fixed_bytes=attention_weight_bytes(m))
     plan = plan_memory(s, m, longest_prompt, facts, steps_per_generation)

@@ -296,9 +296,18 @@ def fill_resident_experts(model, folder, device) -> None:
 
 def _place(module, attr: str, tensor, device, name: str) -> None:
     """Puts a checkpoint tensor into the skeleton's parameter or buffer `attr` of `module`, on `device`, in the
-    skeleton's dtype (the dtype from_config gave it)."""
+    skeleton's dtype (the dtype from_config gave it); a resident experts module's blocks and scales in its tile
+    order (mxfp4_experts.put_checkpoint_tensor)."""
     import torch
 
+    from tes_grpo.mxfp4_experts import expected_shapes, is_resident, put_checkpoint_tensor
+
+    if is_resident(module) and attr in expected_shapes(module):
+        if tuple(tensor.shape) != expected_shapes(module)[attr]:
+            raise ValueError(f"checkpoint tensor {name}: shape {tuple(tensor.shape)}, the model has "
+                             f"{expected_shapes(module)[attr]}")
+        put_checkpoint_tensor(module, attr, tensor.to(device))
+        return
     if attr in module._parameters:
         old = module._parameters[attr]
     elif attr in module._buffers:

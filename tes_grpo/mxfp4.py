@@ -143,6 +143,62 @@ def fake_quantize_expert_param(param: torch.Tensor) -> torch.Tensor:
     return mxfp4_to_expert_param(*expert_param_to_mxfp4(param), dtype=param.dtype)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Tile order: how the experts are kept in memory (mxfp4_experts.py) and read by the decode kernel (mxfp4_decode.py)
+# ---------------------------------------------------------------------------------------------------------------
+
+TILE = (128, 128)  # (outputs, inputs) of one tile: what mxfp4_decode's kernel reads in one K step, one piece
+TILE_FILL = {"blocks": 0, "scales": E8M0_BIAS}  # padding: code 0 at scale 2**0, the value 0
+
+
+def _tile_columns(part: str, tile: tuple[int, int]) -> int:
+    """A tile's bytes along a row: a byte holds 2 values (blocks), a scale covers BLOCK_SIZE (scales)."""
+    if part not in TILE_FILL:
+        raise ValueError(f"tile order: part {part!r}; valid: 'blocks', 'scales'")
+    return tile[1] // 2 if part == "blocks" else tile[1] // BLOCK_SIZE
+
+
+def tiles_of(rows: int, cols: int, tile: tuple[int, int] = TILE) -> tuple[int, int]:
+    """(tiles down the outputs, tiles along the inputs) of a [rows, cols] weight, the last ones padded."""
+    return -(-rows // tile[0]), -(-cols // tile[1])
+
+
+def tile_order_shape(part: str, experts: int, rows: int, cols: int, tile: tuple[int, int] = TILE) -> tuple:
+    """The tile-ordered shape of a [experts, rows (out), cols (in)] weight's blocks or scales:
+    [experts, row tiles, column tiles, tile rows, a tile row's bytes]."""
+    return (experts, *tiles_of(rows, cols, tile), tile[0], _tile_columns(part, tile))
+
+
+def tile_order_bytes(rows: int, cols: int, tile: tuple[int, int] = TILE) -> int:
+    """Bytes of one expert's [rows, cols] weight in tile order, blocks and scales (17 bytes a padded 32-block)."""
+    row_tiles, col_tiles = tiles_of(rows, cols, tile)
+    return row_tiles * tile[0] * col_tiles * tile[1] * 17 // 32
+
+
+def to_tile_order(tensor: torch.Tensor, part: str, tile: tuple[int, int] = TILE) -> torch.Tensor:
+    """Checkpoint blocks [E, rows, cols/32, 16] or scales [E, rows, cols/32] (part "blocks" or "scales") -> tile
+    order (tile_order_shape): each tile's bytes contiguous, row by row, so a kernel reads one tile as one piece.
+    The padding of the last tiles holds the value 0 (TILE_FILL). Works on meta tensors."""
+    per_tile = _tile_columns(part, tile)
+    if tile[0] <= 0 or tile[1] % BLOCK_SIZE:
+        raise ValueError(f"tile order: tile {tile} needs rows > 0 and columns a multiple of {BLOCK_SIZE}")
+    experts, rows, groups = tensor.shape[:3]
+    flat = tensor.reshape(experts, rows, -1)
+    row_tiles, col_tiles = tiles_of(rows, groups * BLOCK_SIZE, tile)
+    padded = flat.new_full((experts, row_tiles * tile[0], col_tiles * per_tile), TILE_FILL[part])
+    padded[:, :rows, :flat.shape[2]] = flat
+    return padded.view(experts, row_tiles, tile[0], col_tiles, per_tile).permute(0, 1, 3, 2, 4).contiguous()
+
+
+def from_tile_order(tensor: torch.Tensor, part: str, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of to_tile_order for a [E, rows, cols] weight: the checkpoint's blocks or scales, contiguous."""
+    experts, row_tiles, col_tiles, tile_rows, per_tile = tensor.shape
+    flat = tensor.permute(0, 1, 3, 2, 4).reshape(experts, row_tiles * tile_rows, col_tiles * per_tile)
+    groups = cols // BLOCK_SIZE
+    kept = flat[:, :rows, :groups * (BLOCK_SIZE // 2) if part == "blocks" else groups]
+    return (kept.reshape(experts, rows, groups, BLOCK_SIZE // 2) if part == "blocks" else kept).contiguous()
+
+
 class SafetensorsCheckpoint(Mapping):
     """Read-only, lazy `{name: tensor}` view of a safetensors checkpoint folder (single file or sharded).
 

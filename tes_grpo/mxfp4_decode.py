@@ -1,7 +1,7 @@
 """gpt-oss's MoE experts computed from MXFP4 weights while decoding. Library module, not a script.
 
-graph_decode.py calls `moe_forward` in place of the model's MLP when DECODE_EXPERTS resolves to mxfp4 or
-mxfp4_tiled; the benchmark times it against the bf16 experts:
+graph_decode.py calls `moe_forward` in place of the model's MLP when DECODE_EXPERTS resolves to mxfp4; the benchmark
+times it against the bf16 experts:
 
     python benchmarks/bench_mxfp4_decode.py      # GPU machine: kernel check, timings, decode speed
 
@@ -9,8 +9,9 @@ Why: at 64 sequences x top-4 of 32 experts nearly every expert is hit at every d
 expert weights: 38 GB in bf16, the larger part of a decode step's memory traffic. gpt-oss ships them as MXFP4 (4.25
 bits a value): 10.2 GB, ~3.7x fewer bytes (BENCHMARKS.md, "Speed at the recipe, second session", times both). When
 training holds bf16 experts (the checkpoint loaded dequantized), this module packs a second, MXFP4 copy of the
-frozen experts for sampling only (+10.2 GB on the GPU for the 20B model); when they are resident as MXFP4
-(mxfp4_experts.py), a layer's blocks and scales go to the kernel as they are, with no copy.
+frozen experts for sampling only (+10.4 GB on the GPU for the 20B model); when they are resident as MXFP4
+(mxfp4_experts.py), a layer's blocks and scales go to the kernel as they are, with no copy. Both are kept in tile
+order (mxfp4.to_tile_order: each 128 x 128 tile of a weight contiguous), the order the kernel reads.
 
 It is the same policy, not an approximation: a layer is packed only when the round trip gives the bf16 weights back
 bit for bit (`pack_experts` checks every expert; true for weights loaded from an MXFP4 checkpoint, since MXFP4
@@ -18,16 +19,15 @@ values are exact in bf16 and the quantizer takes the smallest shared exponent). 
 numbers; what can differ from transformers' grouped_mm is the order of the float32 sums inside a dot product. Each
 bf16 rounding of transformers' forward (matmul output, + bias, the gate's steps, x routing weight) is repeated.
 
-Kernel: one Triton program per (expert, block of output columns) loops over the rows routed to its expert (sorted
-by expert, as transformers' grouped_mm path sorts them) and over K, reading the packed weights and their scales and
-multiplying with `tl.dot_scaled` (Hopper has no MXFP4 tensor cores: Triton upcasts the tile to bf16 in registers).
-Tiles.upcast="bits" instead upcasts the tile itself (`_mxfp4_to_bf16`: bit operations, then two exact bf16
-multiplies by powers of two) and multiplies with `tl.dot`; Tiles.swap then makes the weights the dot's left operand
-(out^T = W^T x^T: wide weight tiles, the few rows as the narrow side), the shape Hopper's warpgroup MMA takes with
-the upcast tile in registers. Tiles.layout="tiled" reads a copy of the weights stored tile by tile (`tile_layout`:
-each K step of a program one contiguous piece instead of BLOCK_N rows' short runs, no masks), which
-DECODE_EXPERTS=mxfp4_tiled uses (`TILED`): faster, for a second copy of the experts. Every variant multiplies the
-same bf16 numbers and rounds the same epilogue; `Tiles` says which one runs.
+Kernel: one Triton program per (expert, tile of output columns) loops over the rows routed to its expert (sorted
+by expert, as transformers' grouped_mm path sorts them) and over K one tile at a time, reading the tile's packed
+weights and scales as one contiguous piece each (no masks: the padding holds zeros) and multiplying with
+`tl.dot_scaled` (Hopper has no MXFP4 tensor cores: Triton upcasts the tile to bf16 in registers). Tiles.upcast="bits"
+instead upcasts the tile itself (`_mxfp4_to_bf16`: bit operations, then two exact bf16 multiplies by powers of two)
+and multiplies with `tl.dot`; Tiles.swap then makes the weights the dot's left operand (out^T = W^T x^T: wide weight
+tiles, the few rows as the narrow side), the shape Hopper's warpgroup MMA takes with the upcast tile in registers.
+Every variant multiplies the same bf16 numbers and rounds the same epilogue; `Tiles` says which one runs. A program's
+BLOCK_N x BLOCK_K is the stored tile (mxfp4.TILE); other tile sizes read a copy (`retiled`, benchmarks only).
 The gate_up launch applies gpt-oss's clamped SwiGLU before it stores; the down launch adds the bias, multiplies by
 the routing weight and writes each row back to its token's slot. No host reads, fixed shapes: CUDA-graph capturable.
 
@@ -42,18 +42,25 @@ from __future__ import annotations
 import dataclasses
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from tes_grpo import moe_routing
-from tes_grpo.mxfp4 import BLOCK_SIZE, dequantize_mxfp4, quantize_mxfp4
-from tes_grpo.mxfp4_experts import is_resident
+from tes_grpo.mxfp4 import (
+    BLOCK_SIZE,
+    TILE,
+    dequantize_mxfp4,
+    from_tile_order,
+    quantize_mxfp4,
+    tile_order_shape,
+    to_tile_order,
+)
+from tes_grpo.mxfp4_experts import is_resident, matrix_sizes
 
 UPCASTS = ("dot_scaled", "bits")  # Tiles.upcast
-LAYOUTS = ("checkpoint", "tiled")  # Tiles.layout
 
 
 @dataclass(frozen=True)
@@ -66,26 +73,28 @@ class Tiles:
     as zeros, and 255 (NaN in the format) as infinities; the kernel reads no scale on the host to check it."""
 
     block_m: int = 16
-    block_n: int = 64
-    block_k: int = 128
+    block_n: int = TILE[0]  # the stored tile's outputs and inputs (mxfp4.TILE); others read a copy (retiled)
+    block_k: int = TILE[1]
     num_warps: int = 4
     num_stages: int = 3
-    upcast: str = "dot_scaled"  # "dot_scaled": tl.dot_scaled upcasts; "bits": _mxfp4_to_bf16, then tl.dot
-    swap: bool = False  # upcast="bits" only: the weight tile is the dot's left operand (acc [BLOCK_N, BLOCK_M])
-    layout: str = "checkpoint"  # "checkpoint": the packed weights as stored; "tiled": a tile-ordered copy (tile_layout)
+    upcast: str = "bits"  # "bits": _mxfp4_to_bf16, then tl.dot; "dot_scaled": tl.dot_scaled upcasts
+    swap: bool = True  # upcast="bits" only: the weight tile is the dot's left operand (acc [BLOCK_N, BLOCK_M])
 
     def __post_init__(self):
         if self.upcast not in UPCASTS:
             raise ValueError(f"Tiles: upcast={self.upcast!r}; valid: {', '.join(map(repr, UPCASTS))}")
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"Tiles: layout={self.layout!r}; valid: {', '.join(map(repr, LAYOUTS))}")
         if self.swap and self.upcast != "bits":
             raise ValueError(f"Tiles: swap=True needs upcast='bits' (got upcast={self.upcast!r})")
 
+    @property
+    def tile(self) -> tuple[int, int]:
+        """The tile order a program reads: (BLOCK_N, BLOCK_K)."""
+        return self.block_n, self.block_k
 
-TILES = Tiles()
-# DECODE_EXPERTS=mxfp4_tiled's tiles: the fastest bit-equal shape of bench_mxfp4_decode.py's tiled sweep (BENCHMARKS.md)
-TILED = Tiles(block_n=128, block_k=128, layout="tiled")
+
+TILES = Tiles()  # the fastest bit-equal variant and shape of bench_mxfp4_decode.py's sweeps (BENCHMARKS.md)
+# for a layer whose scales the bits upcast does not give exactly (upcast_is_exact): Triton's upcast, the same tiles
+DOT_SCALED = dataclasses.replace(TILES, upcast="dot_scaled", swap=False)
 
 
 @triton.jit
@@ -172,25 +181,20 @@ def upcast_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def _experts_kernel(x_ptr, x_rows_ptr, offsets_ptr, blocks_ptr, scales_ptr, bias_ptr, weight_ptr, out_ptr,
                     out_rows_ptr, N, K, alpha, limit,
                     SWIGLU: tl.constexpr, ROUTED_OUT: tl.constexpr, UPCAST_BITS: tl.constexpr, SWAP: tl.constexpr,
-                    TILED: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+                    INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[r] = f(x[x_rows[r]] @ W_e + b_e) for the rows r in offsets[e]:offsets[e+1] (rows sorted by expert).
 
-    W_e is stored as the checkpoint stores it: blocks [E, N, K/32, 16] (two FP4 codes a byte, low nibble first),
-    scales [E, N, K/32] (E8M0). SWIGLU: f is gpt-oss's clamped SwiGLU over interleaved (gate, up) columns, out has
-    N/2 columns. ROUTED_OUT: f multiplies by weight[out_rows[r]] and the row is stored at out_rows[r].
-    UPCAST_BITS: the weight tile is upcast by _mxfp4_to_bf16 and multiplied by tl.dot, not tl.dot_scaled; SWAP (with
-    UPCAST_BITS): acc^T [BLOCK_N, BLOCK_M] = W_tile^T [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M]. TILED: blocks
-    and scales are tile_layout's copies (whole tiles, padded: no masks on the weights)."""
+    W_e is stored in tile order (mxfp4.to_tile_order at (BLOCK_N, BLOCK_K)): blocks [E, N tiles, K tiles, BLOCK_N,
+    BLOCK_K / 2] (two FP4 codes a byte, low nibble first), scales [E, N tiles, K tiles, BLOCK_N, BLOCK_K / 32]
+    (E8M0), whole tiles padded with zeros, so the weights need no masks. SWIGLU: f is gpt-oss's clamped SwiGLU over
+    interleaved (gate, up) columns, out has N/2 columns. ROUTED_OUT: f multiplies by weight[out_rows[r]] and the row
+    is stored at out_rows[r]. UPCAST_BITS: the weight tile is upcast by _mxfp4_to_bf16 and multiplied by tl.dot, not
+    tl.dot_scaled; SWAP (with UPCAST_BITS): acc^T [BLOCK_N, BLOCK_M] = W_tile^T [BLOCK_N, BLOCK_K] @ x^T."""
     expert = tl.program_id(0)
     start = tl.load(offsets_ptr + expert)
     end = tl.load(offsets_ptr + expert + 1)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    packed_cols = K // 2
-    scale_cols = K // 32
-    w_cols = blocks_ptr + expert.to(tl.int64) * N * packed_cols + cols.to(tl.int64) * packed_cols
-    s_base = scales_ptr + expert.to(tl.int64) * N * scale_cols + cols[:, None].to(tl.int64) * scale_cols
     bias = tl.load(bias_ptr + expert * N + cols, mask=col_ok, other=0.0).to(tl.float32)
     local = tl.arange(0, BLOCK_N)
     first_tile = (expert.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)) * ((K + BLOCK_K - 1) // BLOCK_K)
@@ -204,33 +208,22 @@ def _experts_kernel(x_ptr, x_rows_ptr, offsets_ptr, blocks_ptr, scales_ptr, bias
             acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            groups = k0 // 32 + tl.arange(0, BLOCK_K // 32)
             if SWAP:  # x^T [BLOCK_K, BLOCK_M], loaded transposed
                 xt = tl.load(x_ptr + src[None, :].to(tl.int64) * K + ks[:, None],
                              mask=row_ok[None, :] & (ks[:, None] < K), other=0.0)
             else:
                 x = tl.load(x_ptr + src[:, None].to(tl.int64) * K + ks[None, :],
                             mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
-            if TILED:  # this K step's tile: [BLOCK_N, BLOCK_K / 2] bytes, then [BLOCK_N, BLOCK_K / 32] scales
-                tile = first_tile + k0 // BLOCK_K
-                w_tile = blocks_ptr + tile * (BLOCK_N * BLOCK_K // 2)
-                within = tl.arange(0, BLOCK_K // 2)
-                if UPCAST_BITS:
-                    w = tl.load(w_tile + local[:, None] * (BLOCK_K // 2) + within[None, :])
-                else:
-                    w = tl.load(w_tile + local[None, :] * (BLOCK_K // 2) + within[:, None])
-                s = tl.load(scales_ptr + tile * (BLOCK_N * BLOCK_K // 32) + local[:, None] * (BLOCK_K // 32)
-                            + tl.arange(0, BLOCK_K // 32)[None, :])
-            else:
-                if UPCAST_BITS:  # [BLOCK_N, BLOCK_K / 2]: a column's bytes along a row
-                    w = tl.load(w_cols[:, None] + half[None, :],
-                                mask=col_ok[:, None] & (half[None, :] < packed_cols), other=0)
-                else:  # [BLOCK_K / 2, BLOCK_N], as tl.dot_scaled takes it
-                    w = tl.load(w_cols[None, :] + half[:, None],
-                                mask=col_ok[None, :] & (half[:, None] < packed_cols), other=0)
-                s = tl.load(s_base + groups[None, :], mask=col_ok[:, None] & (groups[None, :] < scale_cols),
-                            other=127)
+            # this K step's tile: [BLOCK_N, BLOCK_K / 2] bytes, then [BLOCK_N, BLOCK_K / 32] scales
+            tile = first_tile + k0 // BLOCK_K
+            w_tile = blocks_ptr + tile * (BLOCK_N * BLOCK_K // 2)
+            within = tl.arange(0, BLOCK_K // 2)
+            if UPCAST_BITS:  # [BLOCK_N, BLOCK_K / 2]: a column's bytes along a row
+                w = tl.load(w_tile + local[:, None] * (BLOCK_K // 2) + within[None, :])
+            else:  # [BLOCK_K / 2, BLOCK_N], as tl.dot_scaled takes it
+                w = tl.load(w_tile + local[None, :] * (BLOCK_K // 2) + within[:, None])
+            s = tl.load(scales_ptr + tile * (BLOCK_N * BLOCK_K // 32) + local[:, None] * (BLOCK_K // 32)
+                        + tl.arange(0, BLOCK_K // 32)[None, :])
             if UPCAST_BITS:
                 w = _mxfp4_to_bf16(w, s, BLOCK_N, BLOCK_K, INTERPRETED)  # [BLOCK_N, BLOCK_K] bf16
                 if SWAP:
@@ -261,90 +254,95 @@ def _experts_kernel(x_ptr, x_rows_ptr, offsets_ptr, blocks_ptr, scales_ptr, bias
                      mask=row_ok[:, None] & col_ok[None, :])
 
 
-def tile_layout(blocks: torch.Tensor, scales: torch.Tensor, block_n: int, block_k: int):
-    """Checkpoint-layout blocks [E, N, K/32, 16] and scales [E, N, K/32] -> copies for Tiles(layout="tiled"):
-    [E, N tiles, K tiles, block_n, block_k / 2] bytes and [E, N tiles, K tiles, block_n, block_k / 32] scales, so
-    each K step of a program reads one contiguous piece of each. Padded to whole tiles with zero bytes at scale 127,
-    the values 0 that the kernel's masked loads give the checkpoint layout, so both layouts compute the same sums."""
-    experts, n, groups, _ = blocks.shape
-    n_tiles, k_tiles, per_tile = triton.cdiv(n, block_n), triton.cdiv(groups * BLOCK_SIZE, block_k), block_k // 32
-    padded = blocks.new_zeros(experts, n_tiles * block_n, k_tiles * per_tile * 16)
-    padded[:, :n, :groups * 16] = blocks.reshape(experts, n, groups * 16)
-    padded_scales = scales.new_full((experts, n_tiles * block_n, k_tiles * per_tile), 127)
-    padded_scales[:, :n, :groups] = scales
-    return tuple(t.view(experts, n_tiles, block_n, k_tiles, -1).permute(0, 1, 3, 2, 4).contiguous()
-                 for t in (padded, padded_scales))
-
-
-def experts_matmul(x, x_rows, offsets, blocks, scales, bias, *, swiglu=None, weights=None, out_rows=None,
-                   tiles: Tiles = TILES, tiled=None) -> torch.Tensor:
+def experts_matmul(x, x_rows, offsets, blocks, scales, size, bias, *, swiglu=None, weights=None, out_rows=None,
+                   tiles: Tiles = TILES) -> torch.Tensor:
     """One launch of the experts kernel; see _experts_kernel. x [T, K] bf16 (contiguous), x_rows [S] (the row of x
-    for sorted row r), offsets [E + 1] (sorted rows of expert e: offsets[e]:offsets[e+1]), blocks/scales as packed
-    (N outputs: blocks.shape[1]), bias [E, N]. swiglu=(alpha, limit) applies gpt-oss's gate (out [S, N/2]);
-    weights [S'] with out_rows [S] writes row r, times weights[out_rows[r]], to out[out_rows[r]] (out [S', N]).
-    tiled: tile_layout's copies of blocks and scales at tiles' block_n and block_k, read when tiles.layout is
-    "tiled" (blocks then gives only the shapes)."""
-    experts, n, groups, _ = blocks.shape
-    k = groups * BLOCK_SIZE
+    for sorted row r), offsets [E + 1] (sorted rows of expert e: offsets[e]:offsets[e+1]), blocks/scales the
+    weights [E, N, K] in tile order at tiles.tile (mxfp4.to_tile_order), size (N, K), bias [E, N].
+    swiglu=(alpha, limit) applies gpt-oss's gate (out [S, N/2]); weights [S'] with out_rows [S] writes row r, times
+    weights[out_rows[r]], to out[out_rows[r]] (out [S', N])."""
+    n, k = size
+    experts = blocks.shape[0]
     if x.shape[-1] != k or x.dtype != torch.bfloat16:
-        raise ValueError(f"experts_matmul: x {tuple(x.shape)} {x.dtype} does not match packed weights "
-                         f"{tuple(blocks.shape)} (needs bf16 x with {k} columns)")
+        raise ValueError(f"experts_matmul: x {tuple(x.shape)} {x.dtype} does not match the weights' {k} inputs "
+                         "(needs bf16 x)")
+    shapes = [tile_order_shape(part, experts, n, k, tiles.tile) for part in ("blocks", "scales")]
+    if [tuple(blocks.shape), tuple(scales.shape)] != shapes:
+        raise ValueError(f"experts_matmul: tiles {tiles} read [E, {n}, {k}] weights in tile order of shapes "
+                         f"{shapes}, got {[tuple(blocks.shape), tuple(scales.shape)]} (retiled makes a copy)")
     rows = x_rows.shape[0]
     shape = (rows, n // 2) if swiglu else ((weights.shape[0] if weights is not None else rows), n)
     out = torch.empty(shape, dtype=torch.bfloat16, device=x.device)
     alpha, limit = swiglu if swiglu else (0.0, 0.0)
-    if tiles.layout == "tiled":
-        n_tiles, k_tiles = triton.cdiv(n, tiles.block_n), triton.cdiv(k, tiles.block_k)
-        shapes = ((experts, n_tiles, k_tiles, tiles.block_n, tiles.block_k // 2),
-                  (experts, n_tiles, k_tiles, tiles.block_n, tiles.block_k // 32))
-        if tiled is None or tuple(tuple(t.shape) for t in tiled) != shapes:
-            raise ValueError(f"experts_matmul: tiles {tiles} need tile_layout's copies of shapes {shapes}, got "
-                             f"{None if tiled is None else [tuple(t.shape) for t in tiled]}")
-        blocks, scales = tiled
     grid = (experts, triton.cdiv(n, tiles.block_n))
     _experts_kernel[grid](x, x_rows, offsets, blocks, scales, bias, weights if weights is not None else bias, out,
                           out_rows if out_rows is not None else x_rows, n, k, float(alpha), float(limit),
                           SWIGLU=bool(swiglu), ROUTED_OUT=weights is not None, UPCAST_BITS=tiles.upcast == "bits",
-                          SWAP=tiles.swap, TILED=tiles.layout == "tiled", INTERPRETED=interpreted(),
-                          BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-                          num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+                          SWAP=tiles.swap, INTERPRETED=interpreted(), BLOCK_M=tiles.block_m,
+                          BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
+                          num_stages=tiles.num_stages)
     return out
 
 
 @dataclass
 class PackedExperts:
-    """One layer's experts in the checkpoint's MXFP4 layout ([E, out, in/32, 16] blocks, [E, out, in/32] scales),
-    the bf16 biases (the module's own tensors), and the parameter versions they were packed from."""
+    """One layer's experts as MXFP4 in tile order (mxfp4.to_tile_order at `tile`: blocks [E, N tiles, K tiles,
+    tile rows, tile bytes], scales likewise) with each weight's (out, in) size, the bf16 biases (the module's own
+    tensors), and the parameter versions they were packed from."""
 
     gate_up_blocks: torch.Tensor
     gate_up_scales: torch.Tensor
     down_blocks: torch.Tensor
     down_scales: torch.Tensor
+    gate_up_size: tuple[int, int]  # (out, in) = (2 x intermediate, hidden)
+    down_size: tuple[int, int]  # (hidden, intermediate)
     gate_up_bias: torch.Tensor
     down_bias: torch.Tensor
     alpha: float
     limit: float
     versions: tuple
-    resident: bool = False  # the blocks/scales are the module's own resident parameters (mxfp4_experts.py), no copy
-    tiles: Tiles = TILES  # what moe_forward runs this pack with unless told otherwise (pack_model's tiles)
-    # (block_n, block_k) -> tiled(): made on first use; pack_model's copies of a pack (dataclasses.replace) share the
-    # dict, so the copies live as long as the pack kept for the module (_PACKS) and later generate calls reuse them
-    tiled_copies: dict = field(default_factory=dict, repr=False)
+    resident: bool = False  # the blocks/scales are the module's own resident buffers (mxfp4_experts.py), no copy
+    tiles: Tiles = TILES  # what moe_forward runs this pack with unless told otherwise
+
+    @property
+    def experts(self) -> int:
+        return self.gate_up_blocks.shape[0]
+
+    @property
+    def tile(self) -> tuple[int, int]:
+        """The tile order the weights are kept in: (outputs, inputs) of a tile."""
+        return self.gate_up_blocks.shape[3], self.gate_up_blocks.shape[4] * 2
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.gate_up_blocks, self.gate_up_scales,
                                                          self.down_blocks, self.down_scales))
 
-    def tiled(self, tiles: Tiles) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-        """tile_layout's copies of (gate_up, down) for tiles' block_n and block_k, made once (Tiles.layout)."""
-        key = (tiles.block_n, tiles.block_k)
-        if key not in self.tiled_copies:
-            if self.gate_up_blocks.is_cuda and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("PackedExperts.tiled: the tiled copies must exist before a CUDA graph capture "
-                                   "(pack_model(..., tiles=...) makes them)")
-            self.tiled_copies[key] = (tile_layout(self.gate_up_blocks, self.gate_up_scales, *key),
-                                      tile_layout(self.down_blocks, self.down_scales, *key))
-        return self.tiled_copies[key]
+
+def upcast_is_exact(blocks: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether Tiles.upcast="bits" gives these weights (tile order) exactly (Tiles: scales 1..254, and scale 0 only
+    for groups whose codes are all zeros of either sign). Reads the weights once, an expert at a time."""
+    for e in range(scales.shape[0]):
+        groups = blocks[e].reshape(*scales.shape[1:], BLOCK_SIZE // 2)
+        nonzero = (groups & 0x77).amax(dim=-1) > 0  # a code's 3 magnitude bits, both nibbles
+        if bool(((scales[e] == 255) | ((scales[e] == 0) & nonzero)).any()):
+            return False
+    return True
+
+
+def retiled(pack: PackedExperts, tiles: Tiles) -> PackedExperts:
+    """The pack to run with `tiles`: itself when its tile order is tiles.tile, else a copy of its weights in that
+    order (benchmarks try other tile sizes this way; never made inside a CUDA graph capture)."""
+    if pack.tile == tiles.tile:
+        return dataclasses.replace(pack, tiles=tiles)
+    if pack.gate_up_blocks.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("retiled: a copy in another tile order must be made before a CUDA graph capture")
+    copies = {}
+    for proj in ("gate_up", "down"):
+        size = getattr(pack, f"{proj}_size")
+        for part in ("blocks", "scales"):
+            checkpoint = from_tile_order(getattr(pack, f"{proj}_{part}"), part, *size)
+            copies[f"{proj}_{part}"] = to_tile_order(checkpoint, part, tiles.tile)
+    return dataclasses.replace(pack, **copies, resident=False, tiles=tiles)
 
 
 def pack_blockers(experts) -> list[str]:
@@ -372,8 +370,8 @@ def pack_blockers(experts) -> list[str]:
 
 
 def _pack_param(param: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """[E, in, out] bf16 -> (blocks [E, out, in/32, 16], scales [E, out, in/32]); raises ValueError unless the bf16
-    values come back bit for bit."""
+    """[E, in, out] bf16 -> (blocks, scales) in tile order (mxfp4.TILE); raises ValueError unless the bf16 values
+    come back bit for bit."""
     blocks, scales = [], []
     for e in range(param.shape[0]):
         weight = param[e].detach().t()
@@ -381,33 +379,38 @@ def _pack_param(param: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Ten
         if not torch.equal(dequantize_mxfp4(b, s, torch.bfloat16), weight):
             raise ValueError(f"{name}[{e}] is not exactly MXFP4 (its weights were not loaded from an MXFP4 "
                              "checkpoint, or were changed since)")
-        blocks.append(b)
-        scales.append(s)
+        blocks.append(to_tile_order(b[None], "blocks")[0])
+        scales.append(to_tile_order(s[None], "scales")[0])
     return torch.stack(blocks), torch.stack(scales)
 
 
 def pack_experts(experts) -> PackedExperts:
-    """The experts' MXFP4 copy; ValueError names what prevents it (pack_blockers, or weights not exactly MXFP4)."""
+    """The experts' MXFP4 copy (or, resident, their own tensors), to run with TILES, or DOT_SCALED where the bits
+    upcast would not give every weight exactly (upcast_is_exact); ValueError names what prevents it (pack_blockers,
+    or weights not exactly MXFP4)."""
     reasons = pack_blockers(experts)
     if reasons:
         raise ValueError("; ".join(reasons))
-    if is_resident(experts):  # the checkpoint's bytes, as they are
-        return PackedExperts(experts.gate_up_proj_blocks, experts.gate_up_proj_scales, experts.down_proj_blocks,
-                             experts.down_proj_scales, experts.gate_up_proj_bias, experts.down_proj_bias,
-                             float(experts.alpha), float(experts.limit), _versions(experts), resident=True)
-    gate_up_blocks, gate_up_scales = _pack_param(experts.gate_up_proj, "gate_up_proj")
-    down_blocks, down_scales = _pack_param(experts.down_proj, "down_proj")
-    return PackedExperts(gate_up_blocks, gate_up_scales, down_blocks, down_scales, experts.gate_up_proj_bias,
-                         experts.down_proj_bias, float(experts.alpha), float(experts.limit),
-                         (experts.gate_up_proj._version, experts.down_proj._version))
+    sizes = matrix_sizes(experts)
+    if is_resident(experts):  # the checkpoint's bytes in tile order, as they are
+        tensors = (experts.gate_up_proj_blocks, experts.gate_up_proj_scales, experts.down_proj_blocks,
+                   experts.down_proj_scales)
+        versions, resident = _versions(experts), True
+    else:
+        tensors = (*_pack_param(experts.gate_up_proj, "gate_up_proj"), *_pack_param(experts.down_proj, "down_proj"))
+        versions, resident = (experts.gate_up_proj._version, experts.down_proj._version), False
+    exact = upcast_is_exact(*tensors[:2]) and upcast_is_exact(*tensors[2:])
+    return PackedExperts(*tensors, sizes["gate_up_proj"], sizes["down_proj"], experts.gate_up_proj_bias,
+                         experts.down_proj_bias, float(experts.alpha), float(experts.limit), versions,
+                         resident=resident, tiles=TILES if exact else DOT_SCALED)
 
 
 _PACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # experts module -> PackedExperts or why not
 
 
 def _versions(experts) -> tuple | None:
-    """The versions of the parameters a pack copies from: resident experts' blocks and scales (a tiled copy holds
-    both), or the bf16 weights."""
+    """The versions of the parameters a pack is made of or copies from: resident experts' blocks and scales, or the
+    bf16 weights."""
     names = (("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
              if is_resident(experts) else ("gate_up_proj", "down_proj"))
     params = [getattr(experts, name, None) for name in names]
@@ -429,16 +432,20 @@ def packed_experts(experts) -> tuple[PackedExperts | str, bool]:
 
 
 def pack_model(layers, say=print, tiles: Tiles = TILES) -> list[PackedExperts | None]:
-    """Every layer's packed experts (None for a layer that cannot be packed), each to run with `tiles`; a tiled
-    layout's copies (tile_layout) are made here, so a captured step finds them. Says what it packed or copied, and
-    why a layer keeps its bf16 experts, when that was worked out now (later calls reuse the packs silently)."""
+    """Every layer's packed experts (None for a layer that cannot be packed), each to run with its own tiles
+    (pack_experts: TILES, or DOT_SCALED where the bits upcast is not exact) or, given other tiles, with those (a copy
+    in their tile order where that is not mxfp4.TILE: retiled, made here so a captured step finds it). Says what it
+    packed or copied, which layers upcast through tl.dot_scaled, and why a layer keeps its bf16 experts, when that
+    was worked out now (later calls reuse the packs silently)."""
     start = time.perf_counter()
-    packs, new, resident, reasons = [], [], [], {}
+    packs, new, resident, inexact, reasons = [], [], [], [], {}
     for i, layer in enumerate(layers):
         result, fresh = packed_experts(layer.mlp.experts)
         packs.append(result if isinstance(result, PackedExperts) else None)
         if fresh and isinstance(result, PackedExperts):
             (resident if result.resident else new).append(result)
+            if result.tiles == DOT_SCALED:
+                inexact.append(i)
         elif fresh:
             reasons.setdefault(result, []).append(i)
     if new:
@@ -449,16 +456,17 @@ def pack_model(layers, say=print, tiles: Tiles = TILES) -> list[PackedExperts | 
             f"({sum(p.nbytes() for p in resident) / 2**30:.2f} GiB, no copy)")
     for reason, ids in reasons.items():
         say(f"DECODE_EXPERTS=mxfp4: layers {ids} decode with their bf16 experts ({reason})")
-    if tiles.layout == "tiled":
-        key = (tiles.block_n, tiles.block_k)
-        copied = [pack.tiled(tiles) for pack in packs if pack is not None and key not in pack.tiled_copies]
-        if copied:
-            size = sum(t.nbytes for pair in copied for part in pair for t in part)
-            say(f"DECODE_EXPERTS=mxfp4_tiled: {len(copied)} layers' MXFP4 experts copied in tile order for decoding "
-                f"({size / 2**30:.2f} GiB more)")
+    if inexact:
+        say(f"DECODE_EXPERTS=mxfp4: layers {inexact} have scales the kernel's own upcast does not give exactly (255, "
+            "or 0 under nonzero codes), so they upcast through tl.dot_scaled (slower, exact)")
     if tiles == TILES:
         return packs
-    return [None if pack is None else dataclasses.replace(pack, tiles=tiles) for pack in packs]
+    packs = [None if pack is None else retiled(pack, tiles) for pack in packs]
+    copies = [pack for pack in packs if pack is not None and pack.tile != TILE]
+    if copies:
+        say(f"DECODE_EXPERTS=mxfp4: {len(copies)} layers' experts copied in {tiles.tile} tile order for tiles "
+            f"{tiles} ({sum(p.nbytes() for p in copies) / 2**30:.2f} GiB more)")
+    return packs
 
 
 ROUTE_IN_ONE_PROGRAM_UP_TO = 256  # routed rows (tokens x k) up to which a CUDA step sorts them with moe_routing
@@ -474,7 +482,7 @@ def routing_for(device_type: str, rows: int) -> str:
 def moe_forward(mlp, packed: PackedExperts, hidden: torch.Tensor, tiles: Tiles | None = None,
                 routing: str = "auto") -> torch.Tensor:
     """gpt-oss's MLP (router, top-k experts, weighted sum) for hidden [..., H] with the experts read from `packed`,
-    by the kernel with `tiles` (default: the pack's own, PackedExperts.tiles).
+    by the kernel with `tiles` (default: the pack's own, PackedExperts.tiles; its tile must be the pack's order).
     routing: how the routed rows are sorted by expert, "torch" (sort, searchsorted, division) or "triton" (one
     program, moe_routing.route_with_triton: the same tensors); "auto": routing_for's choice. A device and a shape
     decide it, so a captured step reads nothing on the host."""
@@ -482,20 +490,19 @@ def moe_forward(mlp, packed: PackedExperts, hidden: torch.Tensor, tiles: Tiles |
     x = hidden.reshape(-1, shape[-1])
     _, scores, indices = mlp.router(x)  # transformers >= 5.17: logits, top-k weights [T, k], expert ids [T, k]
     tokens, top_k = indices.shape
-    experts = packed.gate_up_blocks.shape[0]
+    experts = packed.experts
     route = {"torch": moe_routing.route_with_torch, "triton": moe_routing.route_with_triton}  # as imported now
     chosen = routing_for(x.device.type, tokens * top_k) if routing == "auto" else routing
     if chosen not in route:
         raise ValueError(f"moe_forward: routing={routing!r}; valid: 'auto', 'torch', 'triton'")
     order, offsets, token_rows = route[chosen](indices, experts)
     tiles = tiles or packed.tiles
-    gate_up_tiled, down_tiled = packed.tiled(tiles) if tiles.layout == "tiled" else (None, None)
     gated = experts_matmul(x.contiguous(), token_rows, offsets, packed.gate_up_blocks, packed.gate_up_scales,
-                           packed.gate_up_bias, swiglu=(packed.alpha, packed.limit), tiles=tiles, tiled=gate_up_tiled)
+                           packed.gate_up_size, packed.gate_up_bias, swiglu=(packed.alpha, packed.limit), tiles=tiles)
     sequence_rows = torch.arange(order.shape[0], device=x.device)
-    routed = experts_matmul(gated, sequence_rows, offsets, packed.down_blocks, packed.down_scales, packed.down_bias,
-                            weights=scores.reshape(-1).to(torch.bfloat16), out_rows=order, tiles=tiles,
-                            tiled=down_tiled)
+    routed = experts_matmul(gated, sequence_rows, offsets, packed.down_blocks, packed.down_scales, packed.down_size,
+                            packed.down_bias, weights=scores.reshape(-1).to(torch.bfloat16), out_rows=order,
+                            tiles=tiles)
     # transformers sums the k weighted rows of a token in float32 and rounds once
     return routed.view(tokens, top_k, -1).sum(dim=1).to(hidden.dtype).view(shape)
 

@@ -20,6 +20,10 @@ How:
   `{proj}_scales` (uint8 [E, out, in/32]) are non-persistent buffers in their place, and the property dequantizes
   them to the tensor transformers would hold: [E, in, out], contiguous, in the dtype the dequantized load would give
   (bf16 on a GPU, float32 on the CPU).
+- The buffers hold those bytes in tile order (mxfp4.to_tile_order: [E, row tiles, column tiles, tile rows, tile
+  bytes], each 128 x 128 tile contiguous, the last ones padded with zeros), the order mxfp4_decode's kernel reads
+  a tile in, so decoding reads them with no copy; the dequantization reads the same order. put_checkpoint_tensor
+  stores a checkpoint tensor, checkpoint_tensor and resident_state give them back in the checkpoint's layout.
 - Each call of the module (the layer's forward, its recompute under gradient checkpointing, a decoding step)
   dequantizes each projection once, when first read, and drops it when the call returns; the caching allocator
   reuses the memory for the next layer.
@@ -66,19 +70,27 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tes_grpo.mxfp4 import BLOCK_SIZE, dequantize_mxfp4, quantize_mxfp4
+from tes_grpo.mxfp4 import (
+    BLOCK_SIZE,
+    dequantize_mxfp4,
+    from_tile_order,
+    quantize_mxfp4,
+    tile_order_shape,
+    to_tile_order,
+)
 from tes_grpo.patches.torch_patches import saved_tensors_hooks_now, saved_tensors_hooks_readable
 from tes_grpo.processes import say
 
 PROJECTIONS = ("gate_up_proj", "down_proj")
-# the Triton kernel's tile: rows (outputs) x columns (inputs) per program, warps; benchmarks/bench_mxfp4_load.py times
+# the dequantization kernel's program: rows (outputs) x columns (inputs), warps; benchmarks/bench_mxfp4_load.py times
 # others (DEQUANT_TILES)
-TILE = (64, 64, 4)
+DEQUANT_TILE = (64, 64, 4)
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts$")
 
-__all__ = ["PROJECTIONS", "ResidentSummary", "dequantize_experts", "expert_layer_index", "is_resident",
-           "make_experts_resident", "make_resident", "resident_bytes", "resident_layers", "resident_state",
-           "residency_line"]
+__all__ = ["PROJECTIONS", "ResidentState", "ResidentSummary", "checkpoint_tensor", "dequantize_experts",
+           "expert_layer_index", "is_resident", "make_experts_resident", "make_resident", "matrix_sizes",
+           "put_checkpoint_tensor", "resident_bytes", "resident_layers", "resident_state", "residency_line",
+           "stored_shapes"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -103,9 +115,11 @@ def _triton_kernel(interpreted: bool):
 
     @triton.jit
     def dequantize_kernel(blocks_ptr, scales_ptr, out_ptr, ROWS, COLS, OUT_KIND: tl.constexpr,
-                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        """out[e, c, r] = FP4(code of value (r, c)) * 2**(scales[e, r, c // 32] - 127): the checkpoint's weight
-        [E, ROWS, COLS] (blocks [E, ROWS, COLS/2] bytes, the low nibble the even column) written transposed.
+                          TILE_R: tl.constexpr, TILE_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        """out[e, c, r] = FP4(code of value (r, c)) * 2**(scale of (r, c) - 127): the weight [E, ROWS, COLS] written
+        transposed, its bytes (two codes, the low nibble the even column) and scales (one a 32-column group) read in
+        tile order (mxfp4.to_tile_order: [E, row tiles, column tiles, TILE_R, TILE_C / 2 bytes or / 32 scales]).
+        The checkpoint's own layout is the one-tile case, TILE_R = ROWS and TILE_C = COLS.
 
         The float32 bits are built with integer arithmetic: FP4 values times a power of two are exact in float32
         (subnormals included), so nothing rounds and no flush-to-zero can change a value; a bf16 result is their
@@ -114,10 +128,13 @@ def _triton_kernel(interpreted: bool):
         r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
         ok = (c[:, None] < COLS) & (r[None, :] < ROWS)
-        byte = tl.load(blocks_ptr + e * ROWS * (COLS // 2) + r[None, :] * (COLS // 2) + c[:, None] // 2,
+        col_tiles = (COLS + TILE_C - 1) // TILE_C
+        tile = (e * ((ROWS + TILE_R - 1) // TILE_R) + r[None, :] // TILE_R) * col_tiles + c[:, None] // TILE_C
+        row, col = r[None, :] % TILE_R, c[:, None] % TILE_C
+        byte = tl.load(blocks_ptr + tile * (TILE_R * (TILE_C // 2)) + row * (TILE_C // 2) + col // 2,
                        mask=ok, other=0).to(tl.int32)
         code = (byte >> ((c[:, None] % 2) * 4)) & 15
-        scale = tl.load(scales_ptr + e * ROWS * (COLS // 32) + r[None, :] * (COLS // 32) + c[:, None] // 32,
+        scale = tl.load(scales_ptr + tile * (TILE_R * (TILE_C // 32)) + row * (TILE_C // 32) + col // 32,
                         mask=ok, other=127).to(tl.int32)
         # E2M1: exponent field f, mantissa bit m; f > 0: (1 + m/2) * 2**(f - 1), f = 0: m * 0.5. Times the scale,
         # the leading bit sits at 2**lead with the fraction bit m (f > 0) or none (f = 0).
@@ -140,38 +157,53 @@ def _triton_kernel(interpreted: bool):
     return dequantize_kernel
 
 
-def _check_layout(blocks: torch.Tensor, scales: torch.Tensor) -> None:
+def _layout(blocks: torch.Tensor, scales: torch.Tensor, size: tuple[int, int] | None):
+    """(rows, cols, tile) of blocks/scales in the checkpoint's layout ([E, out, in/32, 16] / [E, out, in/32]; size
+    None, tile the whole matrix) or in tile order (mxfp4.to_tile_order, size = (out, in)); ValueError otherwise."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
-    if blocks.dim() != 4 or blocks.shape[:-1] != scales.shape or blocks.shape[-1] != BLOCK_SIZE // 2:
-        raise ValueError(f"blocks {tuple(blocks.shape)} / scales {tuple(scales.shape)} are not the checkpoint's "
-                         "[E, out, in/32, 16] / [E, out, in/32]")
+    if size is None:
+        if blocks.dim() != 4 or blocks.shape[:-1] != scales.shape or blocks.shape[-1] != BLOCK_SIZE // 2:
+            raise ValueError(f"blocks {tuple(blocks.shape)} / scales {tuple(scales.shape)} are not the checkpoint's "
+                             "[E, out, in/32, 16] / [E, out, in/32]")
+        rows, cols = blocks.shape[1], blocks.shape[2] * BLOCK_SIZE
+        return rows, cols, (rows, cols)
+    rows, cols = size
+    tile = (blocks.shape[3], blocks.shape[4] * 2) if blocks.dim() == 5 else (0, 0)
+    ok = tile[0] > 0 and tile[1] % BLOCK_SIZE == 0
+    if not ok or [tuple(blocks.shape), tuple(scales.shape)] != [
+            tile_order_shape(part, blocks.shape[0], rows, cols, tile) for part in ("blocks", "scales")]:
+        raise ValueError(f"blocks {tuple(blocks.shape)} / scales {tuple(scales.shape)} are not a [E, {rows}, {cols}] "
+                         "weight in tile order ([E, row tiles, column tiles, tile rows, tile columns / 2 or / 32])")
+    return rows, cols, tile
 
 
 def dequantize_with_triton(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
-                           tile: tuple[int, int, int] = TILE) -> torch.Tensor:
-    """dequantize_experts through the Triton kernel (a CUDA device, or CPU tensors under TRITON_INTERPRET=1); tile:
-    (rows, columns, warps) of a program."""
-    block_r, block_c, num_warps = tile
-    _check_layout(blocks, scales)
-    experts, rows, groups, _ = blocks.shape
-    cols = groups * BLOCK_SIZE
+                           program: tuple[int, int, int] = DEQUANT_TILE,
+                           size: tuple[int, int] | None = None) -> torch.Tensor:
+    """dequantize_experts through the Triton kernel (a CUDA device, or CPU tensors under TRITON_INTERPRET=1);
+    program: (rows, columns, warps) of a program."""
+    block_r, block_c, num_warps = program
+    rows, cols, (tile_r, tile_c) = _layout(blocks, scales, size)
+    experts = blocks.shape[0]
     out = torch.empty(experts, cols, rows, dtype=dtype, device=blocks.device)
     kernel = _triton_kernel(os.environ.get("TRITON_INTERPRET", "0") == "1")
     grid = (experts, -(-rows // block_r), -(-cols // block_c))
     kind = {torch.float32: 0, torch.bfloat16: 1}.get(dtype, 2)
-    kernel[grid](blocks.contiguous(), scales.contiguous(), out, rows, cols, OUT_KIND=kind, BLOCK_R=block_r,
-                 BLOCK_C=block_c, num_warps=num_warps)
+    kernel[grid](blocks.contiguous(), scales.contiguous(), out, rows, cols, OUT_KIND=kind, TILE_R=tile_r,
+                 TILE_C=tile_c, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps)
     return out
 
 
-def dequantize_with_torch(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_with_torch(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+                          size: tuple[int, int] | None = None) -> torch.Tensor:
     """dequantize_experts through torch's codec (mxfp4.dequantize_mxfp4), one expert at a time so the float32
     scratch stays one expert's size."""
-    _check_layout(blocks, scales)
-    experts, rows, groups, _ = blocks.shape
-    out = torch.empty(experts, groups * BLOCK_SIZE, rows, dtype=dtype, device=blocks.device)
-    for e in range(experts):
+    rows, cols, _ = _layout(blocks, scales, size)
+    if size is not None:
+        blocks, scales = from_tile_order(blocks, "blocks", rows, cols), from_tile_order(scales, "scales", rows, cols)
+    out = torch.empty(blocks.shape[0], cols, rows, dtype=dtype, device=blocks.device)
+    for e in range(blocks.shape[0]):
         out[e].copy_(dequantize_mxfp4(blocks[e], scales[e], dtype).t())
     return out
 
@@ -180,16 +212,18 @@ def _has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def dequantize_experts(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A checkpoint's expert blocks/scales -> transformers' expert parameter [E, in, out] (contiguous, `dtype`): the
-    values transformers' dequantized load holds (integrations.mxfp4.convert_moe_packed_tensors), bit for bit. On CUDA
-    through the Triton kernel; on the CPU (and on CUDA without Triton, said once) through torch's codec."""
+def dequantize_experts(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+                       size: tuple[int, int] | None = None) -> torch.Tensor:
+    """A checkpoint's expert blocks/scales (or, with size = (out, in), the same in tile order: what a resident
+    module keeps) -> transformers' expert parameter [E, in, out] (contiguous, `dtype`): the values transformers'
+    dequantized load holds (integrations.mxfp4.convert_moe_packed_tensors), bit for bit. On CUDA through the Triton
+    kernel; on the CPU (and on CUDA without Triton, said once) through torch's codec."""
     if blocks.is_cuda:
         if _has_triton():
-            return dequantize_with_triton(blocks, scales, dtype)
+            return dequantize_with_triton(blocks, scales, dtype, size=size)
         _say_once("no-triton", "MXFP4 experts: no triton installed, so each layer's experts are dequantized with "
                                "torch's codec (slower than the Triton kernel, same values)")
-    return dequantize_with_torch(blocks, scales, dtype)
+    return dequantize_with_torch(blocks, scales, dtype, size=size)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -297,7 +331,8 @@ class ResidentMxfp4Experts:
 
     def dequantize(self, name: str) -> torch.Tensor:
         """A fresh [E, in, out] tensor of projection `name` in expert_dtype, on the blocks' device."""
-        return dequantize_experts(getattr(self, f"{name}_blocks"), getattr(self, f"{name}_scales"), self.expert_dtype)
+        return dequantize_experts(getattr(self, f"{name}_blocks"), getattr(self, f"{name}_scales"), self.expert_dtype,
+                                  size=matrix_sizes(self)[name])
 
     def _expert_weight(self, name: str) -> torch.Tensor:
         scope = self.__dict__.get("_just_in_time")
@@ -319,7 +354,7 @@ class ResidentMxfp4Experts:
 
     def extra_repr(self) -> str:
         blocks = self.gate_up_proj_blocks
-        return (f"resident MXFP4: {blocks.shape[0]} experts, gate_up_proj / down_proj dequantized to "
+        return (f"resident MXFP4 in tile order: {blocks.shape[0]} experts, gate_up_proj / down_proj dequantized to "
                 f"{self.expert_dtype} when called")
 
 
@@ -337,20 +372,55 @@ def is_resident(module) -> bool:
     return bool(getattr(type(module), "mxfp4_resident", False))
 
 
+def matrix_sizes(experts) -> dict[str, tuple[int, int]]:
+    """(out, in) of each projection's weight matrix, as the checkpoint stores it."""
+    h, i = experts.hidden_size, experts.intermediate_size
+    return {"gate_up_proj": (2 * i, h), "down_proj": (h, i)}
+
+
 def expected_shapes(experts) -> dict[str, tuple[int, ...]]:
     """The checkpoint's `{proj}_{blocks|scales}` shapes for this experts module."""
-    e, h, i = experts.num_experts, experts.hidden_size, experts.intermediate_size
-    out_in = {"gate_up_proj": (2 * i, h), "down_proj": (h, i)}
     shapes = {}
-    for name, (rows, cols) in out_in.items():
-        shapes[f"{name}_blocks"] = (e, rows, cols // BLOCK_SIZE, BLOCK_SIZE // 2)
-        shapes[f"{name}_scales"] = (e, rows, cols // BLOCK_SIZE)
+    for name, (rows, cols) in matrix_sizes(experts).items():
+        shapes[f"{name}_blocks"] = (experts.num_experts, rows, cols // BLOCK_SIZE, BLOCK_SIZE // 2)
+        shapes[f"{name}_scales"] = (experts.num_experts, rows, cols // BLOCK_SIZE)
     return shapes
+
+
+def _split(name: str) -> tuple[str, str]:
+    """`{proj}_{blocks|scales}` -> (proj, part)."""
+    proj, _, part = name.rpartition("_")
+    return proj, part
+
+
+def stored_shapes(experts) -> dict[str, tuple[int, ...]]:
+    """The shapes a resident module keeps its `{proj}_{blocks|scales}` in: tile order (mxfp4.TILE)."""
+    sizes = matrix_sizes(experts)
+    return {name: tile_order_shape(_split(name)[1], experts.num_experts, *sizes[_split(name)[0]])
+            for name in expected_shapes(experts)}
+
+
+def put_checkpoint_tensor(experts, name: str, tensor: torch.Tensor) -> None:
+    """Stores a checkpoint's `{proj}_{blocks|scales}` tensor (its layout and shape, on the device it is on) into a
+    resident module, in tile order."""
+    expected = expected_shapes(experts)
+    if name not in expected:
+        raise ValueError(f"put_checkpoint_tensor: {name!r} is none of {sorted(expected)}")
+    if tensor.dtype != torch.uint8 or tuple(tensor.shape) != expected[name]:
+        raise ValueError(f"{name}: {tensor.dtype} {tuple(tensor.shape)}, expected uint8 {expected[name]}")
+    experts._buffers[name] = to_tile_order(tensor, _split(name)[1])
+
+
+def checkpoint_tensor(experts, name: str) -> torch.Tensor:
+    """A resident module's `{proj}_{blocks|scales}` back in the checkpoint's layout (a new tensor)."""
+    proj, part = _split(name)
+    return from_tile_order(getattr(experts, name), part, *matrix_sizes(experts)[proj])
 
 
 def make_resident(experts, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> None:
     """Turns one gpt-oss experts module resident in place: `tensors` holds its `{proj}_blocks` / `{proj}_scales`
-    (uint8, checkpoint layout; meta tensors for a skeleton), `dtype` the weights' dtype when dequantized. Drops the
+    (uint8, checkpoint layout; meta tensors for a skeleton), kept in tile order (mxfp4.to_tile_order, what
+    mxfp4_decode's kernel reads; dequantize reads it too); `dtype` the weights' dtype when dequantized. Drops the
     module's gate_up_proj / down_proj parameters."""
     if is_resident(experts):
         raise ValueError("experts are already resident")
@@ -368,7 +438,7 @@ def make_resident(experts, tensors: Mapping[str, torch.Tensor], dtype: torch.dty
     for name in PROJECTIONS:
         experts._parameters.pop(name, None)
     for name, tensor in tensors.items():
-        experts.register_buffer(name, tensor, persistent=False)
+        experts.register_buffer(name, to_tile_order(tensor, _split(name)[1]), persistent=False)
     experts.expert_dtype = dtype
     experts.__class__ = resident_class(type(experts))
 
@@ -393,16 +463,40 @@ def resident_layers(model) -> list[int]:
     return sorted(i for i, _, module in _experts_modules(model) if is_resident(module))
 
 
-def resident_state(model) -> dict[str, torch.Tensor]:
+class ResidentState(Mapping):
     """The resident blocks and scales by their names in the model (`...mlp.experts.{proj}_{blocks|scales}`, the
-    checkpoint's names under the model's prefix): what state_dict() leaves out (non-persistent buffers)."""
-    return {f"{prefix}.{name}": tensor for _, prefix, module in _experts_modules(model) if is_resident(module)
-            for name, tensor in module.named_buffers(recurse=False) if name.endswith(("_blocks", "_scales"))}
+    checkpoint's names under the model's prefix), in the checkpoint's layout: what state_dict() leaves out
+    (non-persistent buffers). Each tensor is put back in that layout when read (checkpoint_tensor), so iterating
+    the names costs nothing."""
+
+    def __init__(self, model):
+        self._where = {f"{prefix}.{name}": (module, name) for _, prefix, module in _experts_modules(model)
+                       if is_resident(module) for name in expected_shapes(module)}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return checkpoint_tensor(*self._where[key])
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def stored(self, key: str) -> torch.Tensor:
+        """The buffer itself, in tile order."""
+        module, name = self._where[key]
+        return getattr(module, name)
+
+
+def resident_state(model) -> ResidentState:
+    """The resident blocks and scales by their checkpoint names (ResidentState)."""
+    return ResidentState(model)
 
 
 def resident_bytes(model) -> int:
-    """Bytes of the resident blocks and scales."""
-    return sum(t.numel() * t.element_size() for t in resident_state(model).values())
+    """Bytes the resident blocks and scales take (tile order, with its padding)."""
+    state = resident_state(model)
+    return sum(state.stored(key).nbytes for key in state)
 
 
 @dataclass

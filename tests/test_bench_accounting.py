@@ -104,16 +104,15 @@ def test_generation_cycles_average_each_batchs_steps(timed, expected):
 DOT_SCALED = {"upcast": "dot_scaled", "swap": False}
 # (SWEEP_CONFIGS entry, the Tiles fields it sets, or None where it is refused)
 SWEEP_ENTRIES = [
-    ("64/128/4/3", {**DOT_SCALED, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3}),  # the defaults
-    ("128/256/8/4", {**DOT_SCALED, "block_n": 128, "block_k": 256, "num_warps": 8, "num_stages": 4}),  # other numbers
+    ("128/128/4/3", {"block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 3}),  # the default variant
+    ("128/256/8/4", {"block_n": 128, "block_k": 256, "num_warps": 8, "num_stages": 4}),  # other numbers
     ("dot_scaled:64/128/4/3/32",
      {**DOT_SCALED, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3, "block_m": 32}),  # named, BLOCK_M
     ("bits:64/256/4/2", {"upcast": "bits", "swap": False, "block_n": 64, "block_k": 256, "num_warps": 4,
                          "num_stages": 2}),
     ("bits-swap:128/128/8/3/8", {"upcast": "bits", "swap": True, "block_n": 128, "block_k": 128, "num_warps": 8,
                                  "num_stages": 3, "block_m": 8}),
-    ("tiled:64/128/4/3", {"upcast": "dot_scaled", "swap": False, "layout": "tiled", "block_n": 64, "block_k": 128,
-                          "num_warps": 4, "num_stages": 3}),  # a tile-ordered copy of the weights
+    ("tiled:64/128/4/3", None),  # gone: every variant reads the weights in tile order
     ("128/64/4", None),  # three numbers
     ("bits-swap:128/64/4/3/8/2", None),  # six
     ("128/64/4/a", None),  # not a number
@@ -138,11 +137,12 @@ def test_mxfp4_variant_sweep_list_parses_and_covers_every_variant():
     """SWEEP_LIST=variants' entries (checked here, not first on the GPU machine) name every kernel variant, and both
     token-tile heights where the weights are the left operand."""
     from benchmarks.bench_mxfp4_decode import _VARIANT_SWEEP, SWEEP_VARIANTS, sweep_tiles
+    from tes_grpo.mxfp4_decode import Tiles
 
-    fields = [sweep_tiles(entry) for entry in _VARIANT_SWEEP]
-    assert {(f["upcast"], f["swap"]) for f in fields} == {(v["upcast"], v["swap"]) for v in SWEEP_VARIANTS.values()}
-    assert {f.get("block_m") for f in fields if f["swap"]} == {8, 16}
-    assert {f.get("layout", "checkpoint") for f in fields} == {"checkpoint", "tiled"}
+    tiles = [Tiles(**sweep_tiles(entry)) for entry in _VARIANT_SWEEP]
+    assert {(t.upcast, t.swap) for t in tiles} == {(t.upcast, t.swap) for t in
+                                                   (Tiles(**v) for v in SWEEP_VARIANTS.values())}
+    assert {t.block_m for t in tiles if t.swap} == {8, 16}
     assert len(set(_VARIANT_SWEEP)) == len(_VARIANT_SWEEP)
 
 

@@ -74,7 +74,6 @@ DECODE_EXPERTS_CASES = [
     ("auto", False, True, "model"),  # CPU: no GPU kernel, the model's own experts (the reason is in the log line)
     ("auto", True, False, "model"),  # no triton
     ("mxfp4", False, True, "mxfp4"),  # asked for (runs only where Triton can: a GPU or its interpreter)
-    ("mxfp4_tiled", True, True, "mxfp4_tiled"),  # the kernel through a tile-ordered copy: only when asked for
     ("grouped_mm", True, True, "model"),
     ("transformers", True, True, "model"),
 ]

@@ -12,7 +12,7 @@ from tes_grpo.gpt_oss_shapes import gpt_oss_20b_config, gpt_oss_120b_config
 from tes_grpo.memory_plan import GIB, MemoryFacts, ModelShape, SettingsError, plan_memory
 
 M20B = ModelShape.from_config(gpt_oss_20b_config())
-MXFP4_WEIGHTS = memory_plan.weights_bytes(M20B, experts_mxfp4=True) / GIB  # 12.8 GiB: experts resident as MXFP4
+MXFP4_WEIGHTS = memory_plan.weights_bytes(M20B, experts_mxfp4=True) / GIB  # 13.1 GiB: experts resident as MXFP4
 BF16_WEIGHTS = memory_plan.weights_bytes(M20B, experts_mxfp4=False) / GIB  # 39.0 GiB: dequantized (today's loading)
 CALIBRATED = memory_plan.ACTIVATION_SCALE  # as shipped: the H100 checks below use it, the plan cases pin 1.0
 
@@ -46,7 +46,8 @@ PLANS = [
     (65, 13.0, 0, {"MEMORY_BUDGET_GB": 24}, 1316, None, {}, 2, 32, 64),  # longer prompts: smaller passes
     (10.7, MXFP4_WEIGHTS, 0, {"MAX_COMPLETION_LEN": 1024}, 871, None, {}, 8, 64, 64),  # shorter completions
     (65, MXFP4_WEIGHTS, 0, {"MEMORY_BUDGET_GB": 20}, 871, None, {}, 2, 32, 64),  # a 20 GiB budget
-    (23.5, 0, MXFP4_WEIGHTS, {}, 871, None, {}, 4, 32, 64),  # the 24 GB card before loading: weights to come count
+    (10.7 + MXFP4_WEIGHTS, 0, MXFP4_WEIGHTS, {}, 871, None, {}, 4, 32, 64),  # the same card before loading: the
+    # weights to come count against its free memory
     (65, MXFP4_WEIGHTS, 0, {}, 871, 2, {}, 8, 16, 16),  # GRPO_STEPS_PER_GENERATION=2: 2 passes of 8 a batch
     (40, BF16_WEIGHTS, 0, {"TRAIN_TOKENS_PER_PASS": 10**6}, 871, None,
      {"mxfp4": False, "later_resident_bytes": int(9.46 * GIB)}, 8, 64, 64),  # H100 today: bf16 + MXFP4 decode copy
@@ -56,7 +57,8 @@ PLANS = [
     (40, BF16_WEIGHTS, 0, {"TRAIN_TOKENS_PER_PASS": 10**6, "GENERATION_STEPS": 4}, 871, None,
      {"mxfp4": False, "later_resident_bytes": int(9.46 * GIB)}, 8, 128, 256),  # bf16 experts: 2 calls of 128
     (10.7, MXFP4_WEIGHTS, 0, {"GENERATION_STEPS": 2}, 871, None, {}, 4, 32, 128),  # 24 GB card: 32 a call either way
-    (23.5, 0, MXFP4_WEIGHTS, {"GENERATION_STEPS": 4}, 871, None, {}, 4, 32, 256),  # ... before loading too
+    (10.7 + MXFP4_WEIGHTS, 0, MXFP4_WEIGHTS, {"GENERATION_STEPS": 4}, 871, None, {}, 4, 32, 256),  # ... before
+    # loading too
 ]
 
 
@@ -272,30 +274,23 @@ def test_measured_facts(monkeypatch, driver_free, total, allocated, reserved, fr
 # (loaded, experts resident as MXFP4, MXFP4 decode copy; the extras set, in GiB). graph_decode decodes LoRA unmerged
 # (in PEFT's order), so a generate call holds no copy of the attention weights.
 RECIPES = [
-    (False, True, False, {"to_load": 12.8, "transient": 1.5, "later": 0.0, "generation": 0.0}),  # MXFP4 20B
+    (False, True, False, {"to_load": 13.1, "transient": 1.5, "later": 0.0, "generation": 0.0}),  # MXFP4 20B
     (True, True, False, {"to_load": 0.0, "transient": 1.5, "later": 0.0, "generation": 0.0}),  # loaded
-    (True, False, True, {"to_load": 0.0, "transient": 0.0, "later": 9.5, "generation": 0.0}),  # bf16 + decode copy
+    (True, False, True, {"to_load": 0.0, "transient": 0.0, "later": 9.7, "generation": 0.0}),  # bf16 + decode copy
     (True, False, False, {"to_load": 0.0, "transient": 0.0, "later": 0.0, "generation": 0.0}),  # vLLM/plain
 ]
 
 
-def test_recipe_facts_count_the_tiled_decode_copy(monkeypatch):
-    """DECODE_EXPERTS=mxfp4_tiled: the tile-ordered copy is held from the first generation on (resident experts:
-    the only copy made), and plan_run passes the setting on."""
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * GIB, 80 * GIB))
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
-    settings = train_grpo.default_settings(DECODE_EXPERTS="mxfp4_tiled")
-    got = memory_plan.recipe_facts(settings, M20B, True, True, False, tiled_decode_copy=True)
-    assert got.later_resident_bytes == memory_plan.tiled_expert_bytes(M20B)
-    assert round(got.later_resident_bytes / GIB, 2) == 9.74  # what the H100 run's pack line said it copied
-    seen = []
-    monkeypatch.setattr(memory_plan, "recipe_facts", lambda *args, **kwargs: seen.append(kwargs) or got)
-    monkeypatch.setattr(memory_plan, "plan_memory", lambda *args: "plan")
-    monkeypatch.setattr(memory_plan, "no_plan_reason", lambda s: None)
-    assert memory_plan.plan_run(settings, gpt_oss_20b_config(), 900, loaded=False, experts_resident_mxfp4=True,
-                                steps_per_generation=16) == "plan"
-    assert seen[-1]["tiled_decode_copy"] is True
+def test_mxfp4_expert_bytes_are_the_tile_order_s():
+    """The resident experts and the decoding copy are kept in tile order: each matrix padded to whole 128 x 128
+    tiles (20B: 2,880 -> 2,944 inputs, down's 2,880 outputs too), 17 bytes a 32-block."""
+    from tes_grpo.mxfp4 import TILE
+
+    assert TILE == (128, 128)
+    per_expert = (5760 * 2944 + 2944 * 2944) * 17 // 32
+    assert memory_plan.expert_bytes(M20B, mxfp4=True) == 24 * 32 * per_expert
+    assert memory_plan.resident_expert_bytes(M20B, 2) == 22 * 32 * per_expert
+    assert round(memory_plan.expert_bytes(M20B, mxfp4=True) / GIB, 2) == 9.74
 
 
 @pytest.mark.parametrize("loaded, resident, decode_copy, extras", RECIPES)
@@ -392,8 +387,8 @@ def test_the_plan_counts_the_expert_layers_kept_bf16(monkeypatch, tmp_path, toke
 
 # (layers whose experts stay bf16 among resident ones; GiB of the 20B's weights)
 SOME_BF16_EXPERTS = [
-    (0, 12.8),  # every layer resident as MXFP4
-    (3, 16.1),  # three layers' experts bf16 for LoRA: 1.09 GiB more each
+    (0, 13.1),  # every layer resident as MXFP4 (in tile order, padded)
+    (3, 16.3),  # three layers' experts bf16 for LoRA: 1.08 GiB more each
     (24, 39.0),  # all of them: the same as the dequantized model
 ]
 
@@ -421,18 +416,18 @@ SHAPES = {"20b": M20B, "120b": M120B}
 # (model, processes, experts resident as MXFP4; GiB a GPU: replicated, sharded, gathered, weights, needs with one
 #  dequantized expert layer), LoRA r 4
 FSDP_WEIGHTS = [
-    ("20b", 1, True, 9.5, 3.4, 1.1, 14.0, 15.5),  # one process: the whole rest, gathered copies on top
-    ("20b", 2, True, 9.5, 1.7, 1.1, 12.3, 13.8),  # the default fsdp2.yaml
-    ("20b", 4, True, 9.5, 0.8, 1.1, 11.4, 12.9),
-    ("20b", 8, True, 9.5, 0.4, 1.1, 11.0, 12.5),  # the replicated experts dominate
+    ("20b", 1, True, 9.7, 3.4, 1.1, 14.3, 15.7),  # one process: the whole rest, gathered copies on top
+    ("20b", 2, True, 9.7, 1.7, 1.1, 12.6, 14.0),  # the default fsdp2.yaml
+    ("20b", 4, True, 9.7, 0.8, 1.1, 11.7, 13.2),
+    ("20b", 8, True, 9.7, 0.4, 1.1, 11.3, 12.8),  # the replicated experts dominate
     ("20b", 1, False, 0.0, 39.0, 3.1, 42.1, 42.1),  # bf16 experts are parameters: nothing replicated
     ("20b", 2, False, 0.0, 19.5, 3.1, 22.6, 22.6),
     ("20b", 4, False, 0.0, 9.7, 3.1, 12.8, 12.8),
     ("20b", 8, False, 0.0, 4.9, 3.1, 7.9, 7.9),  # two gathered layers of bf16 experts
-    ("120b", 1, True, 56.7, 4.1, 1.1, 61.9, 67.9),
-    ("120b", 2, True, 56.7, 2.0, 1.1, 59.9, 65.8),  # fits an 80 GB card, not a 48 GB one
-    ("120b", 4, True, 56.7, 1.0, 1.1, 58.9, 64.8),
-    ("120b", 8, True, 56.7, 0.5, 1.1, 58.4, 64.3),  # more GPUs hardly help: the experts are replicated
+    ("120b", 1, True, 58.4, 4.1, 1.1, 63.6, 69.6),
+    ("120b", 2, True, 58.4, 2.0, 1.1, 61.6, 67.5),  # fits an 80 GB card, not a 48 GB one
+    ("120b", 4, True, 58.4, 1.0, 1.1, 60.6, 66.5),
+    ("120b", 8, True, 58.4, 0.5, 1.1, 60.1, 66.0),  # more GPUs hardly help: the experts are replicated
     ("120b", 1, False, 0.0, 217.7, 12.0, 229.6, 229.6),
     ("120b", 2, False, 0.0, 108.8, 12.0, 120.8, 120.8),
     ("120b", 4, False, 0.0, 54.4, 12.0, 66.4, 66.4),
@@ -466,16 +461,16 @@ FSDP_CHECKS = [
     ("120b", 2, True, 80, 0, None),  # 2 x H100: the replicated experts fit
     ("120b", 8, True, 141, 0, None),
     ("20b", 2, True, 24, 0, None),  # the 20B's experts fit a 24 GB card
-    ("120b", 2, True, 48, 0, "needs ~65.8 GiB a GPU (MXFP4 experts replicated 56.7 GiB + 1/2 of the rest 2.0 GiB"
+    ("120b", 2, True, 48, 0, "needs ~67.5 GiB a GPU (MXFP4 experts replicated 58.4 GiB + 1/2 of the rest 2.0 GiB"
                               " + two gathered units 1.1 GiB + one layer's experts dequantized for training 5.9 GiB)"),
     ("120b", 2, True, 48, 0, "the GPU has 44.7 GiB free of 44.7 GiB"),
-    ("120b", 2, True, 48, 0, "use GPUs with at least 65.8 GiB free: the resident MXFP4 experts (56.7 GiB) are "
+    ("120b", 2, True, 48, 0, "use GPUs with at least 67.5 GiB free: the resident MXFP4 experts (58.4 GiB) are "
                              "replicated on every GPU, so more GPUs shrink only the sharded part"),
     ("120b", 2, True, 48, 0, "EXPERTS=bf16: dequantized at load, the experts are parameters that FSDP2 shards, "
                              "~120.8 GiB a GPU (1/2 of the weights 108.8 GiB + two gathered units 12.0 GiB) over 2, "
                              "which fits 7 or more GPUs like this one; rank 0's host then needs RAM for the whole "
                              "bf16 model (217.6 GiB)"),
-    ("120b", 8, True, 48, 0, "FSDP2 over 8 processes needs ~64.3 GiB"),  # 8 x 48 GB do not help either
+    ("120b", 8, True, 48, 0, "FSDP2 over 8 processes needs ~66.0 GiB"),  # 8 x 48 GB do not help either
     ("120b", 2, False, 48, 0, "use 7 or more GPUs like this one (--num_processes), or use GPUs with more memory"),
     ("120b", 2, True, 80, 40, "MEMORY_BUDGET_GB=40 leaves 40.0 GiB; raise MEMORY_BUDGET_GB"),  # the budget binds
     ("120b", 2, True, 80, 40, "which fits 8 or more GPUs at this budget"),
@@ -525,7 +520,7 @@ def _fsdp_gpu(monkeypatch, free_gib: float, processes: int = 2, rank: int = 1, v
 
 def test_fsdp_plan_run_stops_before_loading(monkeypatch):
     s, seen = _fsdp_gpu(monkeypatch, 44.7)
-    with pytest.raises(SettingsError, match=r"FSDP2 over 2 processes needs ~65\.8 GiB a GPU"):
+    with pytest.raises(SettingsError, match=r"FSDP2 over 2 processes needs ~67\.5 GiB a GPU"):
         memory_plan.plan_run(s, gpt_oss_120b_config(), 871, None, True, loaded=False)
     assert seen == [1]  # this process's GPU (LOCAL_RANK), not the first one
 
@@ -536,8 +531,8 @@ def test_fsdp_plan_run_says_the_weights(monkeypatch):
     assert memory_plan.plan_run(s, gpt_oss_120b_config(), 871, None, True, loaded=False, say=said.append) is None
     assert said == []  # before loading: checked only
     assert memory_plan.plan_run(s, gpt_oss_120b_config(), 871, None, True, loaded=True, say=said.append) is None
-    assert said == ["memory: FSDP2 over 2 processes: weights ~59.9 GiB a GPU (MXFP4 experts replicated 56.7 GiB + "
-                    "1/2 of the rest 2.0 GiB + two gathered units 1.1 GiB), 65.8 GiB with one layer's experts "
+    assert said == ["memory: FSDP2 over 2 processes: weights ~61.6 GiB a GPU (MXFP4 experts replicated 58.4 GiB + "
+                    "1/2 of the rest 2.0 GiB + two gathered units 1.1 GiB), 67.5 GiB with one layer's experts "
                     "dequantized for training, of 79.2 GiB free; no plan for passes (TRAIN_TOKENS_PER_PASS sizes "
                     "them, generation takes the whole batch)"]
 

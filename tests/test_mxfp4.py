@@ -17,10 +17,14 @@ from tes_grpo.mxfp4 import (
     dequantize_mxfp4,
     expert_param_to_mxfp4,
     fake_quantize_expert_param,
+    from_tile_order,
     legacy_config_keys,
     mxfp4_to_expert_param,
     quantize_mxfp4,
     save_tokenizer_files,
+    tile_order_bytes,
+    tile_order_shape,
+    to_tile_order,
     write_config_json,
     write_mxfp4_checkpoint,
 )
@@ -108,6 +112,46 @@ def test_rejects_bad_shapes_and_values():
         quantize_mxfp4(torch.full((1, 32), float("nan")))
     with pytest.raises(ValueError, match="do not match"):
         dequantize_mxfp4(torch.zeros(2, 2, 16, dtype=torch.uint8), torch.zeros(2, 3, dtype=torch.uint8))
+
+
+# (weight [E, out, in], tile (out, in))
+TILE_ORDER_CASES = [
+    ((2, 96, 160), (64, 64)),  # partial tiles down and along: padded both ways
+    ((1, 128, 256), (128, 128)),  # whole tiles
+    ((3, 40, 32), (128, 128)),  # smaller than one tile (the tiny model's experts are)
+]
+
+
+@pytest.mark.parametrize("shape, tile", TILE_ORDER_CASES)
+def test_tile_order_round_trips_and_pads_with_zeros(shape, tile):
+    experts, rows, cols = shape
+    w = torch.randn(experts, rows, cols)
+    blocks, scales = quantize_mxfp4(w)
+    tiled = {"blocks": to_tile_order(blocks, "blocks", tile), "scales": to_tile_order(scales, "scales", tile)}
+    for part, original in (("blocks", blocks), ("scales", scales)):
+        assert tuple(tiled[part].shape) == tile_order_shape(part, experts, rows, cols, tile)
+        assert torch.equal(from_tile_order(tiled[part], part, rows, cols), original)
+        assert tiled[part].is_contiguous()
+    assert sum(t.nbytes for t in tiled.values()) == experts * tile_order_bytes(rows, cols, tile)
+    # tile (i, j) holds rows i*tile_rows.. and columns j*tile_cols..: its first row starts with the weight's bytes
+    assert torch.equal(tiled["blocks"][0, 0, 0, 0, :min(cols, tile[1]) // 2],
+                       blocks[0, 0].reshape(-1)[:min(cols, tile[1]) // 2])
+    # the padding dequantizes to 0 (code 0 at scale 2**0)
+    padded = dequantize_mxfp4(from_tile_order(tiled["blocks"], "blocks", *[-(-n // t) * t for n, t in
+                                                                          zip((rows, cols), tile, strict=True)]),
+                              from_tile_order(tiled["scales"], "scales", *[-(-n // t) * t for n, t in
+                                                                          zip((rows, cols), tile, strict=True)]))
+    assert torch.equal(padded[:, :rows, :cols], dequantize_mxfp4(blocks, scales))
+    assert not padded[:, rows:].any() and not padded[:, :, cols:].any()
+
+
+def test_tile_order_works_on_meta_tensors_and_refuses_bad_tiles():
+    blocks = torch.empty(2, 96, 5, 16, dtype=torch.uint8, device="meta")
+    assert to_tile_order(blocks, "blocks", (64, 64)).shape == (2, 2, 3, 64, 32)
+    with pytest.raises(ValueError, match="part 'values'"):
+        to_tile_order(blocks, "values")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        to_tile_order(blocks, "blocks", (64, 48))
 
 
 def test_checkpoint_layout_and_config(tmp_path):

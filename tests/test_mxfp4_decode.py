@@ -83,15 +83,14 @@ def random_mlp(seed=0, **shape) -> GptOssMLP:
     return mlp.requires_grad_(False)
 
 
-# Tiles fields of each kernel variant (mxfp4_decode.Tiles): today's tl.dot_scaled, the kernel's own upcast with
-# tl.dot, and that with the weights as the dot's left operand, 16 or 8 rows a tile
+# Tiles fields of each kernel variant (mxfp4_decode.Tiles): the default (the kernel's own upcast, the weights as the
+# dot's left operand, 16 rows a tile), with 8 rows, without the swap, and Triton's tl.dot_scaled upcast
 VARIANTS = {
-    "dot_scaled": {},
-    "bits": {"upcast": "bits"},
-    "bits-swap-16": {"upcast": "bits", "swap": True},
-    "bits-swap-8": {"upcast": "bits", "swap": True, "block_m": 8},
-    "tiled": {"layout": "tiled"},  # a tile-ordered copy of the weights (tile_layout), dot_scaled
-    "bits-tiled": {"upcast": "bits", "layout": "tiled"},
+    "bits-swap-16": {},
+    "bits-swap-8": {"block_m": 8},
+    "bits": {"swap": False},
+    "dot_scaled": {"upcast": "dot_scaled", "swap": False},  # DOT_SCALED: where the bits upcast is not exact
+    "narrow-tiles": {"block_n": 64, "block_k": 64},  # a copy in another tile order (retiled)
 }
 
 
@@ -112,14 +111,14 @@ def test_kernel_equals_transformers_mlp_bit_for_bit(tokens, shape, variant):
     # path (torch 2.13: equal with ONEDNN_MAX_CPU_ISA=AVX512_CORE, not with AMX); ATen's own kernels give the same
     # sums on any x86 CPU, so the reference (and the router both sides share) runs there
     with torch.backends.mkldnn.flags(enabled=False):
-        ours = md.moe_forward(mlp, md.pack_experts(mlp.experts), x, tiles)
+        ours = md.moe_forward(mlp, md.retiled(md.pack_experts(mlp.experts), tiles), x)
         reference = mlp(x)[0]
     assert torch.equal(ours, reference)
 
 
 @pytest.mark.parametrize("block_n, block_k", [
-    (32, 64),  # narrower tiles than the defaults
-    (128, 256),  # wider than the matrices (everything masked at the edges)
+    (32, 64),  # narrower tiles than the stored ones: a copy in that tile order
+    (128, 256),  # wider than the matrices (one tile, mostly padding)
 ])
 @runs_kernel
 def test_other_tile_sizes_give_the_same_result(block_n, block_k):
@@ -127,14 +126,17 @@ def test_other_tile_sizes_give_the_same_result(block_n, block_k):
     mlp = random_mlp(seed=1)
     x = torch.randn(9, mlp.router.hidden_dim).to(torch.bfloat16)
     packed = md.pack_experts(mlp.experts)
+    other = md.retiled(packed, tiles)
+    assert packed.tile == md.TILE and other.tile == (block_n, block_k) and not other.resident
     _, scores, ids = mlp.router(x)
     order = torch.sort(ids.reshape(-1), stable=True)[1]
     offsets = torch.searchsorted(ids.reshape(-1)[order], torch.arange(9))
     rows = torch.div(order, ids.shape[1], rounding_mode="floor")
-    default = md.experts_matmul(x, rows, offsets, packed.gate_up_blocks, packed.gate_up_scales, packed.gate_up_bias)
-    other = md.experts_matmul(x, rows, offsets, packed.gate_up_blocks, packed.gate_up_scales, packed.gate_up_bias,
-                              tiles=tiles)
-    assert torch.equal(default, other)
+    default = md.experts_matmul(x, rows, offsets, packed.gate_up_blocks, packed.gate_up_scales, packed.gate_up_size,
+                                packed.gate_up_bias)
+    ours = md.experts_matmul(x, rows, offsets, other.gate_up_blocks, other.gate_up_scales, other.gate_up_size,
+                             other.gate_up_bias, tiles=tiles)
+    assert torch.equal(default, ours)
 
 
 # every (low, high) pair of FP4 codes in a row's 256 bytes; scales across the range the upcast is exact for
@@ -167,12 +169,49 @@ def test_bits_upcast_of_an_all_zero_group_at_scale_0_is_the_codecs():
 
 @pytest.mark.parametrize("fields, message", [
     ({"upcast": "fp8"}, "upcast='fp8'; valid: 'dot_scaled', 'bits'"),
-    ({"swap": True}, "swap=True needs upcast='bits'"),  # the swapped dot_scaled was measured slower and is gone
-    ({"layout": "transposed"}, "layout='transposed'; valid: 'checkpoint', 'tiled'"),
+    ({"upcast": "dot_scaled"}, "swap=True needs upcast='bits'"),  # the swapped dot_scaled was measured slower
 ])
 def test_tiles_refuse_an_unknown_variant(fields, message):
     with pytest.raises(ValueError, match=message):
         md.Tiles(**fields)
+
+
+# (what one 32-value group holds: its scale byte, its 16 code bytes; whether the bits upcast gives it exactly)
+UPCAST_EXACT_CASES = [
+    (127, 0x21, True),  # an ordinary group
+    (1, 0x77, True),  # the smallest scale it handles
+    (254, 0x77, True),  # the largest
+    (0, 0x00, True),  # scale 0 on an all-zero group (quantize_mxfp4 writes it): zeros either way
+    (0, 0x88, True),  # ... of negative zeros
+    (0, 0x01, False),  # scale 0 under a nonzero code: the bits upcast reads 0, the format 0.5 x 2**-127
+    (255, 0x00, False),  # 255 (NaN in the format): the bits upcast reads infinities
+]
+
+
+@pytest.mark.parametrize("scale, byte, exact", UPCAST_EXACT_CASES)
+def test_upcast_is_exact(scale, byte, exact):
+    from tes_grpo.mxfp4 import to_tile_order
+
+    blocks = torch.full((2, 64, 4, 16), 0x35, dtype=torch.uint8)
+    scales = torch.full((2, 64, 4), 120, dtype=torch.uint8)
+    blocks[1, 17, 2] = byte  # one group of one expert
+    scales[1, 17, 2] = scale
+    tiled = to_tile_order(blocks, "blocks"), to_tile_order(scales, "scales")
+    assert md.upcast_is_exact(*tiled) is exact
+
+
+@runs_kernel
+def test_a_layer_the_bits_upcast_cannot_give_exactly_runs_dot_scaled():
+    """A group at scale 0 under nonzero codes (values of 2**-128, exactly MXFP4): pack_experts gives the layer
+    DOT_SCALED, and it still equals transformers' MLP bit for bit."""
+    mlp = random_mlp()
+    with torch.no_grad():
+        mlp.experts.down_proj[2, :32, 5] = 2.0**-128  # one group of 32 inputs of expert 2's output 5
+    pack = md.pack_experts(mlp.experts)
+    assert pack.tiles == md.DOT_SCALED and md.pack_experts(random_mlp().experts).tiles == md.TILES
+    x = torch.randn(1, 9, mlp.router.hidden_dim).to(torch.bfloat16)
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert torch.equal(md.moe_forward(mlp, pack, x), mlp(x)[0])
 
 
 def test_pack_refuses_weights_that_are_not_exactly_mxfp4():
@@ -194,6 +233,8 @@ def test_pack_blockers(change, reason):
 
 
 def test_pack_is_kept_and_redone_when_the_weights_change_in_place():
+    from tes_grpo.mxfp4 import from_tile_order
+
     mlp = random_mlp()
     first, fresh = md.packed_experts(mlp.experts)
     assert fresh and isinstance(first, md.PackedExperts)
@@ -201,7 +242,8 @@ def test_pack_is_kept_and_redone_when_the_weights_change_in_place():
     with torch.no_grad():
         mlp.experts.gate_up_proj.mul_(2)  # still exact (a power of two), but new values: the copy must follow
     second, fresh = md.packed_experts(mlp.experts)
-    assert fresh and torch.equal(second.gate_up_scales, first.gate_up_scales + 1)
+    scales = [from_tile_order(pack.gate_up_scales, "scales", *pack.gate_up_size) for pack in (first, second)]
+    assert fresh and torch.equal(scales[1], scales[0] + 1)
 
 
 # --- inside graph_decode ---------------------------------------------------------------------------------------
@@ -231,42 +273,41 @@ def test_graph_decode_samples_the_same_tokens_with_mxfp4_experts():
                               eos_token_id=[3])
     said = []
     outputs = {}
-    for experts in ("model", "mxfp4", "mxfp4_tiled"):
+    for experts in ("model", "mxfp4"):
         torch.manual_seed(7)
         outputs[experts] = graph_decode.generate(model, ids, mask, config, graphs=False, experts=experts,
                                                  say=said.append)
     assert torch.equal(outputs["model"], outputs["mxfp4"])
-    assert torch.equal(outputs["model"], outputs["mxfp4_tiled"])
     assert any("packed 2 layers' experts as MXFP4" in line for line in said)
-    assert any("2 layers' MXFP4 experts copied in tile order" in line for line in said)
 
 
 @runs_kernel
-def test_a_tiled_pack_reads_its_copies_made_once():
-    """pack_model with TILED makes each layer's tile-ordered copies once (a later call copies nothing) and returns
-    packs that run with TILED by default, equal to transformers' MLP bit for bit, from the copies alone: with the
-    checkpoint-layout blocks zeroed afterwards the output stays the same."""
+def test_pack_model_with_other_tiles_runs_a_copy_in_their_order():
+    """pack_model with tiles whose tile is not mxfp4.TILE copies each layer's weights into that order (said, counted)
+    and the packs run with those tiles, equal to transformers' MLP bit for bit; with the stored tile, no copy."""
     model = small_bf16_model()
+    stored = md.pack_model(model.model.layers, say=lambda line: None)
+    tiles = md.Tiles(block_n=32, block_k=64)
     said = []
-    packs = md.pack_model(model.model.layers, say=said.append, tiles=md.TILED)
-    assert all(pack.tiles == md.TILED for pack in packs)
-    again = []
-    md.pack_model(model.model.layers, say=again.append, tiles=md.TILED)
-    assert not any("copied in tile order" in line for line in again)
+    packs = md.pack_model(model.model.layers, say=said.append, tiles=tiles)
+    assert all(pack.tiles == tiles and pack.tile == (32, 64) for pack in packs)
+    assert any("2 layers' experts copied in (32, 64) tile order" in line for line in said)
+    same = []
+    assert md.pack_model(model.model.layers, say=same.append, tiles=md.Tiles(num_warps=8))[0].gate_up_blocks is (
+        stored[0].gate_up_blocks) and not same
     x = torch.randn(1, 6, model.config.hidden_size).to(torch.bfloat16)
     mlp = model.model.layers[0].mlp
     with torch.backends.mkldnn.flags(enabled=False):  # ATen's sums, as test_kernel_equals_transformers_mlp's
         reference = mlp(x)[0]
         assert torch.equal(md.moe_forward(mlp, packs[0], x), reference)
-        packs[0].gate_up_blocks.zero_()  # the pack's own copy (bf16 experts): the tiled kernel must not read it
-        packs[0].down_blocks.zero_()
+        stored[0].gate_up_blocks.zero_()  # the stored order's pack: the copy must not read it
         assert torch.equal(md.moe_forward(mlp, packs[0], x), reference)
-        assert not torch.equal(md.moe_forward(mlp, packs[0], x, md.TILES), reference)
+        assert not torch.equal(md.moe_forward(mlp, stored[0], x), reference)
 
 
-def test_the_memory_plan_counts_the_tiled_copies_bytes():
-    """memory_plan.tiled_expert_bytes against tile_layout's copies, at a shape whose gate_up and down pad
-    differently (hidden 96, intermediate 160: 2 x 160 = 320 -> 384 and 160 -> 256, 96 -> 128)."""
+def test_the_memory_plan_counts_the_packs_bytes():
+    """memory_plan.expert_bytes(mxfp4=True) against a pack's tile-ordered tensors, at a shape whose gate_up and down
+    pad differently (hidden 96, intermediate 160: 2 x 160 = 320 -> 384 and 160 -> 256, 96 -> 128)."""
     from dataclasses import replace
 
     from tes_grpo import memory_plan
@@ -274,22 +315,19 @@ def test_the_memory_plan_counts_the_tiled_copies_bytes():
 
     mlp = random_mlp(hidden=96, inter=160, experts=8)
     pack = md.pack_experts(mlp.experts)
-    copies = pack.tiled(md.TILED)
     shape = replace(memory_plan.ModelShape.from_config(gpt_oss_20b_config()), hidden=96, intermediate=160, experts=8,
                     layers=1)
-    assert sum(t.nbytes for pair in copies for t in pair) == memory_plan.tiled_expert_bytes(shape)
-    assert memory_plan.TILE == md.TILED.block_n == md.TILED.block_k
+    assert pack.nbytes() == memory_plan.expert_bytes(shape, mxfp4=True) == 8 * (384 * 128 + 128 * 256) * 17 // 32
 
 
-def test_experts_matmul_refuses_tiled_copies_of_other_tiles():
+def test_experts_matmul_refuses_weights_in_another_tile_order():
     mlp = random_mlp()
-    pack = md.pack_experts(mlp.experts)
-    other = md.Tiles(block_n=64, block_k=64, layout="tiled")
+    pack = md.retiled(md.pack_experts(mlp.experts), md.Tiles(block_n=64, block_k=64))
     x = torch.randn(3, mlp.router.hidden_dim).to(torch.bfloat16)
     rows, offsets = torch.arange(3), torch.tensor([0, 3] + [3] * 7)
-    with pytest.raises(ValueError, match="need tile_layout's copies of shapes"):
-        md.experts_matmul(x, rows, offsets, pack.gate_up_blocks, pack.gate_up_scales, pack.gate_up_bias,
-                          tiles=md.TILED, tiled=pack.tiled(other)[0])
+    with pytest.raises(ValueError, match="retiled makes a copy"):
+        md.experts_matmul(x, rows, offsets, pack.gate_up_blocks, pack.gate_up_scales, pack.gate_up_size,
+                          pack.gate_up_bias)
 
 
 @runs_kernel
@@ -327,7 +365,7 @@ def tiny_bf16():
 
 
 def test_resident_layers_are_packed_as_they_are(tiny_bf16):
-    from tes_grpo.mxfp4 import SafetensorsCheckpoint
+    from tes_grpo.mxfp4 import SafetensorsCheckpoint, to_tile_order
 
     path, models = tiny_bf16
     said = []
@@ -341,20 +379,20 @@ def test_resident_layers_are_packed_as_they_are(tiny_bf16):
         for field, name in (("gate_up_blocks", "gate_up_proj_blocks"), ("gate_up_scales", "gate_up_proj_scales"),
                             ("down_blocks", "down_proj_blocks"), ("down_scales", "down_proj_scales")):
             assert getattr(pack, field) is getattr(experts, name)  # the module's own tensor: no copy
-            assert torch.equal(getattr(pack, field), checkpoint[f"model.layers.{i}.mlp.experts.{name}"])
+            assert torch.equal(getattr(pack, field), to_tile_order(checkpoint[f"model.layers.{i}.mlp.experts.{name}"],
+                                                                   name.rpartition("_")[2]))
             assert torch.equal(getattr(requantized[i], field), getattr(pack, field))
     assert md.packed_experts(models["mxfp4"].model.layers[0].mlp.experts) == (packs[0], False)  # kept
 
 
 def test_a_resident_pack_is_redone_when_its_scales_change_in_place(tiny_bf16):
-    """A tiled copy holds the scales too, so a change to the resident scales alone must make a new pack (whose
-    tiled copies are then made afresh)."""
+    """A change to the resident scales alone makes a new pack (a retiled copy holds the scales too)."""
     _, models = tiny_bf16
     experts = models["mxfp4"].model.layers[1].mlp.experts
     pack, _ = md.packed_experts(experts)
     experts.down_proj_scales.add_(0)  # an in-place write: the buffer's version moves, its values stay
     again, fresh = md.packed_experts(experts)
-    assert fresh and again is not pack and again.tiled_copies == {}
+    assert fresh and again is not pack
 
 
 def test_resident_float32_experts_are_not_packed(tiny_bf16):

@@ -79,6 +79,46 @@ def test_triton_kernel_equals_transformers(dtype, monkeypatch):
         assert torch.equal(bits(got), bits(expected))
 
 
+# (weight [E, out, in], tile (out, in), dequantization program (rows, columns, warps))
+TILE_ORDER_CASES = [
+    ((3, 96, 160), (64, 64), (32, 32, 4)),  # partial tiles both ways: padded, and the padding never read back
+    ((2, 64, 128), (64, 128), (64, 64, 4)),  # whole tiles, a program inside one tile
+    ((1, 256, 512), (128, 128), (64, 64, 4)),  # mxfp4.TILE, every byte and scale (every_byte_and_scale)
+]
+
+
+@pytest.mark.parametrize("shape, tile, program", TILE_ORDER_CASES)
+def test_dequantize_from_tile_order_equals_transformers(shape, tile, program, monkeypatch):
+    """What a resident module keeps (tile order) dequantizes to the checkpoint layout's values, bit for bit: the
+    Triton kernel (interpreted) and torch's codec."""
+    pytest.importorskip("triton")
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from tes_grpo.mxfp4 import to_tile_order
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    experts, rows, cols = shape
+    if shape == (1, 256, 512):
+        blocks, scales = every_byte_and_scale()
+    else:
+        g = torch.Generator().manual_seed(1)
+        blocks = torch.randint(0, 256, (experts, rows, cols // 32, 16), dtype=torch.uint8, generator=g)
+        scales = torch.randint(110, 130, (experts, rows, cols // 32), dtype=torch.uint8, generator=g)
+    expected = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
+    tiled = to_tile_order(blocks, "blocks", tile), to_tile_order(scales, "scales", tile)
+    assert torch.equal(bits(mx.dequantize_with_triton(*tiled, torch.bfloat16, program, size=(rows, cols))),
+                       bits(expected))
+    assert torch.equal(bits(mx.dequantize_with_torch(*tiled, torch.bfloat16, size=(rows, cols))), bits(expected))
+
+
+def test_dequantize_refuses_what_is_not_tile_order():
+    blocks, scales = every_byte_and_scale()
+    with pytest.raises(ValueError, match="not a \\[E, 256, 512\\] weight in tile order"):
+        mx.dequantize_experts(blocks, scales, torch.float32, size=(256, 512))  # the checkpoint's layout, size given
+    with pytest.raises(ValueError, match="not the checkpoint's"):
+        mx.dequantize_experts(blocks[..., :8], scales, torch.float32)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Training: resident = dequantized load, bit for bit
 # ---------------------------------------------------------------------------------------------------------------
@@ -255,7 +295,7 @@ class FloatShapes(TorchDispatchMode):
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])
 def test_loader_builds_no_bf16_expert_and_matches_from_pretrained(tiny, dtype):
-    from tes_grpo.mxfp4 import SafetensorsCheckpoint
+    from tes_grpo.mxfp4 import SafetensorsCheckpoint, tile_order_bytes, to_tile_order
 
     said = []
     with FloatShapes() as created:
@@ -287,8 +327,11 @@ def test_loader_builds_no_bf16_expert_and_matches_from_pretrained(tiny, dtype):
     assert (model.training, model.name_or_path, model.config._attn_implementation,
             model.config._experts_implementation) == (False, reference.name_or_path,
                                                       resolve_attention("auto", DEVICE), "grouped_mm")
-    assert mx.resident_bytes(model) == sum(checkpoint[n].numel() for n in checkpoint if n.endswith(("_blocks",
-                                                                                                    "_scales")))
+    resident = mx.resident_state(model)
+    for name in resident:  # kept in tile order, the order the decode kernel reads
+        assert torch.equal(resident.stored(name).cpu(), to_tile_order(checkpoint[name], name.rpartition("_")[2]))
+    # each of the 2 layers' 4 experts: gate_up [128, 64] and down [64, 64] (out, in), each padded to one tile
+    assert mx.resident_bytes(model) == 2 * 4 * (tile_order_bytes(2 * i, h) + tile_order_bytes(h, i)) == 139264
     assert any(line.startswith("experts: 2 layer(s) resident as MXFP4") for line in said)
 
 
