@@ -17,7 +17,8 @@ loaded dequantized), then:
   each with whether its output is bit-equal to the default tiles' and its largest difference to transformers' MLP.
   An entry is [VARIANT:]BLOCK_N/BLOCK_K/num_warps/num_stages[/BLOCK_M] (sweep_tiles); VARIANT is default
   (mxfp4_decode.TILES' upcast), dot_scaled (tl.dot_scaled upcasts), bits (the kernel's own upcast, then tl.dot) or
-  bits-swap (that, the weights as the dot's left operand).
+  bits-swap (that, the weights as the dot's left operand) or hopper (a copy in OpenAI triton_kernels' Hopper
+  layout, whose loaded bytes are the MMA's operand registers, unpacked by its PTX).
   A BLOCK_N/BLOCK_K other than the stored tile (mxfp4.TILE) reads a copy of the weights in that tile order.
   SWEEP_LIST=variants sweeps _VARIANT_SWEEP (the variants across tile shapes for Hopper) by default instead.
 """
@@ -48,7 +49,8 @@ _VARIANT_SWEEP = ("dot_scaled:64/128/4/3", "dot_scaled:128/256/8/3", "bits:64/12
                   "bits-swap:64/128/4/3/16", "bits-swap:64/128/4/3/8", "bits-swap:64/128/4/2/16",
                   "bits-swap:64/128/4/4/16", "bits-swap:64/256/4/3/16", "bits-swap:64/64/4/4/16",
                   "bits-swap:128/128/4/3/16", "bits-swap:128/128/8/3/16", "bits-swap:128/256/8/3/16",
-                  "bits-swap:128/256/8/2/8")
+                  "bits-swap:128/256/8/2/8", "hopper:128/128/4/3/16", "hopper:128/128/4/4/16",
+                  "hopper:256/128/8/3/16", "hopper:128/256/4/3/16")
 PRESETS = {"SWEEP_LIST": {"variants": {"SWEEP_CONFIGS": _VARIANT_SWEEP}}}
 CHOICES = {"SWEEP_LIST": ("tiles", "variants")}
 SEED = 0  # torch seed
@@ -97,7 +99,8 @@ def graph_time(fn, reps: int) -> float:
 
 SWEEP_VARIANTS = {"default": {}, "dot_scaled": {"upcast": "dot_scaled", "swap": False},
                   "bits": {"upcast": "bits", "swap": False},
-                  "bits-swap": {"upcast": "bits", "swap": True}}  # VARIANT: prefix -> Tiles fields
+                  "bits-swap": {"upcast": "bits", "swap": True},
+                  "hopper": {"upcast": "hopper", "swap": True}}  # VARIANT: prefix -> Tiles fields
 
 
 def sweep_tiles(config: str) -> dict:
@@ -127,6 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     from tes_grpo.gpt_oss_shapes import stack_versions
     from tes_grpo.moe_routing import MAX_ROWS as route_limit
 
+    try:  # each entry's Tiles (their own checks) before the GPU work
+        sweep_tiles_of = {config: mxfp4_decode.Tiles(**fields) for config, fields in configs.items()}
+    except ValueError as err:
+        print(f"error: SWEEP_CONFIGS: {err}", file=sys.stderr)
+        return 2
     print(stack_versions())
     mlp = one_layer(s.SEED)
     packed = mxfp4_decode.pack_experts(mlp.experts)
@@ -160,8 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         with torch.no_grad():
             ref = mlp(x)[0].float()
             default = mxfp4_decode.moe_forward(mlp, packed, x, routing="torch")
-        for config, fields in configs.items():
-            tiles = mxfp4_decode.Tiles(**fields)
+        for config, tiles in sweep_tiles_of.items():
             try:
                 pack = mxfp4_decode.retiled(packed, tiles)  # a copy where its tile is not the stored one
                 with torch.no_grad():

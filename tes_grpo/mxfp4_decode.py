@@ -60,7 +60,7 @@ from tes_grpo.mxfp4 import (
 )
 from tes_grpo.mxfp4_experts import is_resident, matrix_sizes
 
-UPCASTS = ("dot_scaled", "bits")  # Tiles.upcast
+UPCASTS = ("dot_scaled", "bits", "hopper")  # Tiles.upcast
 
 
 @dataclass(frozen=True)
@@ -70,21 +70,34 @@ class Tiles:
     where the rows are the right operand's columns), and a decode step routes ~8 rows to an expert (64 sequences x
     4 / 32). upcast="bits" is exact for E8M0 scales 1..254 and for all-zero groups at scale 0 (_mxfp4_to_bf16);
     a nonzero group at scale 0 (values below 2^-124, which mxfp4.quantize_mxfp4 writes for such tiny groups) reads
-    as zeros, and 255 (NaN in the format) as infinities; the kernel reads no scale on the host to check it."""
+    as zeros, and 255 (NaN in the format) as infinities; the kernel reads no scale on the host to check it.
+    upcast="hopper" reads a copy in OpenAI triton_kernels' Hopper layout instead (hopper_layout; benchmarks only),
+    with the same exactness as "bits"."""
 
     block_m: int = 16
     block_n: int = TILE[0]  # the stored tile's outputs and inputs (mxfp4.TILE); others read a copy (retiled)
     block_k: int = TILE[1]
     num_warps: int = 4
     num_stages: int = 3
-    upcast: str = "bits"  # "bits": _mxfp4_to_bf16, then tl.dot; "dot_scaled": tl.dot_scaled upcasts
-    swap: bool = True  # upcast="bits" only: the weight tile is the dot's left operand (acc [BLOCK_N, BLOCK_M])
+    upcast: str = "bits"  # "bits": _mxfp4_to_bf16, then tl.dot; "dot_scaled": tl.dot_scaled upcasts; "hopper"
+    swap: bool = True  # upcast="bits" or "hopper": the weight tile is the dot's left operand (acc [BLOCK_N, BLOCK_M])
 
     def __post_init__(self):
         if self.upcast not in UPCASTS:
             raise ValueError(f"Tiles: upcast={self.upcast!r}; valid: {', '.join(map(repr, UPCASTS))}")
-        if self.swap and self.upcast != "bits":
-            raise ValueError(f"Tiles: swap=True needs upcast='bits' (got upcast={self.upcast!r})")
+        if self.swap and self.upcast == "dot_scaled":
+            raise ValueError(f"Tiles: swap=True needs upcast='bits' or 'hopper' (got upcast={self.upcast!r})")
+        if self.upcast == "hopper" and not (self.swap and self.block_k % 128 == 0 and self.block_m >= 16
+                                            and self.block_n % (32 * self.num_warps) == 0):
+            # block_m 8 gave other sums than transformers' MLP on the H100 (BENCHMARKS.md), unexplained
+            raise ValueError(f"Tiles: upcast='hopper' needs swap=True, block_m >= 16, block_k a multiple of 128 and "
+                             f"block_n of 32 x num_warps (got {self})")
+
+    @property
+    def layout(self) -> str:
+        """How the weights must be stored for these tiles: "tiles" (mxfp4.to_tile_order) or "hopper"
+        (hopper_layout)."""
+        return "hopper" if self.upcast == "hopper" else "tiles"
 
     @property
     def tile(self) -> tuple[int, int]:
@@ -178,10 +191,82 @@ def upcast_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _hopper_unpack(x, INTERPRETED: tl.constexpr):
+    """[R, C] bytes of hopper_layout (every 4 bytes one word of 8 FP4 codes, their bits placed by _hopper_bits) ->
+    [R, 2C] bf16, the codes' E2M1 values in the order the bytes held them (low nibble first): masks and shifts put
+    each code's sign and 3 magnitude bits where a bf16 reads them as the value times 2**-126, then one exact multiply
+    by 2**126. Compiled: OpenAI triton_kernels' PTX (Triton 3.6's hopper_value._unpack_fp4_to_bf16_triton, two
+    instructions a value); interpreted: the same bit operations in Triton's language."""
+    R: tl.constexpr = x.shape[0]
+    C: tl.constexpr = x.shape[1]
+    if INTERPRETED:
+        b = tl.reshape(x.to(tl.uint32), (R, C // 4, 2, 2))
+        even, odd = tl.split(b)  # bytes 0 and 2, 1 and 3 of each word (little-endian)
+        b0, b2 = tl.split(even)
+        b1, b3 = tl.split(odd)
+        word = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
+        o0 = word & 0x81C081C0
+        o1 = (word << 3) & 0x81C081C0
+        o2 = (word << 6) & 0x81C081C0
+        o3 = ((word << 1) & 0x80008000) | ((word >> 3) & 0x01800180) | ((word >> 7) & 0x00400040)
+        pairs = tl.trans(tl.join(tl.join(o0, o1), tl.join(o2, o3)), 0, 1, 3, 2)  # [R, C/4, pair, k in pair]
+        words = tl.reshape(pairs, (R, C // 4, 4))
+        halves = tl.reshape(tl.join(words & 0xFFFF, words >> 16), (R, 2 * C))  # each word: its low bf16 first
+        values = halves.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return _mul(values, tl.full((R, 2 * C), 2.0**126, tl.bfloat16), INTERPRETED)
+    r0, r1 = tl.inline_asm_elementwise(
+        asm="""{
+            .reg .b32 b, c, d<7>, bias;
+            mov.b32 bias, 0x7e807e80;
+            and.b32 $0, $4, 0b10000001110000001000000111000000;
+            mul.bf16x2 $0, $0, bias;
+            shl.b32 b, $4, 3;
+            and.b32 $1, b,  0b10000001110000001000000111000000;
+            mul.bf16x2 $1, $1, bias;
+            shl.b32 c, $4, 6;
+            and.b32 $2, c,  0b10000001110000001000000111000000;
+            mul.bf16x2 $2, $2, bias;
+            shl.b32 d0, $4, 1;
+            and.b32 d1, d0, 0b10000000000000001000000000000000;
+            shr.b32 d2, $4, 3;
+            and.b32 d3, d2, 0b00000001100000000000000110000000;
+            or.b32 d4, d1, d3;
+            shr.b32 d5, $4, 7;
+            and.b32 d6, d5, 0b00000000010000000000000001000000;
+            or.b32 $3, d4, d6;
+            mul.bf16x2 $3, $3, bias;
+        }""",
+        constraints="=r,=r,=r,=r,r", args=[x], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    values = tl.reshape(tl.join(r0, r1), (R, C // 4, 4, 2))
+    return tl.reshape(tl.trans(values, 0, 1, 3, 2), (R, 2 * C))
+
+
+@triton.jit
+def _hopper_unshuffle(x):
+    """hopper_layout's value order -> [rows, K] (triton_kernels' _unshuffle_triton, mma_version 3, bf16): [R, C]
+    upcast values -> [4R, C / 4]."""
+    R: tl.constexpr = x.shape[0]
+    C: tl.constexpr = x.shape[1]
+    x = tl.reshape(x, (R // 4, 4, C // 256, 2, 4, 8, 2, 2))
+    return tl.reshape(tl.trans(x, 0, 6, 1, 3, 2, 5, 4, 7), (R * 4, C // 4))
+
+
+@triton.jit
+def _hopper_scales(x, NUM_WARPS: tl.constexpr):
+    """hopper_layout's scale order -> [rows, K / 32] (triton_kernels' unswizzle_mxfp4_scale_hopper): [R, C] bytes
+    -> [32R, C / 32]."""
+    R: tl.constexpr = x.shape[0]
+    C: tl.constexpr = x.shape[1]
+    x = tl.reshape(x, (R // NUM_WARPS, NUM_WARPS, C // 64, 2, 8, 2, 2))
+    return tl.reshape(tl.trans(x, 0, 3, 1, 6, 4, 2, 5), (R * 32, C // 32))
+
+
+@triton.jit
 def _experts_kernel(x_ptr, x_rows_ptr, offsets_ptr, blocks_ptr, scales_ptr, bias_ptr, weight_ptr, out_ptr,
                     out_rows_ptr, N, K, alpha, limit,
                     SWIGLU: tl.constexpr, ROUTED_OUT: tl.constexpr, UPCAST_BITS: tl.constexpr, SWAP: tl.constexpr,
-                    INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    HOPPER: tl.constexpr, NUM_WARPS: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[r] = f(x[x_rows[r]] @ W_e + b_e) for the rows r in offsets[e]:offsets[e+1] (rows sorted by expert).
 
     W_e is stored in tile order (mxfp4.to_tile_order at (BLOCK_N, BLOCK_K)): blocks [E, N tiles, K tiles, BLOCK_N,
@@ -189,7 +274,9 @@ def _experts_kernel(x_ptr, x_rows_ptr, offsets_ptr, blocks_ptr, scales_ptr, bias
     (E8M0), whole tiles padded with zeros, so the weights need no masks. SWIGLU: f is gpt-oss's clamped SwiGLU over
     interleaved (gate, up) columns, out has N/2 columns. ROUTED_OUT: f multiplies by weight[out_rows[r]] and the row
     is stored at out_rows[r]. UPCAST_BITS: the weight tile is upcast by _mxfp4_to_bf16 and multiplied by tl.dot, not
-    tl.dot_scaled; SWAP (with UPCAST_BITS): acc^T [BLOCK_N, BLOCK_M] = W_tile^T [BLOCK_N, BLOCK_K] @ x^T."""
+    tl.dot_scaled; SWAP (with UPCAST_BITS): acc^T [BLOCK_N, BLOCK_M] = W_tile^T [BLOCK_N, BLOCK_K] @ x^T. HOPPER
+    (with SWAP): blocks and scales are hopper_layout's ([E, N / 4, 2 K] and [E, N / 32, K] bytes, padded to whole
+    tiles), upcast by _hopper_unpack, _hopper_unshuffle and _hopper_scales (NUM_WARPS: the scales' layout's)."""
     expert = tl.program_id(0)
     start = tl.load(offsets_ptr + expert)
     end = tl.load(offsets_ptr + expert + 1)
@@ -214,24 +301,37 @@ def _experts_kernel(x_ptr, x_rows_ptr, offsets_ptr, blocks_ptr, scales_ptr, bias
             else:
                 x = tl.load(x_ptr + src[:, None].to(tl.int64) * K + ks[None, :],
                             mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
-            # this K step's tile: [BLOCK_N, BLOCK_K / 2] bytes, then [BLOCK_N, BLOCK_K / 32] scales
-            tile = first_tile + k0 // BLOCK_K
-            w_tile = blocks_ptr + tile * (BLOCK_N * BLOCK_K // 2)
-            within = tl.arange(0, BLOCK_K // 2)
-            if UPCAST_BITS:  # [BLOCK_N, BLOCK_K / 2]: a column's bytes along a row
-                w = tl.load(w_tile + local[:, None] * (BLOCK_K // 2) + within[None, :])
-            else:  # [BLOCK_K / 2, BLOCK_N], as tl.dot_scaled takes it
-                w = tl.load(w_tile + local[None, :] * (BLOCK_K // 2) + within[:, None])
-            s = tl.load(scales_ptr + tile * (BLOCK_N * BLOCK_K // 32) + local[:, None] * (BLOCK_K // 32)
-                        + tl.arange(0, BLOCK_K // 32)[None, :])
-            if UPCAST_BITS:
-                w = _mxfp4_to_bf16(w, s, BLOCK_N, BLOCK_K, INTERPRETED)  # [BLOCK_N, BLOCK_K] bf16
-                if SWAP:
-                    acc = _dot(w, xt, acc, INTERPRETED)
-                else:
-                    acc = _dot(x, tl.trans(w), acc, INTERPRETED)
+            if HOPPER:  # [BLOCK_N / 4, 2 BLOCK_K] value bytes, [BLOCK_N / 32, BLOCK_K] scales of padded rows
+                k_pad = ((K + BLOCK_K - 1) // BLOCK_K) * BLOCK_K
+                n_pad = tl.num_programs(1) * BLOCK_N
+                w = tl.load(blocks_ptr + expert.to(tl.int64) * (n_pad * k_pad // 2)
+                            + (tl.program_id(1) * (BLOCK_N // 4) + tl.arange(0, BLOCK_N // 4))[:, None] * (2 * k_pad)
+                            + (2 * k0 + tl.arange(0, 2 * BLOCK_K))[None, :])
+                s = tl.load(scales_ptr + expert.to(tl.int64) * (n_pad * k_pad // 32)
+                            + (tl.program_id(1) * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32))[:, None] * k_pad
+                            + (k0 + tl.arange(0, BLOCK_K))[None, :])
+                w = _hopper_unshuffle(_hopper_unpack(w, INTERPRETED))  # [BLOCK_N, BLOCK_K] bf16
+                scale = (_hopper_scales(s, NUM_WARPS).to(tl.uint16) << 7).to(tl.bfloat16, bitcast=True)
+                scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // 32, 32)),
+                                   (BLOCK_N, BLOCK_K))
+                acc = _dot(_mul(w, scale, INTERPRETED), xt, acc, INTERPRETED)
             else:
-                acc = tl.dot_scaled(x, None, "bf16", w, s, "e2m1", acc, fast_math=True)
+                # this K step's tile: [BLOCK_N, BLOCK_K / 2] bytes, then [BLOCK_N, BLOCK_K / 32] scales
+                tile = first_tile + k0 // BLOCK_K
+                w_tile = blocks_ptr + tile * (BLOCK_N * BLOCK_K // 2)
+                within = tl.arange(0, BLOCK_K // 2)
+                s = tl.load(scales_ptr + tile * (BLOCK_N * BLOCK_K // 32) + local[:, None] * (BLOCK_K // 32)
+                            + tl.arange(0, BLOCK_K // 32)[None, :])
+                if UPCAST_BITS:  # [BLOCK_N, BLOCK_K / 2]: a column's bytes along a row
+                    w = tl.load(w_tile + local[:, None] * (BLOCK_K // 2) + within[None, :])
+                    w = _mxfp4_to_bf16(w, s, BLOCK_N, BLOCK_K, INTERPRETED)  # [BLOCK_N, BLOCK_K] bf16
+                    if SWAP:
+                        acc = _dot(w, xt, acc, INTERPRETED)
+                    else:
+                        acc = _dot(x, tl.trans(w), acc, INTERPRETED)
+                else:  # [BLOCK_K / 2, BLOCK_N], as tl.dot_scaled takes it
+                    w = tl.load(w_tile + local[None, :] * (BLOCK_K // 2) + within[:, None])
+                    acc = tl.dot_scaled(x, None, "bf16", w, s, "e2m1", acc, fast_math=True)
         if SWAP:
             acc = tl.trans(acc)
         # transformers: grouped_mm's bf16 output, then `out.add_(bias)` in bf16
@@ -266,10 +366,10 @@ def experts_matmul(x, x_rows, offsets, blocks, scales, size, bias, *, swiglu=Non
     if x.shape[-1] != k or x.dtype != torch.bfloat16:
         raise ValueError(f"experts_matmul: x {tuple(x.shape)} {x.dtype} does not match the weights' {k} inputs "
                          "(needs bf16 x)")
-    shapes = [tile_order_shape(part, experts, n, k, tiles.tile) for part in ("blocks", "scales")]
+    shapes = layout_shapes(tiles, experts, n, k)
     if [tuple(blocks.shape), tuple(scales.shape)] != shapes:
-        raise ValueError(f"experts_matmul: tiles {tiles} read [E, {n}, {k}] weights in tile order of shapes "
-                         f"{shapes}, got {[tuple(blocks.shape), tuple(scales.shape)]} (retiled makes a copy)")
+        raise ValueError(f"experts_matmul: tiles {tiles} read [E, {n}, {k}] weights in the {tiles.layout} layout of "
+                         f"shapes {shapes}, got {[tuple(blocks.shape), tuple(scales.shape)]} (retiled makes a copy)")
     rows = x_rows.shape[0]
     shape = (rows, n // 2) if swiglu else ((weights.shape[0] if weights is not None else rows), n)
     out = torch.empty(shape, dtype=torch.bfloat16, device=x.device)
@@ -278,7 +378,8 @@ def experts_matmul(x, x_rows, offsets, blocks, scales, size, bias, *, swiglu=Non
     _experts_kernel[grid](x, x_rows, offsets, blocks, scales, bias, weights if weights is not None else bias, out,
                           out_rows if out_rows is not None else x_rows, n, k, float(alpha), float(limit),
                           SWIGLU=bool(swiglu), ROUTED_OUT=weights is not None, UPCAST_BITS=tiles.upcast == "bits",
-                          SWAP=tiles.swap, INTERPRETED=interpreted(), BLOCK_M=tiles.block_m,
+                          SWAP=tiles.swap, HOPPER=tiles.upcast == "hopper", NUM_WARPS=tiles.num_warps,
+                          INTERPRETED=interpreted(), BLOCK_M=tiles.block_m,
                           BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
                           num_stages=tiles.num_stages)
     return out
@@ -310,7 +411,9 @@ class PackedExperts:
 
     @property
     def tile(self) -> tuple[int, int]:
-        """The tile order the weights are kept in: (outputs, inputs) of a tile."""
+        """The tile the weights are kept in: (outputs, inputs) of a tile."""
+        if self.tiles.layout == "hopper":
+            return self.tiles.tile
         return self.gate_up_blocks.shape[3], self.gate_up_blocks.shape[4] * 2
 
     def nbytes(self) -> int:
@@ -329,19 +432,78 @@ def upcast_is_exact(blocks: torch.Tensor, scales: torch.Tensor) -> bool:
     return True
 
 
+def layout_shapes(tiles: Tiles, experts: int, n: int, k: int) -> list[tuple]:
+    """The shapes of an [experts, n, k] weight's blocks and scales in the layout `tiles` reads (Tiles.layout)."""
+    if tiles.layout == "hopper":
+        n_pad, k_pad = (-(-n // tiles.block_n) * tiles.block_n, -(-k // tiles.block_k) * tiles.block_k)
+        return [(experts, n_pad // 4, 2 * k_pad), (experts, n_pad // 32, k_pad)]
+    return [tile_order_shape(part, experts, n, k, tiles.tile) for part in ("blocks", "scales")]
+
+
+def _unsigned_shift(x: torch.Tensor, bits: int) -> torch.Tensor:
+    return (x >> bits) & ((1 << (32 - bits)) - 1)
+
+
+def _hopper_bits(data: torch.Tensor) -> torch.Tensor:
+    """Every 4 bytes (8 FP4 codes) -> one little-endian word with the codes' bits where _hopper_unpack's masks and
+    shifts find them (triton_kernels' hopper_value._pack_bits)."""
+    x = data.reshape(*data.shape[:-1], -1, 4).to(torch.int32)
+
+    def placed(byte, fourth=False):  # low nibble to the word's low half, high nibble to its high half
+        def one(code):
+            if fourth:
+                return ((code & 0x8) << 11) | ((code & 0x6) << 9) | ((code & 0x1) << 13)
+            return ((code & 0x8) << 12) | ((code & 0x7) << 6)
+        return one(byte & 0xF) | (one(byte >> 4) << 16)
+
+    word = (placed(x[..., 0]) | _unsigned_shift(placed(x[..., 1]), 3) | _unsigned_shift(placed(x[..., 2]), 6)
+            | placed(x[..., 3], fourth=True))
+    return word.contiguous().view(torch.uint8).reshape(data.shape)
+
+
+def hopper_layout(blocks: torch.Tensor, scales: torch.Tensor, size: tuple[int, int], tiles: Tiles):
+    """Checkpoint-layout blocks/scales of an [E, N, K] weight -> the layout Tiles(upcast="hopper") reads, OpenAI
+    triton_kernels' Hopper MXFP4 layout (Triton 3.6: HopperMXValueLayout, mma_version 3, and HopperMXScaleLayout at
+    tiles.num_warps), each weight padded to whole tiles: values [E, N / 4, 2 K] (each lane's 16 bytes are its
+    warpgroup-MMA operand registers for 4 K steps of 16, bits pre-placed by _hopper_bits), scales [E, N / 32, K]."""
+    n, k = size
+    experts = blocks.shape[0]
+    n_pad, k_pad = (-(-n // tiles.block_n) * tiles.block_n, -(-k // tiles.block_k) * tiles.block_k)
+    values = blocks.new_zeros(experts, n_pad, k_pad // 2)
+    values[:, :n, :k // 2] = blocks.reshape(experts, n, k // 2)
+    values = values.view(experts, n_pad // 16, 1, 2, 4, 2, 1, k_pad // 64, 4, 2, 4, 1, 1)
+    values = values.permute(0, *[1 + d for d in (0, 3, 6, 10, 4, 9, 7, 1, 8, 2, 5, 11)]).reshape(
+        experts, n_pad // 4, 2 * k_pad)
+    warps = tiles.num_warps
+    padded = scales.new_full((experts, n_pad, k_pad // 32), 127)
+    padded[:, :n, :k // 32] = scales
+    padded = padded.reshape(experts, n_pad // (32 * warps), 2, warps, 2, 8, k_pad // 64, 2)
+    padded = padded.permute(0, 1, 3, 6, 2, 5, 7, 4).reshape(experts, n_pad // 32, k_pad)
+    return _hopper_bits(values).contiguous(), padded.contiguous()
+
+
 def retiled(pack: PackedExperts, tiles: Tiles) -> PackedExperts:
-    """The pack to run with `tiles`: itself when its tile order is tiles.tile, else a copy of its weights in that
-    order (benchmarks try other tile sizes this way; never made inside a CUDA graph capture)."""
-    if pack.tile == tiles.tile:
+    """The pack to run with `tiles`: itself when its weights are in the layout and tile `tiles` reads, else a copy
+    of them in it (benchmarks try other tiles and the Hopper layout this way; never made inside a CUDA graph
+    capture)."""
+    if [list(layout_shapes(tiles, pack.experts, *getattr(pack, f"{proj}_size"))) for proj in ("gate_up", "down")] == [
+            [tuple(getattr(pack, f"{proj}_{part}").shape) for part in ("blocks", "scales")]
+            for proj in ("gate_up", "down")] and pack.tiles.layout == tiles.layout and (
+            tiles.layout == "tiles" or pack.tiles.num_warps == tiles.num_warps):
         return dataclasses.replace(pack, tiles=tiles)
+    if pack.tiles.layout != "tiles":
+        raise ValueError(f"retiled: a pack in the {pack.tiles.layout} layout is copied only from tile order")
     if pack.gate_up_blocks.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("retiled: a copy in another tile order must be made before a CUDA graph capture")
     copies = {}
     for proj in ("gate_up", "down"):
         size = getattr(pack, f"{proj}_size")
-        for part in ("blocks", "scales"):
-            checkpoint = from_tile_order(getattr(pack, f"{proj}_{part}"), part, *size)
-            copies[f"{proj}_{part}"] = to_tile_order(checkpoint, part, tiles.tile)
+        checkpoint = [from_tile_order(getattr(pack, f"{proj}_{part}"), part, *size) for part in ("blocks", "scales")]
+        if tiles.layout == "hopper":
+            copies[f"{proj}_blocks"], copies[f"{proj}_scales"] = hopper_layout(*checkpoint, size, tiles)
+        else:
+            for part, tensor in zip(("blocks", "scales"), checkpoint, strict=True):
+                copies[f"{proj}_{part}"] = to_tile_order(tensor, part, tiles.tile)
     return dataclasses.replace(pack, **copies, resident=False, tiles=tiles)
 
 
@@ -461,12 +623,14 @@ def pack_model(layers, say=print, tiles: Tiles = TILES) -> list[PackedExperts | 
             "or 0 under nonzero codes), so they upcast through tl.dot_scaled (slower, exact)")
     if tiles == TILES:
         return packs
-    packs = [None if pack is None else retiled(pack, tiles) for pack in packs]
-    copies = [pack for pack in packs if pack is not None and pack.tile != TILE]
+    ran = [None if pack is None else retiled(pack, tiles) for pack in packs]
+    copies = [new for old, new in zip(packs, ran, strict=True)
+              if new is not None and new.gate_up_blocks is not old.gate_up_blocks]
     if copies:
-        say(f"DECODE_EXPERTS=mxfp4: {len(copies)} layers' experts copied in {tiles.tile} tile order for tiles "
-            f"{tiles} ({sum(p.nbytes() for p in copies) / 2**30:.2f} GiB more)")
-    return packs
+        order = "the Hopper layout" if tiles.layout == "hopper" else f"{tiles.tile} tile order"
+        say(f"DECODE_EXPERTS=mxfp4: {len(copies)} layers' experts copied in {order} for tiles {tiles} "
+            f"({sum(p.nbytes() for p in copies) / 2**30:.2f} GiB more)")
+    return ran
 
 
 ROUTE_IN_ONE_PROGRAM_UP_TO = 256  # routed rows (tokens x k) up to which a CUDA step sorts them with moe_routing

@@ -43,8 +43,10 @@ def test_bits_upcast_equals_the_codec_on_cuda():
 
 
 @pytest.mark.parametrize("variant", [{"upcast": "dot_scaled", "swap": False}, {"swap": False}, {}, {"block_m": 8},
-                                     {"block_n": 128, "block_k": 64}, {"block_n": 64, "block_k": 64}],
-                         ids=["dot_scaled", "bits", "bits-swap-16", "bits-swap-8", "tiles-128-64", "tiles-64-64"])
+                                     {"block_n": 128, "block_k": 64}, {"block_n": 64, "block_k": 64},
+                                     {"upcast": "hopper"}],
+                         ids=["dot_scaled", "bits", "bits-swap-16", "bits-swap-8", "tiles-128-64", "tiles-64-64",
+                              "hopper"])
 @pytest.mark.parametrize("routing", ["torch", "triton"])
 @pytest.mark.parametrize("tokens", [1, 37])
 def test_mxfp4_decode_kernel_matches_the_mlp_on_cuda(tokens, routing, variant):

@@ -91,6 +91,7 @@ VARIANTS = {
     "bits": {"swap": False},
     "dot_scaled": {"upcast": "dot_scaled", "swap": False},  # DOT_SCALED: where the bits upcast is not exact
     "narrow-tiles": {"block_n": 64, "block_k": 64},  # a copy in another tile order (retiled)
+    "hopper": {"upcast": "hopper"},  # a copy in triton_kernels' Hopper layout (hopper_layout), its bit unpacking
 }
 
 
@@ -169,7 +170,10 @@ def test_bits_upcast_of_an_all_zero_group_at_scale_0_is_the_codecs():
 
 @pytest.mark.parametrize("fields, message", [
     ({"upcast": "fp8"}, "upcast='fp8'; valid: 'dot_scaled', 'bits'"),
-    ({"upcast": "dot_scaled"}, "swap=True needs upcast='bits'"),  # the swapped dot_scaled was measured slower
+    ({"upcast": "dot_scaled"}, "swap=True needs upcast='bits' or 'hopper'"),  # measured slower, gone
+    ({"upcast": "hopper", "block_n": 64}, "block_n of 32 x num_warps"),  # the scales' layout: 32 rows a warp
+    ({"upcast": "hopper", "block_k": 64}, "block_k a multiple of 128"),
+    ({"upcast": "hopper", "block_m": 8}, "block_m >= 16"),  # measured not bit-equal on the H100
 ])
 def test_tiles_refuse_an_unknown_variant(fields, message):
     with pytest.raises(ValueError, match=message):
