@@ -422,9 +422,10 @@ def main(argv: list[str] | None = None, callbacks=()) -> int:
     import torch  # after resolve: --help needs no torch
 
     from tes_grpo.memory_plan import no_plan_reason
-    from tes_grpo.oom import StepWatch, out_of_memory_message
+    from tes_grpo.oom import StepWatch, out_of_memory_message, use_expandable_segments
     from tes_grpo.patches.torch_patches import leave_process_group
 
+    use_expandable_segments(say, torch.cuda.is_available(), torch.cuda.is_initialized())
     watch = StepWatch()
     try:
         train(settings, callbacks=(*callbacks, watch))

@@ -174,8 +174,10 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.grpo_timers import GenerationTimer, StepTimer, generation_cycles
     from tes_grpo import fast_paths
     from tes_grpo.gpt_oss_shapes import build_random_model, stack_versions
+    from tes_grpo.oom import use_expandable_segments
     from tes_grpo.sampling_fidelity import GEN_KL, LOGP_MAX, LOGP_MEAN
 
+    use_expandable_segments(say, torch.cuda.is_available(), torch.cuda.is_initialized())  # as train_grpo.main
     start_process_group()
     torch.cuda.set_device(local_rank())
     say(stack_versions())

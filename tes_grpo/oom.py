@@ -13,15 +13,48 @@ applies: every pass and generate call grows with it.
 
 Why the run folder stays resumable: checkpoints are written between optimizer steps, never during one, and a
 resume takes the newest complete checkpoint and trims the logs' rows of later steps (run_folder.prepare_resume).
+
+Before any of that, train_grpo.main (and benchmarks/bench_grpo.py) starts torch's CUDA allocator with expandable
+segments (use_expandable_segments), so memory freed by one phase of a step is there for the next.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from transformers import TrainerCallback
 
 from tes_grpo.run_folder import checkpoint_step, newest_complete_checkpoint
+
+ALLOCATOR_VARIABLE = "PYTORCH_CUDA_ALLOC_CONF"  # torch's own setting of its CUDA caching allocator
+EXPANDABLE = "expandable_segments:True"
+
+
+def use_expandable_segments(say, cuda_available: bool, cuda_started: bool) -> str | None:
+    """torch 2.11-2.13: has this process's CUDA caching allocator use expandable segments unless the user configured
+    it; returns the value in effect (None without a GPU). Says what it did.
+
+    Why: with fixed-size segments, each step alternates a generate call (its KV cache, ~7 GiB at the recipe within
+    24 GiB) and training passes (their activations), and the allocator ends up holding memory it cannot hand to the
+    next phase: under a 24 GiB budget a second step's generate call ran out of memory with 3.2 GiB reserved but
+    unallocated (BENCHMARKS.md, "The experts kept in tile order"). Expandable segments map and unmap pages within
+    one growing segment instead. torch reads the setting when its CUDA allocator starts, so this must run before
+    the process's first CUDA call (cuda_started: torch.cuda.is_initialized()); after it, it changes nothing and says
+    so. The variable is torch's interface for this setting; a value the user set is kept."""
+    if not cuda_available:
+        return None
+    given = os.environ.get(ALLOCATOR_VARIABLE)
+    if given:
+        say(f"CUDA allocator: {ALLOCATOR_VARIABLE}={given} (as set; the default here is {EXPANDABLE})")
+        return given
+    if cuda_started:
+        say(f"CUDA allocator: torch's defaults (CUDA was started before {EXPANDABLE} could be set; set "
+            f"{ALLOCATOR_VARIABLE}={EXPANDABLE} before starting to have it)")
+        return ""
+    os.environ[ALLOCATOR_VARIABLE] = EXPANDABLE
+    say(f"CUDA allocator: {EXPANDABLE} ({ALLOCATOR_VARIABLE}; memory one phase of a step frees is there for the next)")
+    return EXPANDABLE
 
 
 class StepWatch(TrainerCallback):

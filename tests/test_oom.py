@@ -99,3 +99,27 @@ def test_message_after_the_last_step(tmp_path):
     message = out_of_memory_message(settings, 31, torch.OutOfMemoryError(ALLOCATOR_SAYS), True, ended=True)
     assert message.startswith("error: out of GPU memory after the last step (30), while saving the adapter")
     assert "step 31" not in message
+
+
+# (PYTORCH_CUDA_ALLOC_CONF before, a GPU?, CUDA started?; the value in effect, the variable after, words said)
+ALLOCATOR_CASES = [
+    (None, True, False, "expandable_segments:True", "expandable_segments:True", "CUDA allocator: expandable"),
+    ("max_split_size_mb:256", True, False, "max_split_size_mb:256", "max_split_size_mb:256", "as set"),  # the user's
+    (None, True, True, "", None, "CUDA was started before"),  # too late: said, nothing changed
+    (None, False, False, None, None, None),  # no GPU: nothing to set, nothing said
+]
+
+
+@pytest.mark.parametrize("before, gpu, started, effect, after, words", ALLOCATOR_CASES)
+def test_use_expandable_segments(monkeypatch, before, gpu, started, effect, after, words):
+    import os
+
+    from tes_grpo.oom import ALLOCATOR_VARIABLE, use_expandable_segments
+
+    monkeypatch.setenv(ALLOCATOR_VARIABLE, before or "")  # recorded: whatever the call sets is undone after the test
+    if before is None:
+        monkeypatch.delenv(ALLOCATOR_VARIABLE)
+    said = []
+    assert use_expandable_segments(said.append, gpu, started) == effect
+    assert os.environ.get(ALLOCATOR_VARIABLE) == after
+    assert (words is None and not said) or (len(said) == 1 and words in said[0])
