@@ -425,7 +425,7 @@ def main(argv: list[str] | None = None, callbacks=()) -> int:
     from tes_grpo.oom import StepWatch, out_of_memory_message, use_expandable_segments
     from tes_grpo.patches.torch_patches import leave_process_group
 
-    use_expandable_segments(say, torch.cuda.is_available(), torch.cuda.is_initialized())
+    use_expandable_segments(say, torch.cuda.is_available(), torch.cuda.is_initialized(), vllm=settings.USE_VLLM)
     watch = StepWatch()
     try:
         train(settings, callbacks=(*callbacks, watch))

@@ -33,7 +33,9 @@ from pathlib import Path as _Path
 
 _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))
 
+import collections
 import json
+import math
 import sys
 import time
 from collections.abc import Mapping
@@ -124,15 +126,20 @@ def write_checkpoint(s, folder: Path) -> None:
 
     from tes_grpo.gpt_oss_shapes import build_random_model
     from tes_grpo.mxfp4 import write_mxfp4_checkpoint
-    from tes_grpo.mxfp4_experts import resident_state
+    from tes_grpo.mxfp4_experts import expected_shapes, is_resident, resident_state
 
     if (folder / "config.json").is_file():
         print(f"checkpoint: reusing {folder}")
         return
     overrides = json.loads(s.OVERRIDES) if s.OVERRIDES else {}
     model = build_random_model("eager", device(), size=s.MODEL_SIZE, resident=True, seed=s.SEED, **overrides)
-    state = {**model.state_dict(), **resident_state(model)}  # the blocks and scales are non-persistent buffers
-    need = sum(t.numel() * t.element_size() for t in state.values())
+    # the blocks and scales are non-persistent buffers, in tile order: resident_state gives each back in the
+    # checkpoint's layout when read, one at a time (_OnHost), never all at once on the device
+    resident = resident_state(model)
+    state = collections.ChainMap(resident, model.state_dict())
+    need = sum(t.nbytes for t in model.state_dict().values()) + sum(
+        math.prod(shape) for module in model.modules() if is_resident(module)
+        for shape in expected_shapes(module).values())
     folder.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(folder.parent).free
     if free < need * 1.05:

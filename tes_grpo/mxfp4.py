@@ -180,8 +180,11 @@ def to_tile_order(tensor: torch.Tensor, part: str, tile: tuple[int, int] = TILE)
     order (tile_order_shape): each tile's bytes contiguous, row by row, so a kernel reads one tile as one piece.
     The padding of the last tiles holds the value 0 (TILE_FILL). Works on meta tensors."""
     per_tile = _tile_columns(part, tile)
-    if tile[0] <= 0 or tile[1] % BLOCK_SIZE:
-        raise ValueError(f"tile order: tile {tile} needs rows > 0 and columns a multiple of {BLOCK_SIZE}")
+    if tile[0] <= 0 or tile[1] <= 0 or tile[1] % BLOCK_SIZE:
+        raise ValueError(f"tile order: tile {tile} needs rows > 0 and columns a positive multiple of {BLOCK_SIZE}")
+    if tensor.dim() != (4 if part == "blocks" else 3):
+        raise ValueError(f"tile order: {part} of shape {tuple(tensor.shape)} are not the checkpoint's "
+                         + ("[E, rows, cols/32, 16]" if part == "blocks" else "[E, rows, cols/32]"))
     experts, rows, groups = tensor.shape[:3]
     flat = tensor.reshape(experts, rows, -1)
     row_tiles, col_tiles = tiles_of(rows, groups * BLOCK_SIZE, tile)
@@ -192,7 +195,14 @@ def to_tile_order(tensor: torch.Tensor, part: str, tile: tuple[int, int] = TILE)
 
 def from_tile_order(tensor: torch.Tensor, part: str, rows: int, cols: int) -> torch.Tensor:
     """Inverse of to_tile_order for a [E, rows, cols] weight: the checkpoint's blocks or scales, contiguous."""
+    if tensor.dim() != 5:
+        raise ValueError(f"tile order: {part} of shape {tuple(tensor.shape)} are not in tile order "
+                         "([E, row tiles, column tiles, tile rows, tile bytes])")
     experts, row_tiles, col_tiles, tile_rows, per_tile = tensor.shape
+    wide = col_tiles * per_tile * (2 if part == "blocks" else BLOCK_SIZE)
+    if cols % BLOCK_SIZE or not (0 < rows <= row_tiles * tile_rows and 0 < cols <= wide):
+        raise ValueError(f"tile order: a [{rows}, {cols}] weight (columns a multiple of {BLOCK_SIZE}) is not what "
+                         f"{part} of shape {tuple(tensor.shape)} hold (at most [{row_tiles * tile_rows}, {wide}])")
     flat = tensor.permute(0, 1, 3, 2, 4).reshape(experts, row_tiles * tile_rows, col_tiles * per_tile)
     groups = cols // BLOCK_SIZE
     kept = flat[:, :rows, :groups * (BLOCK_SIZE // 2) if part == "blocks" else groups]

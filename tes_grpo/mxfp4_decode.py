@@ -6,10 +6,10 @@ times it against the bf16 experts:
     python benchmarks/bench_mxfp4_decode.py      # GPU machine: kernel check, timings, decode speed
 
 Why: at 64 sequences x top-4 of 32 experts nearly every expert is hit at every decode step, so a step reads all the
-expert weights: 38 GB in bf16, the larger part of a decode step's memory traffic. gpt-oss ships them as MXFP4 (4.25
-bits a value): 10.2 GB, ~3.7x fewer bytes (BENCHMARKS.md, "Speed at the recipe, second session", times both). When
-training holds bf16 experts (the checkpoint loaded dequantized), this module packs a second, MXFP4 copy of the
-frozen experts for sampling only (+10.4 GB on the GPU for the 20B model); when they are resident as MXFP4
+expert weights, the larger part of a decode step's memory traffic. gpt-oss ships them as MXFP4 (4.25 bits a value),
+~3.7x fewer bytes than bf16 (BENCHMARKS.md, "Speed at the recipe, second session", times both). When training holds
+bf16 experts (the checkpoint loaded dequantized), this module packs a second, MXFP4 copy of the frozen experts for
+sampling only (the experts' MXFP4 size again on the GPU; the memory plan counts it); when they are resident as MXFP4
 (mxfp4_experts.py), a layer's blocks and scales go to the kernel as they are, with no copy. Both are kept in tile
 order (mxfp4.to_tile_order: each 128 x 128 tile of a weight contiguous), the order the kernel reads.
 
@@ -21,13 +21,16 @@ bf16 rounding of transformers' forward (matmul output, + bias, the gate's steps,
 
 Kernel: one Triton program per (expert, tile of output columns) loops over the rows routed to its expert (sorted
 by expert, as transformers' grouped_mm path sorts them) and over K one tile at a time, reading the tile's packed
-weights and scales as one contiguous piece each (no masks: the padding holds zeros) and multiplying with
-`tl.dot_scaled` (Hopper has no MXFP4 tensor cores: Triton upcasts the tile to bf16 in registers). Tiles.upcast="bits"
-instead upcasts the tile itself (`_mxfp4_to_bf16`: bit operations, then two exact bf16 multiplies by powers of two)
-and multiplies with `tl.dot`; Tiles.swap then makes the weights the dot's left operand (out^T = W^T x^T: wide weight
-tiles, the few rows as the narrow side), the shape Hopper's warpgroup MMA takes with the upcast tile in registers.
-Every variant multiplies the same bf16 numbers and rounds the same epilogue; `Tiles` says which one runs. A program's
-BLOCK_N x BLOCK_K is the stored tile (mxfp4.TILE); other tile sizes read a copy (`retiled`, benchmarks only).
+weights and scales as one contiguous piece each (no masks: the padding holds zeros). By default (TILES) it upcasts
+the tile itself (Tiles.upcast="bits", `_mxfp4_to_bf16`: bit operations, then two exact bf16 multiplies by powers of
+two; Hopper has no MXFP4 tensor cores) and multiplies with `tl.dot`, the weights as the dot's left operand
+(Tiles.swap: out^T = W^T x^T, wide weight tiles and the few rows as the narrow side, the shape Hopper's warpgroup
+MMA takes with the upcast tile in registers). A layer whose scales that upcast does not give exactly
+(upcast_is_exact: 255, or 0 under nonzero codes) runs DOT_SCALED instead: `tl.dot_scaled`, Triton's own upcast.
+Tiles.upcast="hopper" reads a copy in OpenAI triton_kernels' Hopper layout (hopper_layout: each lane's loaded bytes
+are its MMA operand registers, unpacked by that library's PTX; benchmarks only). Every variant multiplies the same
+bf16 numbers and rounds the same epilogue; `Tiles` says which one runs. A program's BLOCK_N x BLOCK_K is the stored
+tile (mxfp4.TILE); other tiles and layouts read a copy (`retiled`, benchmarks only).
 The gate_up launch applies gpt-oss's clamped SwiGLU before it stores; the down launch adds the bias, multiplies by
 the routing weight and writes each row back to its token's slot. No host reads, fixed shapes: CUDA-graph capturable.
 
@@ -358,7 +361,8 @@ def experts_matmul(x, x_rows, offsets, blocks, scales, size, bias, *, swiglu=Non
                    tiles: Tiles = TILES) -> torch.Tensor:
     """One launch of the experts kernel; see _experts_kernel. x [T, K] bf16 (contiguous), x_rows [S] (the row of x
     for sorted row r), offsets [E + 1] (sorted rows of expert e: offsets[e]:offsets[e+1]), blocks/scales the
-    weights [E, N, K] in tile order at tiles.tile (mxfp4.to_tile_order), size (N, K), bias [E, N].
+    weights [E, N, K] in the layout `tiles` reads (layout_shapes: tile order at tiles.tile, mxfp4.to_tile_order, or
+    hopper_layout's), size (N, K), bias [E, N].
     swiglu=(alpha, limit) applies gpt-oss's gate (out [S, N/2]); weights [S'] with out_rows [S] writes row r, times
     weights[out_rows[r]], to out[out_rows[r]] (out [S', N])."""
     n, k = size
@@ -387,9 +391,10 @@ def experts_matmul(x, x_rows, offsets, blocks, scales, size, bias, *, swiglu=Non
 
 @dataclass
 class PackedExperts:
-    """One layer's experts as MXFP4 in tile order (mxfp4.to_tile_order at `tile`: blocks [E, N tiles, K tiles,
-    tile rows, tile bytes], scales likewise) with each weight's (out, in) size, the bf16 biases (the module's own
-    tensors), and the parameter versions they were packed from."""
+    """One layer's experts as MXFP4 in the layout its `tiles` read (tile order, mxfp4.to_tile_order at `tile`:
+    blocks [E, N tiles, K tiles, tile rows, tile bytes], scales likewise; or a retiled copy in hopper_layout's) with
+    each weight's (out, in) size, the bf16 biases (the module's own tensors), and the parameter versions they were
+    packed from."""
 
     gate_up_blocks: torch.Tensor
     gate_up_scales: torch.Tensor
@@ -404,6 +409,7 @@ class PackedExperts:
     versions: tuple
     resident: bool = False  # the blocks/scales are the module's own resident buffers (mxfp4_experts.py), no copy
     tiles: Tiles = TILES  # what moe_forward runs this pack with unless told otherwise
+    exact: bool = True  # the bits upcast gives every weight exactly (upcast_is_exact); else only dot_scaled runs it
 
     @property
     def experts(self) -> int:
@@ -485,7 +491,16 @@ def hopper_layout(blocks: torch.Tensor, scales: torch.Tensor, size: tuple[int, i
 def retiled(pack: PackedExperts, tiles: Tiles) -> PackedExperts:
     """The pack to run with `tiles`: itself when its weights are in the layout and tile `tiles` reads, else a copy
     of them in it (benchmarks try other tiles and the Hopper layout this way; never made inside a CUDA graph
-    capture)."""
+    capture). ValueError for an upcast that would not give the pack's weights exactly (PackedExperts.exact), and
+    for the Hopper layout on a GPU older than Hopper (its PTX needs sm_90)."""
+    if not pack.exact and tiles.upcast != "dot_scaled":
+        raise ValueError(f"retiled: upcast={tiles.upcast!r} would not give these weights exactly (scales 255, or 0 "
+                         "under nonzero codes); only upcast='dot_scaled' runs them")
+    device = pack.gate_up_blocks.device
+    if tiles.upcast == "hopper" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
+        raise ValueError(f"retiled: upcast='hopper' needs a GPU of compute capability 9.0 or newer (mul.bf16x2), "
+                         f"{torch.cuda.get_device_name(device)} has "
+                         f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
     if [list(layout_shapes(tiles, pack.experts, *getattr(pack, f"{proj}_size"))) for proj in ("gate_up", "down")] == [
             [tuple(getattr(pack, f"{proj}_{part}").shape) for part in ("blocks", "scales")]
             for proj in ("gate_up", "down")] and pack.tiles.layout == tiles.layout and (
@@ -560,28 +575,31 @@ def pack_experts(experts) -> PackedExperts:
         versions, resident = _versions(experts), True
     else:
         tensors = (*_pack_param(experts.gate_up_proj, "gate_up_proj"), *_pack_param(experts.down_proj, "down_proj"))
-        versions, resident = (experts.gate_up_proj._version, experts.down_proj._version), False
+        versions, resident = _versions(experts), False
     exact = upcast_is_exact(*tensors[:2]) and upcast_is_exact(*tensors[2:])
     return PackedExperts(*tensors, sizes["gate_up_proj"], sizes["down_proj"], experts.gate_up_proj_bias,
                          experts.down_proj_bias, float(experts.alpha), float(experts.limit), versions,
-                         resident=resident, tiles=TILES if exact else DOT_SCALED)
+                         resident=resident, tiles=TILES if exact else DOT_SCALED, exact=exact)
 
 
 _PACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # experts module -> PackedExperts or why not
 
 
 def _versions(experts) -> tuple | None:
-    """The versions of the parameters a pack is made of or copies from: resident experts' blocks and scales, or the
-    bf16 weights."""
+    """The versions of the parameters a pack is made of or copies from (resident experts' blocks and scales, or the
+    bf16 weights), with where their data lives: a tensor replaced (a buffer reloaded, moved) starts at version 0
+    again."""
     names = (("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
              if is_resident(experts) else ("gate_up_proj", "down_proj"))
     params = [getattr(experts, name, None) for name in names]
-    return tuple(p._version for p in params) if all(isinstance(p, torch.Tensor) for p in params) else None
+    if not all(isinstance(p, torch.Tensor) for p in params):
+        return None
+    return tuple((p._version, p.device, p.data_ptr()) for p in params)
 
 
 def packed_experts(experts) -> tuple[PackedExperts | str, bool]:
     """(pack_experts' result or the reason it failed, whether it was computed now): kept per module and redone only
-    when its weights changed in place (parameter versions)."""
+    when its weights changed in place or were replaced (_versions)."""
     kept = _PACKS.get(experts)
     if kept is not None and kept[0] == _versions(experts):
         return kept[1], False

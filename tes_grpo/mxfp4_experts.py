@@ -16,10 +16,10 @@ layer runs.
 How:
 - A resident experts module is transformers' own experts module (its class, its forward and experts
   implementation, fused_experts.py's training forward) with `gate_up_proj` / `down_proj` taken out of its parameters
-  and read through properties instead: the checkpoint's `{proj}_blocks` (uint8 [E, out, in/32, 16]) and
-  `{proj}_scales` (uint8 [E, out, in/32]) are non-persistent buffers in their place, and the property dequantizes
-  them to the tensor transformers would hold: [E, in, out], contiguous, in the dtype the dequantized load would give
-  (bf16 on a GPU, float32 on the CPU).
+  and read through properties instead: the checkpoint's `{proj}_blocks` (uint8 [E, out, in/32, 16] in the
+  checkpoint) and `{proj}_scales` (uint8 [E, out, in/32]) are non-persistent buffers in their place, in tile order
+  (next point), and the property dequantizes them to the tensor transformers would hold: [E, in, out], contiguous,
+  in the dtype the dequantized load would give (bf16 on a GPU, float32 on the CPU).
 - The buffers hold those bytes in tile order (mxfp4.to_tile_order: [E, row tiles, column tiles, tile rows, tile
   bytes], each 128 x 128 tile contiguous, the last ones padded with zeros), the order mxfp4_decode's kernel reads
   a tile in, so decoding reads them with no copy; the dequantization reads the same order. put_checkpoint_tensor
@@ -89,12 +89,11 @@ _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts$")
 
 __all__ = ["PROJECTIONS", "ResidentState", "ResidentSummary", "checkpoint_tensor", "dequantize_experts",
            "expert_layer_index", "is_resident", "make_experts_resident", "make_resident", "matrix_sizes",
-           "put_checkpoint_tensor", "resident_bytes", "resident_layers", "resident_state", "residency_line",
-           "stored_shapes"]
+           "put_checkpoint_tensor", "resident_bytes", "resident_layers", "resident_state", "residency_line"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Dequantization: checkpoint [E, out, in/32, 16] + [E, out, in/32] -> transformers' [E, in, out]
+# Dequantization: blocks and scales (the checkpoint's layout, or tile order) -> transformers' [E, in, out]
 # ---------------------------------------------------------------------------------------------------------------
 
 _SAID: set = set()
@@ -391,13 +390,6 @@ def _split(name: str) -> tuple[str, str]:
     """`{proj}_{blocks|scales}` -> (proj, part)."""
     proj, _, part = name.rpartition("_")
     return proj, part
-
-
-def stored_shapes(experts) -> dict[str, tuple[int, ...]]:
-    """The shapes a resident module keeps its `{proj}_{blocks|scales}` in: tile order (mxfp4.TILE)."""
-    sizes = matrix_sizes(experts)
-    return {name: tile_order_shape(_split(name)[1], experts.num_experts, *sizes[_split(name)[0]])
-            for name in expected_shapes(experts)}
 
 
 def put_checkpoint_tensor(experts, name: str, tensor: torch.Tensor) -> None:

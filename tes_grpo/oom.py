@@ -27,27 +27,34 @@ from transformers import TrainerCallback
 
 from tes_grpo.run_folder import checkpoint_step, newest_complete_checkpoint
 
-ALLOCATOR_VARIABLE = "PYTORCH_CUDA_ALLOC_CONF"  # torch's own setting of its CUDA caching allocator
+ALLOCATOR_VARIABLE = "PYTORCH_CUDA_ALLOC_CONF"  # torch's setting of its CUDA caching allocator
+GENERAL_VARIABLE = "PYTORCH_ALLOC_CONF"  # torch >= 2.9: the same for every device, read before the CUDA one
 EXPANDABLE = "expandable_segments:True"
 
 
-def use_expandable_segments(say, cuda_available: bool, cuda_started: bool) -> str | None:
+def use_expandable_segments(say, cuda_available: bool, cuda_started: bool, vllm: bool = False) -> str | None:
     """torch 2.11-2.13: has this process's CUDA caching allocator use expandable segments unless the user configured
-    it; returns the value in effect (None without a GPU). Says what it did.
+    it; returns the value in effect ("" for torch's defaults, None without a GPU). Says what it did.
 
-    Why: with fixed-size segments, each step alternates a generate call (its KV cache, ~7 GiB at the recipe within
-    24 GiB) and training passes (their activations), and the allocator ends up holding memory it cannot hand to the
-    next phase: under a 24 GiB budget a second step's generate call ran out of memory with 3.2 GiB reserved but
-    unallocated (BENCHMARKS.md, "The experts kept in tile order"). Expandable segments map and unmap pages within
-    one growing segment instead. torch reads the setting when its CUDA allocator starts, so this must run before
-    the process's first CUDA call (cuda_started: torch.cuda.is_initialized()); after it, it changes nothing and says
-    so. The variable is torch's interface for this setting; a value the user set is kept."""
+    Why: with fixed-size segments, each step alternates a generate call (its KV cache) and training passes (their
+    activations), and the allocator ends up holding memory it cannot hand to the next phase: under a 24 GiB budget a
+    second step's generate call ran out of memory with gigabytes reserved but unallocated (BENCHMARKS.md, "The
+    experts kept in tile order"). Expandable segments map and unmap pages within one growing segment instead. torch
+    reads the setting when its CUDA allocator starts, so this must run before the process's first CUDA call
+    (cuda_started: torch.cuda.is_initialized()); after it, it changes nothing and says so. The variables are torch's
+    interface for this setting; a value the user set in either is kept. vllm: left to torch's defaults, since vLLM
+    manages its own memory pool (its sleep mode and custom all-reduce are known to conflict with expandable
+    segments; not tried here)."""
     if not cuda_available:
         return None
-    given = os.environ.get(ALLOCATOR_VARIABLE)
-    if given:
-        say(f"CUDA allocator: {ALLOCATOR_VARIABLE}={given} (as set; the default here is {EXPANDABLE})")
-        return given
+    for variable in (GENERAL_VARIABLE, ALLOCATOR_VARIABLE):
+        given = os.environ.get(variable)
+        if given:
+            say(f"CUDA allocator: {variable}={given} (as set; the default here is {EXPANDABLE})")
+            return given
+    if vllm:
+        say("CUDA allocator: torch's defaults (USE_VLLM: vLLM manages its own memory)")
+        return ""
     if cuda_started:
         say(f"CUDA allocator: torch's defaults (CUDA was started before {EXPANDABLE} could be set; set "
             f"{ALLOCATOR_VARIABLE}={EXPANDABLE} before starting to have it)")

@@ -75,6 +75,32 @@ def test_mxfp4_decode_kernel_matches_the_mlp_on_cuda(tokens, routing, variant):
     torch.testing.assert_close(ours, reference, rtol=2e-2, atol=2e-2 * float(reference.abs().max()))
 
 
+def test_hopper_variant_equals_the_default_kernel_bit_for_bit_on_cuda():
+    """The compiled Hopper-layout variant (its PTX unpack, which the CPU tests' interpreter never runs) gives the
+    default kernel's output bit for bit: the same bf16 weights, the same sums."""
+    pytest.importorskip("triton", reason="requirements-gpu.txt installs triton")
+    from tes_grpo import mxfp4_decode as md
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the Hopper layout's PTX needs compute capability 9.0 (retiled refuses it, tested on the CPU)")
+    config = GptOssConfig(hidden_size=256, intermediate_size=384, num_local_experts=8, num_experts_per_tok=4)
+    config._experts_implementation = "grouped_mm"
+    torch.manual_seed(1)
+    mlp = GptOssMLP(config)
+    with torch.no_grad():
+        for name, param in mlp.named_parameters():
+            param.normal_(0.0, 0.5 if "bias" in name else 0.1)
+        mlp = mlp.to(torch.bfloat16)
+        for name in ("gate_up_proj", "down_proj"):
+            getattr(mlp.experts, name).copy_(fake_quantize_expert_param(getattr(mlp.experts, name)))
+        mlp = mlp.to("cuda").requires_grad_(False)
+        x = torch.randn(1, 64, 256, device="cuda").to(torch.bfloat16)
+        pack = md.pack_experts(mlp.experts)
+        default = md.moe_forward(mlp, pack, x)
+        hopper = md.moe_forward(mlp, md.retiled(pack, md.Tiles(upcast="hopper", num_stages=4)), x)
+    assert torch.equal(hopper, default)
+
+
 @pytest.mark.parametrize("tokens, top_k, experts", [
     (64, 4, 32),  # a 20B decode step at 64 sequences
     (256, 4, 32),  # MAX_ROWS routed rows

@@ -50,7 +50,7 @@ PLANS = [
     # weights to come count against its free memory
     (65, MXFP4_WEIGHTS, 0, {}, 871, 2, {}, 8, 16, 16),  # GRPO_STEPS_PER_GENERATION=2: 2 passes of 8 a batch
     (40, BF16_WEIGHTS, 0, {"TRAIN_TOKENS_PER_PASS": 10**6}, 871, None,
-     {"mxfp4": False, "later_resident_bytes": int(9.46 * GIB)}, 8, 64, 64),  # H100 today: bf16 + MXFP4 decode copy
+     {"mxfp4": False, "later_resident_bytes": int(9.46 * GIB)}, 8, 64, 64),  # bf16 + an MXFP4 decode copy
     (65, 13.0, 0, {"MEMORY_BUDGET_GB": 24, "TRAIN_BATCH_SIZE": "16"}, 871, None, {}, 16, 32, 64),  # a number is kept
     (65, MXFP4_WEIGHTS, 0, {"GENERATION_STEPS": 2}, 871, None, {}, 8, 128, 128),  # 2 steps' batch in one call
     (65, MXFP4_WEIGHTS, 0, {"GENERATION_STEPS": 4}, 871, None, {}, 8, 256, 256),  # 4 steps': 29.3 GiB of KV cache

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -152,6 +153,15 @@ def test_tile_order_works_on_meta_tensors_and_refuses_bad_tiles():
         to_tile_order(blocks, "values")
     with pytest.raises(ValueError, match="multiple of 32"):
         to_tile_order(blocks, "blocks", (64, 48))
+    with pytest.raises(ValueError, match="not the checkpoint's"):
+        to_tile_order(blocks[..., 0], "blocks")  # scales-shaped blocks
+    tiled = to_tile_order(torch.zeros(2, 96, 5, 16, dtype=torch.uint8), "blocks", (64, 64))
+    for rows, cols, words in ((96, 150, "multiple of 32"), (129, 160, "at most [128, 192]"),
+                              (96, 224, "at most [128, 192]")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            from_tile_order(tiled, "blocks", rows, cols)
+    with pytest.raises(ValueError, match="not in tile order"):
+        from_tile_order(blocks, "blocks", 96, 160)
 
 
 def test_checkpoint_layout_and_config(tmp_path):

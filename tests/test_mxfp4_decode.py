@@ -216,6 +216,10 @@ def test_a_layer_the_bits_upcast_cannot_give_exactly_runs_dot_scaled():
     x = torch.randn(1, 9, mlp.router.hidden_dim).to(torch.bfloat16)
     with torch.backends.mkldnn.flags(enabled=False):
         assert torch.equal(md.moe_forward(mlp, pack, x), mlp(x)[0])
+    for tiles in (md.TILES, md.Tiles(upcast="hopper")):  # asked for another upcast, the layer is refused, not run
+        with pytest.raises(ValueError, match="would not give these weights exactly"):
+            md.retiled(pack, tiles)
+    assert md.retiled(pack, md.Tiles(block_n=64, upcast="dot_scaled", swap=False)).tile == (64, 128)
 
 
 def test_pack_refuses_weights_that_are_not_exactly_mxfp4():
@@ -397,6 +401,9 @@ def test_a_resident_pack_is_redone_when_its_scales_change_in_place(tiny_bf16):
     experts.down_proj_scales.add_(0)  # an in-place write: the buffer's version moves, its values stay
     again, fresh = md.packed_experts(experts)
     assert fresh and again is not pack
+    experts._buffers["down_proj_scales"] = experts.down_proj_scales.clone()  # replaced (a reload): version 0 again
+    third, fresh = md.packed_experts(experts)
+    assert fresh and third is not again and third.down_scales is experts.down_proj_scales
 
 
 def test_resident_float32_experts_are_not_packed(tiny_bf16):

@@ -10,6 +10,7 @@ train_grpo.build_trainer. mxfp4_decode's use of resident layers is tested in tes
 from __future__ import annotations
 
 import gc
+import re
 import weakref
 
 import pytest
@@ -109,6 +110,29 @@ def test_dequantize_from_tile_order_equals_transformers(shape, tile, program, mo
     assert torch.equal(bits(mx.dequantize_with_triton(*tiled, torch.bfloat16, program, size=(rows, cols))),
                        bits(expected))
     assert torch.equal(bits(mx.dequantize_with_torch(*tiled, torch.bfloat16, size=(rows, cols))), bits(expected))
+
+
+# (name, what is stored, words of the error)
+PUT_CASES = [
+    ("gate_up_proj_blocks", torch.zeros(4, 128, 2, 16, dtype=torch.uint8), None),  # the checkpoint's shape: stored
+    ("gate_up_proj_bias", torch.zeros(4, 128, dtype=torch.uint8), "is none of"),  # not a blocks or scales name
+    ("down_proj_scales", torch.zeros(4, 64, 3, dtype=torch.uint8), "expected uint8 (4, 64, 2)"),  # wrong shape
+    ("down_proj_scales", torch.zeros(4, 64, 2, dtype=torch.int8), "torch.int8"),  # wrong dtype
+]
+
+
+@pytest.mark.parametrize("name, tensor, words", PUT_CASES)
+def test_put_checkpoint_tensor(tiny, name, tensor, words):
+    from tes_grpo.mxfp4 import to_tile_order
+
+    experts = load(tiny, "mxfp4").model.layers[0].mlp.experts
+    if words is None:
+        mx.put_checkpoint_tensor(experts, name, tensor.clone().fill_(7))
+        assert torch.equal(getattr(experts, name), to_tile_order(tensor.fill_(7), "blocks"))
+        assert torch.equal(mx.checkpoint_tensor(experts, name), tensor)
+    else:
+        with pytest.raises(ValueError, match=re.escape(words)):
+            mx.put_checkpoint_tensor(experts, name, tensor)
 
 
 def test_dequantize_refuses_what_is_not_tile_order():

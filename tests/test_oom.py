@@ -101,25 +101,43 @@ def test_message_after_the_last_step(tmp_path):
     assert "step 31" not in message
 
 
-# (PYTORCH_CUDA_ALLOC_CONF before, a GPU?, CUDA started?; the value in effect, the variable after, words said)
+# ((PYTORCH_CUDA_ALLOC_CONF, PYTORCH_ALLOC_CONF) before, a GPU?, CUDA started?, vLLM?; the value in effect,
+#  PYTORCH_CUDA_ALLOC_CONF after, words said)
 ALLOCATOR_CASES = [
-    (None, True, False, "expandable_segments:True", "expandable_segments:True", "CUDA allocator: expandable"),
-    ("max_split_size_mb:256", True, False, "max_split_size_mb:256", "max_split_size_mb:256", "as set"),  # the user's
-    (None, True, True, "", None, "CUDA was started before"),  # too late: said, nothing changed
-    (None, False, False, None, None, None),  # no GPU: nothing to set, nothing said
+    ((None, None), True, False, False, "expandable_segments:True", "expandable_segments:True", "allocator: expandable"),
+    (("max_split_size_mb:256", None), True, False, False, "max_split_size_mb:256", "max_split_size_mb:256",
+     "as set"),  # the user's own, kept
+    ((None, "backend:native"), True, False, False, "backend:native", None, "PYTORCH_ALLOC_CONF=backend:native"),
+    ((None, None), True, True, False, "", None, "CUDA was started before"),  # too late: said, nothing changed
+    ((None, None), True, False, True, "", None, "vLLM manages its own memory"),  # USE_VLLM: torch's defaults
+    ((None, None), False, False, False, None, None, None),  # no GPU: nothing to set, nothing said
 ]
 
 
-@pytest.mark.parametrize("before, gpu, started, effect, after, words", ALLOCATOR_CASES)
-def test_use_expandable_segments(monkeypatch, before, gpu, started, effect, after, words):
+@pytest.mark.parametrize("before, gpu, started, vllm, effect, after, words", ALLOCATOR_CASES)
+def test_use_expandable_segments(monkeypatch, before, gpu, started, vllm, effect, after, words):
     import os
 
-    from tes_grpo.oom import ALLOCATOR_VARIABLE, use_expandable_segments
+    from tes_grpo.oom import ALLOCATOR_VARIABLE, GENERAL_VARIABLE, use_expandable_segments
 
-    monkeypatch.setenv(ALLOCATOR_VARIABLE, before or "")  # recorded: whatever the call sets is undone after the test
-    if before is None:
-        monkeypatch.delenv(ALLOCATOR_VARIABLE)
+    for variable, value in zip((ALLOCATOR_VARIABLE, GENERAL_VARIABLE), before, strict=True):
+        monkeypatch.setenv(variable, value or "")  # recorded: whatever the call sets is undone after the test
+        if value is None:
+            monkeypatch.delenv(variable)
     said = []
-    assert use_expandable_segments(said.append, gpu, started) == effect
+    assert use_expandable_segments(said.append, gpu, started, vllm=vllm) == effect
     assert os.environ.get(ALLOCATOR_VARIABLE) == after
     assert (words is None and not said) or (len(said) == 1 and words in said[0])
+
+
+def test_train_grpo_sets_the_allocator_before_training(monkeypatch):
+    """train_grpo.main decides the allocator before train() can touch CUDA, with the run's USE_VLLM."""
+    import train_grpo
+    from tes_grpo import oom
+
+    calls = []
+    monkeypatch.setattr(oom, "use_expandable_segments",
+                        lambda say, gpu, started, vllm=False: calls.append(("allocator", vllm)))
+    monkeypatch.setattr(train_grpo, "train", lambda settings, callbacks=(): calls.append(("train", None)))
+    assert train_grpo.main(["--MODEL_ID=tiny", "--USE_VLLM=1"]) == 0
+    assert calls == [("allocator", True), ("train", None)]
