@@ -42,6 +42,23 @@ def test_bits_upcast_equals_the_codec_on_cuda():
         assert torch.equal(ours.view(torch.int16), dequantize_mxfp4(blocks, scales, torch.bfloat16).view(torch.int16))
 
 
+def exact_mxfp4_mlp(hidden: int, intermediate: int, seed: int) -> GptOssMLP:
+    """A gpt-oss MLP of 8 experts (top 4) on the GPU in bf16, its expert weights exactly MXFP4 (as loaded from a
+    checkpoint), frozen."""
+    config = GptOssConfig(hidden_size=hidden, intermediate_size=intermediate, num_local_experts=8,
+                          num_experts_per_tok=4)
+    config._experts_implementation = "grouped_mm"
+    torch.manual_seed(seed)
+    mlp = GptOssMLP(config)
+    with torch.no_grad():
+        for name, param in mlp.named_parameters():
+            param.normal_(0.0, 0.5 if "bias" in name else 0.1)
+        mlp = mlp.to(torch.bfloat16)
+        for name in ("gate_up_proj", "down_proj"):
+            getattr(mlp.experts, name).copy_(fake_quantize_expert_param(getattr(mlp.experts, name)))
+    return mlp.to("cuda").requires_grad_(False)
+
+
 @pytest.mark.parametrize("variant", [{"upcast": "dot_scaled", "swap": False}, {"swap": False}, {}, {"block_m": 8},
                                      {"block_n": 128, "block_k": 64}, {"block_n": 64, "block_k": 64},
                                      {"upcast": "hopper"}],
@@ -56,18 +73,7 @@ def test_mxfp4_decode_kernel_matches_the_mlp_on_cuda(tokens, routing, variant):
     pytest.importorskip("triton", reason="requirements-gpu.txt installs triton")
     from tes_grpo import mxfp4_decode as md
 
-    config = GptOssConfig(hidden_size=96, intermediate_size=160, num_local_experts=8, num_experts_per_tok=4)
-    config._experts_implementation = "grouped_mm"
-    torch.manual_seed(0)
-    mlp = GptOssMLP(config)
-    with torch.no_grad():
-        for name, param in mlp.named_parameters():
-            param.normal_(0.0, 0.5 if "bias" in name else 0.1)
-        mlp = mlp.to(torch.bfloat16)
-        for name in ("gate_up_proj", "down_proj"):  # exactly MXFP4, as loaded from a checkpoint
-            getattr(mlp.experts, name).copy_(fake_quantize_expert_param(getattr(mlp.experts, name)))
-        mlp = mlp.to("cuda")
-    mlp.requires_grad_(False)
+    mlp = exact_mxfp4_mlp(96, 160, seed=0)
     x = torch.randn(1, tokens, 96, device="cuda").to(torch.bfloat16)
     pack = md.retiled(md.pack_experts(mlp.experts), md.Tiles(**variant))  # a copy for another tile order
     ours = md.moe_forward(mlp, pack, x, routing=routing).float()
@@ -83,17 +89,8 @@ def test_hopper_variant_equals_the_default_kernel_bit_for_bit_on_cuda():
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the Hopper layout's PTX needs compute capability 9.0 (retiled refuses it, tested on the CPU)")
-    config = GptOssConfig(hidden_size=256, intermediate_size=384, num_local_experts=8, num_experts_per_tok=4)
-    config._experts_implementation = "grouped_mm"
-    torch.manual_seed(1)
-    mlp = GptOssMLP(config)
+    mlp = exact_mxfp4_mlp(256, 384, seed=1)
     with torch.no_grad():
-        for name, param in mlp.named_parameters():
-            param.normal_(0.0, 0.5 if "bias" in name else 0.1)
-        mlp = mlp.to(torch.bfloat16)
-        for name in ("gate_up_proj", "down_proj"):
-            getattr(mlp.experts, name).copy_(fake_quantize_expert_param(getattr(mlp.experts, name)))
-        mlp = mlp.to("cuda").requires_grad_(False)
         x = torch.randn(1, 64, 256, device="cuda").to(torch.bfloat16)
         pack = md.pack_experts(mlp.experts)
         default = md.moe_forward(mlp, pack, x)
