@@ -252,23 +252,24 @@ def dequantization(s, blocks) -> list[dict]:
 
     reference = both(lambda b, sc: convert_moe_packed_tensors(b, sc, dtype=torch.bfloat16))
     written = sum(t.numel() * t.element_size() for t in reference)
+    # (name, fn, whether fn reads the tile order: blocks, scales, size; else the checkpoint's blocks, scales)
     ways = [("transformers convert_moe_packed_tensors",
-             lambda b, sc: convert_moe_packed_tensors(b, sc, dtype=torch.bfloat16)),
-            ("torch codec (mxfp4_experts, per expert)", lambda b, sc: mx.dequantize_with_torch(b, sc, torch.bfloat16))]
+             lambda b, sc: convert_moe_packed_tensors(b, sc, dtype=torch.bfloat16), False),
+            ("torch codec (mxfp4_experts, per expert)", lambda b, sc: mx.dequantize_with_torch(b, sc, torch.bfloat16),
+             False)]
     if device() == "cuda" and mx._has_triton():
         programs = [mx.DEQUANT_TILE] + [tuple(int(v) for v in t.split("/")) for t in s.DEQUANT_TILES]
         for i, program in enumerate(programs):
             ways.insert(i, (f"Triton kernel from tile order, program {'/'.join(map(str, program))}"
                             + (" (used)" if i == 0 else ""),
                             lambda b, sc, size, program=program: mx.dequantize_with_triton(
-                                b, sc, torch.bfloat16, program, size=size)))
+                                b, sc, torch.bfloat16, program, size=size), True))
         ways.insert(len(programs), ("Triton kernel from the checkpoint's layout",
-                                    lambda b, sc: mx.dequantize_with_triton(b, sc, torch.bfloat16)))
+                                    lambda b, sc: mx.dequantize_with_triton(b, sc, torch.bfloat16), False))
     every = (torch.arange(256, dtype=torch.uint8, device=device()).repeat(256).view(1, 256, 16, 16),
              torch.arange(256, dtype=torch.uint8, device=device()).view(1, 256, 1).expand(1, 256, 16).contiguous())
     rows = []
-    for name, fn in ways:
-        tiled = name.startswith("Triton kernel from tile order")
+    for name, fn, tiled in ways:
         run = (lambda fn=fn: both_stored(fn)) if tiled else (lambda fn=fn: both(fn))
         equal = all(bits_equal(a, b) for a, b in zip(run(), reference, strict=True))
         every_in = ((to_tile_order(every[0], "blocks"), to_tile_order(every[1], "scales"), (256, 512)) if tiled

@@ -303,10 +303,10 @@ def _place(module, attr: str, tensor, device, name: str) -> None:
     from tes_grpo.mxfp4_experts import expected_shapes, is_resident, put_checkpoint_tensor
 
     if is_resident(module) and attr in expected_shapes(module):
-        if tuple(tensor.shape) != expected_shapes(module)[attr]:
-            raise ValueError(f"checkpoint tensor {name}: shape {tuple(tensor.shape)}, the model has "
-                             f"{expected_shapes(module)[attr]}")
-        put_checkpoint_tensor(module, attr, tensor.to(device))
+        try:
+            put_checkpoint_tensor(module, attr, tensor.to(device))
+        except ValueError as err:  # its own check of dtype and shape, named by the checkpoint's name
+            raise ValueError(f"checkpoint tensor {name}: {err}") from None
         return
     if attr in module._parameters:
         old = module._parameters[attr]

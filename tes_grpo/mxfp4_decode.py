@@ -429,13 +429,14 @@ class PackedExperts:
 
 def upcast_is_exact(blocks: torch.Tensor, scales: torch.Tensor) -> bool:
     """Whether Tiles.upcast="bits" gives these weights (tile order) exactly (Tiles: scales 1..254, and scale 0 only
-    for groups whose codes are all zeros of either sign). Reads the weights once, an expert at a time."""
+    for groups whose codes are all zeros of either sign). Reads the weights once, an expert at a time (one expert's
+    scratch), and the answer once at the end (one host read)."""
+    inexact = torch.zeros((), dtype=torch.bool, device=scales.device)
     for e in range(scales.shape[0]):
         groups = blocks[e].reshape(*scales.shape[1:], BLOCK_SIZE // 2)
         nonzero = (groups & 0x77).amax(dim=-1) > 0  # a code's 3 magnitude bits, both nibbles
-        if bool(((scales[e] == 255) | ((scales[e] == 0) & nonzero)).any()):
-            return False
-    return True
+        inexact |= ((scales[e] == 255) | ((scales[e] == 0) & nonzero)).any()
+    return not bool(inexact)
 
 
 def layout_shapes(tiles: Tiles, experts: int, n: int, k: int) -> list[tuple]:
@@ -501,10 +502,8 @@ def retiled(pack: PackedExperts, tiles: Tiles) -> PackedExperts:
         raise ValueError(f"retiled: upcast='hopper' needs a GPU of compute capability 9.0 or newer (mul.bf16x2), "
                          f"{torch.cuda.get_device_name(device)} has "
                          f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
-    if [list(layout_shapes(tiles, pack.experts, *getattr(pack, f"{proj}_size"))) for proj in ("gate_up", "down")] == [
-            [tuple(getattr(pack, f"{proj}_{part}").shape) for part in ("blocks", "scales")]
-            for proj in ("gate_up", "down")] and pack.tiles.layout == tiles.layout and (
-            tiles.layout == "tiles" or pack.tiles.num_warps == tiles.num_warps):
+    if pack.tiles.layout == tiles.layout and pack.tile == tiles.tile and (
+            tiles.layout == "tiles" or pack.tiles.num_warps == tiles.num_warps):  # the Hopper scales' order needs it
         return dataclasses.replace(pack, tiles=tiles)
     if pack.tiles.layout != "tiles":
         raise ValueError(f"retiled: a pack in the {pack.tiles.layout} layout is copied only from tile order")
@@ -569,16 +568,15 @@ def pack_experts(experts) -> PackedExperts:
     if reasons:
         raise ValueError("; ".join(reasons))
     sizes = matrix_sizes(experts)
-    if is_resident(experts):  # the checkpoint's bytes in tile order, as they are
+    resident = is_resident(experts)
+    if resident:  # the checkpoint's bytes in tile order, as they are
         tensors = (experts.gate_up_proj_blocks, experts.gate_up_proj_scales, experts.down_proj_blocks,
                    experts.down_proj_scales)
-        versions, resident = _versions(experts), True
     else:
         tensors = (*_pack_param(experts.gate_up_proj, "gate_up_proj"), *_pack_param(experts.down_proj, "down_proj"))
-        versions, resident = _versions(experts), False
     exact = upcast_is_exact(*tensors[:2]) and upcast_is_exact(*tensors[2:])
     return PackedExperts(*tensors, sizes["gate_up_proj"], sizes["down_proj"], experts.gate_up_proj_bias,
-                         experts.down_proj_bias, float(experts.alpha), float(experts.limit), versions,
+                         experts.down_proj_bias, float(experts.alpha), float(experts.limit), _versions(experts),
                          resident=resident, tiles=TILES if exact else DOT_SCALED, exact=exact)
 
 
@@ -624,7 +622,7 @@ def pack_model(layers, say=print, tiles: Tiles = TILES) -> list[PackedExperts | 
         packs.append(result if isinstance(result, PackedExperts) else None)
         if fresh and isinstance(result, PackedExperts):
             (resident if result.resident else new).append(result)
-            if result.tiles == DOT_SCALED:
+            if not result.exact:
                 inexact.append(i)
         elif fresh:
             reasons.setdefault(result, []).append(i)

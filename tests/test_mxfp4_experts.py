@@ -135,6 +135,16 @@ def test_put_checkpoint_tensor(tiny, name, tensor, words):
             mx.put_checkpoint_tensor(experts, name, tensor)
 
 
+def test_loader_names_the_checkpoint_tensor_a_resident_module_refuses(tiny):
+    from tes_grpo.model_loading import _place
+
+    experts = load(tiny, "mxfp4").model.layers[1].mlp.experts
+    name = "model.layers.1.mlp.experts.down_proj_scales"
+    with pytest.raises(ValueError, match=re.escape(f"checkpoint tensor {name}: down_proj_scales: torch.uint8 "
+                                                   "(4, 64, 3), expected uint8 (4, 64, 2)")):
+        _place(experts, "down_proj_scales", torch.zeros(4, 64, 3, dtype=torch.uint8), "cpu", name)
+
+
 def test_dequantize_refuses_what_is_not_tile_order():
     blocks, scales = every_byte_and_scale()
     with pytest.raises(ValueError, match="not a \\[E, 256, 512\\] weight in tile order"):
