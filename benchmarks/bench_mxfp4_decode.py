@@ -16,11 +16,13 @@ loaded dequantized), then:
 - SWEEP: the kernel's time for each tile configuration in SWEEP_CONFIGS at the first token count, fastest first,
   each with whether its output is bit-equal to the default tiles' and its largest difference to transformers' MLP.
   An entry is [VARIANT:]BLOCK_N/BLOCK_K/num_warps/num_stages[/BLOCK_M] (sweep_tiles); VARIANT is default
-  (mxfp4_decode.TILES' upcast), dot_scaled (tl.dot_scaled upcasts), bits (the kernel's own upcast, then tl.dot) or
-  bits-swap (that, the weights as the dot's left operand) or hopper (a copy in OpenAI triton_kernels' Hopper
-  layout, whose loaded bytes are the MMA's operand registers, unpacked by its PTX).
-  A BLOCK_N/BLOCK_K other than the stored tile (mxfp4.TILE) reads a copy of the weights in that tile order.
-  SWEEP_LIST=variants sweeps _VARIANT_SWEEP (the variants across tile shapes for Hopper) by default instead.
+  (mxfp4_decode.TILES: the Hopper layout the experts are kept in, whose loaded bytes are the MMA's operand
+  registers, unpacked by OpenAI triton_kernels' PTX), hopper-bitops (the same unpacked by Triton's bit operations,
+  as on GPUs before Hopper), dot_scaled (tl.dot_scaled upcasts), bits (the kernel's own upcast, then tl.dot) or
+  bits-swap (that, the weights as the dot's left operand); the last three read tile order.
+  An entry whose layout, tile or warps differ from the stored ones (the Hopper layout at mxfp4.TILE, 4 warps) reads
+  a copy of the weights in its own.
+  SWEEP_LIST=variants sweeps _VARIANT_SWEEP (the variants at their best measured shapes) by default instead.
 """
 
 from __future__ import annotations
@@ -38,19 +40,13 @@ TOKENS = (16, 64, 128, 256)  # tokens per decode step (= sequences decoded toget
 REPS = 50  # graph replays timed per measurement
 SWEEP = False  # also time the kernel for each tile configuration (first token count)
 # [VARIANT:]BLOCK_N/BLOCK_K/num_warps/num_stages[/BLOCK_M] tried by SWEEP (on the command line:
-# --SWEEP_CONFIGS=128/128/4/3,dot_scaled:64/256/4/3/8); a tile other than mxfp4.TILE reads a copy in its order
-SWEEP_CONFIGS = ("32/128/4/3", "64/64/4/3", "64/128/4/2", "64/128/4/4", "64/256/4/3", "128/128/4/3",
-                 "128/128/8/3", "128/256/8/3", "32/256/4/4")
-SWEEP_LIST = "tiles"  # "variants": SWEEP_CONFIGS defaults to _VARIANT_SWEEP (the kernel variants on Hopper)
-# Triton's upcast (dot_scaled), the kernel's own (bits) and that with the weights as the left operand (bits-swap, the
-# default): a warpgroup MMA takes 64 weight rows a warpgroup (BLOCK_N 64 with 4 warps, 128 with 8), 8 or 16 token
-# rows
-_VARIANT_SWEEP = ("dot_scaled:64/128/4/3", "dot_scaled:128/256/8/3", "bits:64/128/4/3", "bits:64/256/4/3",
-                  "bits-swap:64/128/4/3/16", "bits-swap:64/128/4/3/8", "bits-swap:64/128/4/2/16",
-                  "bits-swap:64/128/4/4/16", "bits-swap:64/256/4/3/16", "bits-swap:64/64/4/4/16",
-                  "bits-swap:128/128/4/3/16", "bits-swap:128/128/8/3/16", "bits-swap:128/256/8/3/16",
-                  "bits-swap:128/256/8/2/8", "hopper:128/128/4/3/16", "hopper:128/128/4/4/16",
-                  "hopper:256/128/8/3/16", "hopper:128/256/4/3/16")
+# --SWEEP_CONFIGS=128/128/4/3,dot_scaled:64/256/4/3/8); other layouts, tiles or warps than the stored read a copy
+SWEEP_CONFIGS = ("128/128/4/4", "128/128/4/3", "128/128/4/2", "128/128/4/5", "128/128/4/4/32", "128/256/4/4",
+                 "256/128/8/4", "256/128/8/3")
+SWEEP_LIST = "tiles"  # "variants": SWEEP_CONFIGS defaults to _VARIANT_SWEEP (the kernel variants)
+# each variant at the shape the earlier sweeps found fastest for it (BENCHMARKS.md)
+_VARIANT_SWEEP = ("128/128/4/4", "hopper-bitops:128/128/4/4", "bits-swap:128/128/4/3/16",
+                  "bits-swap:128/128/4/3/8", "bits:128/128/4/3", "dot_scaled:128/128/4/3", "dot_scaled:64/128/4/3")
 PRESETS = {"SWEEP_LIST": {"variants": {"SWEEP_CONFIGS": _VARIANT_SWEEP}}}
 CHOICES = {"SWEEP_LIST": ("tiles", "variants")}
 SEED = 0  # torch seed
@@ -97,10 +93,10 @@ def graph_time(fn, reps: int) -> float:
     return 1000 * start.elapsed_time(end) / reps
 
 
-SWEEP_VARIANTS = {"default": {}, "dot_scaled": {"upcast": "dot_scaled", "swap": False},
+SWEEP_VARIANTS = {"default": {}, "hopper-bitops": {"upcast": "hopper", "ptx": False},
+                  "dot_scaled": {"upcast": "dot_scaled", "swap": False},
                   "bits": {"upcast": "bits", "swap": False},
-                  "bits-swap": {"upcast": "bits", "swap": True},
-                  "hopper": {"upcast": "hopper", "swap": True}}  # VARIANT: prefix -> Tiles fields
+                  "bits-swap": {"upcast": "bits", "swap": True}}  # VARIANT: prefix -> Tiles fields
 
 
 def sweep_tiles(config: str) -> dict:
@@ -170,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             default = mxfp4_decode.moe_forward(mlp, packed, x, routing="torch")
         for config, tiles in sweep_tiles_of.items():
             try:
-                pack = mxfp4_decode.retiled(packed, tiles)  # a copy where its tile is not the stored one
+                pack = mxfp4_decode.retiled(packed, tiles)  # a copy where its layout is not the stored one
                 with torch.no_grad():
                     out = mxfp4_decode.moe_forward(mlp, pack, x, routing="torch")
                     # another K tile sums in another order: equal up to bf16 rounding, not always bit for bit

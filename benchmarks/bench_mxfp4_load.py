@@ -13,8 +13,8 @@ machine (the numbers go to BENCHMARKS.md; a few minutes on an H100 at the 20B sh
    its peak host memory (VmHWM, and its rise over the process before loading) and the GPU memory allocated after
    the load and at its peak.
 2. Dequantization of one layer's experts (gate_up + down -> [E, in, out] bf16): the Triton kernel
-   (mxfp4_experts.dequantize_with_triton, what a resident layer runs, from the tile order the resident experts are
-   kept in; at its DEQUANT_TILE and each of DEQUANT_TILES, and once from the checkpoint's layout),
+   (mxfp4_experts.dequantize_with_triton, what a resident layer runs, from the Hopper layout the resident experts
+   are kept in; at its DEQUANT_HOPPER and each of DEQUANT_TILES, and once from the checkpoint's layout),
    torch's codec, and transformers' own
    convert_moe_packed_tensors (what the dequantized load runs once); time, GB written per second, and whether the
    kernel's output equals transformers' bit for bit (this layer, and every byte x every scale value).
@@ -52,8 +52,9 @@ RESULTS = "runs/bench-mxfp4-load/results.jsonl"  # one JSON line per run is appe
 TOKENS = 37360  # tokens of the one-layer training pass (16 x 2,335: the recipe's micro-batch at 1,024 completions)
 TRAIN_EXPERTS = ("fused", "transformers")  # train_grpo's TRAIN_EXPERTS variants timed for the one-layer pass
 REPS = 5  # timed repetitions (after one untimed) for the dequantization and the layer pass
-# Triton kernel tiles also timed: rows/columns/warps per program (mxfp4_experts.TILE is the one used)
-DEQUANT_TILES = ("32/128/4", "128/32/4", "64/128/8", "128/64/8")
+# Triton kernel programs also timed on the Hopper layout: rows/columns/warps (mxfp4_experts.DEQUANT_HOPPER is the one
+# used; rows a multiple of 128, columns of 64)
+DEQUANT_TILES = ("128/64/8", "128/128/4", "128/128/8", "256/64/8")
 SEED = 0  # random weights and inputs
 OVERRIDES = ""  # JSON of GptOssConfig overrides (tests/test_bench_mxfp4_load.py shrinks the model with it)
 PHASE = ""  # internal: "load-mxfp4" / "load-bf16" run one load in this (child) process and print its result
@@ -133,7 +134,7 @@ def write_checkpoint(s, folder: Path) -> None:
         return
     overrides = json.loads(s.OVERRIDES) if s.OVERRIDES else {}
     model = build_random_model("eager", device(), size=s.MODEL_SIZE, resident=True, seed=s.SEED, **overrides)
-    # the blocks and scales are non-persistent buffers, in tile order: resident_state gives each back in the
+    # the blocks and scales are non-persistent buffers, in the Hopper layout: resident_state gives each back in the
     # checkpoint's layout when read, one at a time (_OnHost), never all at once on the device
     resident = resident_state(model)
     state = collections.ChainMap(resident, model.state_dict())
@@ -238,29 +239,29 @@ def dequantization(s, blocks) -> list[dict]:
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     from tes_grpo import mxfp4_experts as mx
-    from tes_grpo.mxfp4 import to_tile_order
+    from tes_grpo.mxfp4 import to_hopper_layout
 
     projections = ("gate_up_proj", "down_proj")
-    stored = {p: (to_tile_order(blocks[f"{p}_blocks"], "blocks"), to_tile_order(blocks[f"{p}_scales"], "scales"),
+    stored = {p: (to_hopper_layout(blocks[f"{p}_blocks"], "blocks"), to_hopper_layout(blocks[f"{p}_scales"], "scales"),
                   (blocks[f"{p}_blocks"].shape[1], blocks[f"{p}_blocks"].shape[2] * 32)) for p in projections}
 
     def both(fn):
         return [fn(blocks[f"{p}_blocks"], blocks[f"{p}_scales"]) for p in projections]
 
-    def both_stored(fn):  # from the tile order a resident module keeps (fn gets blocks, scales, size)
+    def both_stored(fn):  # from the Hopper layout a resident module keeps (fn gets blocks, scales, size)
         return [fn(*stored[p]) for p in projections]
 
     reference = both(lambda b, sc: convert_moe_packed_tensors(b, sc, dtype=torch.bfloat16))
     written = sum(t.numel() * t.element_size() for t in reference)
-    # (name, fn, whether fn reads the tile order: blocks, scales, size; else the checkpoint's blocks, scales)
+    # (name, fn, whether fn reads the Hopper layout: blocks, scales, size; else the checkpoint's blocks, scales)
     ways = [("transformers convert_moe_packed_tensors",
              lambda b, sc: convert_moe_packed_tensors(b, sc, dtype=torch.bfloat16), False),
             ("torch codec (mxfp4_experts, per expert)", lambda b, sc: mx.dequantize_with_torch(b, sc, torch.bfloat16),
              False)]
     if device() == "cuda" and mx._has_triton():
-        programs = [mx.DEQUANT_TILE] + [tuple(int(v) for v in t.split("/")) for t in s.DEQUANT_TILES]
+        programs = [mx.DEQUANT_HOPPER] + [tuple(int(v) for v in t.split("/")) for t in s.DEQUANT_TILES]
         for i, program in enumerate(programs):
-            ways.insert(i, (f"Triton kernel from tile order, program {'/'.join(map(str, program))}"
+            ways.insert(i, (f"Triton kernel from the Hopper layout, program {'/'.join(map(str, program))}"
                             + (" (used)" if i == 0 else ""),
                             lambda b, sc, size, program=program: mx.dequantize_with_triton(
                                 b, sc, torch.bfloat16, program, size=size), True))
@@ -272,7 +273,7 @@ def dequantization(s, blocks) -> list[dict]:
     for name, fn, tiled in ways:
         run = (lambda fn=fn: both_stored(fn)) if tiled else (lambda fn=fn: both(fn))
         equal = all(bits_equal(a, b) for a, b in zip(run(), reference, strict=True))
-        every_in = ((to_tile_order(every[0], "blocks"), to_tile_order(every[1], "scales"), (256, 512)) if tiled
+        every_in = ((to_hopper_layout(every[0], "blocks"), to_hopper_layout(every[1], "scales"), (256, 512)) if tiled
                     else every)
         table = bits_equal(fn(*every_in), convert_moe_packed_tensors(*every, dtype=torch.bfloat16))
         ms = timed_ms(run, s.REPS)

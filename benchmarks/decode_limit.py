@@ -9,7 +9,7 @@ share of it:
 At tens of sequences a decode step is bound by memory bandwidth, not arithmetic: every weight it uses is read once
 and the KV cache once, whatever the batch. `decode_bytes` counts them from the model's config:
 - the MoE experts a step hits, in the format decoding reads them (MXFP4: 4.25 bits a value plus bf16 biases; bf16;
-  the physical minimum: the padding of the tile order the experts are kept in, ~3 % more, is not counted),
+  the physical minimum: the padding of the Hopper layout the experts are kept in, ~3 % more, is not counted),
   at the expected number of distinct experts hit per layer when each of the batch's tokens picks top_k of E experts
   uniformly at random (`expected_experts_hit`), unless the caller measured the number from the router;
 - the router, the attention projections (bf16 weights and biases, plus the LoRA factors in the autocast dtype), the

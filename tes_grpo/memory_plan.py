@@ -84,7 +84,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tes_grpo import model_loading  # the module: tests stand in for its cuda_available
-from tes_grpo.mxfp4 import tile_order_bytes
+from tes_grpo.mxfp4 import padded_bytes
 from tes_grpo.processes import local_rank, process_count, uses_fsdp
 from tes_grpo.script_config import SettingsError
 
@@ -221,12 +221,12 @@ def expert_layer_bytes(m: ModelShape, b: int = 2) -> int:
 
 
 def expert_bytes(m: ModelShape, mxfp4: bool, b: int = 2, layers: int | None = None) -> int:
-    """The expert weights of `layers` layers (default: all): as MXFP4 in tile order (mxfp4.tile_order_bytes: 4-bit
-    values + one 8-bit scale per 32, each matrix padded to whole tiles; how the resident experts and
+    """The expert weights of `layers` layers (default: all): as MXFP4 in the Hopper layout (mxfp4.padded_bytes:
+    4-bit values + one 8-bit scale per 32, each matrix padded to whole tiles; how the resident experts and
     mxfp4_decode's decoding copy are kept) or in the compute dtype."""
     layers = m.layers if layers is None else layers
     if mxfp4:  # gate_up [2 x intermediate, hidden] and down [hidden, intermediate], (out, in)
-        per_expert = tile_order_bytes(2 * m.intermediate, m.hidden) + tile_order_bytes(m.hidden, m.intermediate)
+        per_expert = padded_bytes(2 * m.intermediate, m.hidden) + padded_bytes(m.hidden, m.intermediate)
         return m.experts * layers * per_expert
     return m.experts * 3 * m.hidden * m.intermediate * layers * b
 

@@ -296,8 +296,8 @@ def fill_resident_experts(model, folder, device) -> None:
 
 def _place(module, attr: str, tensor, device, name: str) -> None:
     """Puts a checkpoint tensor into the skeleton's parameter or buffer `attr` of `module`, on `device`, in the
-    skeleton's dtype (the dtype from_config gave it); a resident experts module's blocks and scales in its tile
-    order (mxfp4_experts.put_checkpoint_tensor)."""
+    skeleton's dtype (the dtype from_config gave it); a resident experts module's blocks and scales in its Hopper
+    layout (mxfp4_experts.put_checkpoint_tensor)."""
     import torch
 
     from tes_grpo.mxfp4_experts import expected_shapes, is_resident, put_checkpoint_tensor

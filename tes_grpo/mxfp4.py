@@ -169,8 +169,9 @@ def tile_order_shape(part: str, experts: int, rows: int, cols: int, tile: tuple[
     return (experts, *tiles_of(rows, cols, tile), tile[0], _tile_columns(part, tile))
 
 
-def tile_order_bytes(rows: int, cols: int, tile: tuple[int, int] = TILE) -> int:
-    """Bytes of one expert's [rows, cols] weight in tile order, blocks and scales (17 bytes a padded 32-block)."""
+def padded_bytes(rows: int, cols: int, tile: tuple[int, int] = TILE) -> int:
+    """Bytes of one expert's [rows, cols] weight padded to whole tiles, blocks and scales (17 bytes a padded
+    32-block): what it takes in tile order and in the Hopper layout alike."""
     row_tiles, col_tiles = tiles_of(rows, cols, tile)
     return row_tiles * tile[0] * col_tiles * tile[1] * 17 // 32
 
@@ -207,6 +208,140 @@ def from_tile_order(tensor: torch.Tensor, part: str, rows: int, cols: int) -> to
     groups = cols // BLOCK_SIZE
     kept = flat[:, :rows, :groups * (BLOCK_SIZE // 2) if part == "blocks" else groups]
     return (kept.reshape(experts, rows, groups, BLOCK_SIZE // 2) if part == "blocks" else kept).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The Hopper layout: how the resident experts are kept (mxfp4_experts.py) and what mxfp4_decode's kernel reads
+# ---------------------------------------------------------------------------------------------------------------
+
+HOPPER_WARPS = 4  # warps of the kernel that reads the scales' layout (HopperMXScaleLayout's num_warps)
+# the value layout as OpenAI triton_kernels builds it (Triton 3.6, HopperMXValueLayout, mma_version 3): the packed
+# bytes [E, rows, cols / 2] viewed with these sizes (rows: 16-row groups, then 2, 4, 2; bytes: 32-byte groups,
+# then 4, 2, 4), then permuted; the 1s are that library's singleton axes, kept so the permutation reads as its own
+_HOPPER_VALUE_VIEW = (None, None, 1, 2, 4, 2, 1, None, 4, 2, 4, 1, 1)
+_HOPPER_VALUE_ORDER = (0, 1, 4, 7, 11, 5, 10, 8, 2, 9, 3, 6, 12)
+_HOPPER_SCALE_ORDER = (0, 1, 3, 6, 2, 5, 7, 4)
+
+
+def _unsigned_shift(x: torch.Tensor, bits: int) -> torch.Tensor:
+    return (x >> bits) & ((1 << (32 - bits)) - 1)
+
+
+def _placed(byte: torch.Tensor, fourth: bool = False) -> torch.Tensor:
+    """A byte's two codes where a 16-bit half of a word holds them (low nibble: low half, high nibble: high half):
+    sign at bit 15 and magnitude at bits 8..6 for the word's first three bytes (shifted right by 0, 3, 6 when
+    combined), for the fourth byte sign at 14, magnitude bits 2 and 1 at 11 and 10, bit 0 at 13."""
+    def one(code):
+        if fourth:
+            return ((code & 0x8) << 11) | ((code & 0x6) << 9) | ((code & 0x1) << 13)
+        return ((code & 0x8) << 12) | ((code & 0x7) << 6)
+    return one(byte & 0xF) | (one(byte >> 4) << 16)
+
+
+def _hopper_bits(data: torch.Tensor) -> torch.Tensor:
+    """Every 4 bytes (8 FP4 codes) -> one little-endian word with the codes' bits where the unpacking's masks and
+    shifts find them (triton_kernels' hopper_value._pack_bits; mxfp4_decode._hopper_unpack reads them)."""
+    x = data.reshape(*data.shape[:-1], -1, 4).to(torch.int32)
+    word = (_placed(x[..., 0]) | _unsigned_shift(_placed(x[..., 1]), 3) | _unsigned_shift(_placed(x[..., 2]), 6)
+            | _placed(x[..., 3], fourth=True))
+    return word.contiguous().view(torch.uint8).reshape(data.shape)
+
+
+def _hopper_unbits(data: torch.Tensor) -> torch.Tensor:
+    """Inverse of _hopper_bits: each word's 8 codes back into its 4 bytes."""
+    word = data.contiguous().view(torch.int32).reshape(*data.shape[:-1], -1, 1)
+    halves = torch.cat([word & 0xFFFF, _unsigned_shift(word, 16)], dim=-1)  # low nibbles, high nibbles
+
+    def code(sign, magnitude):
+        return (((halves >> sign) & 1) << 3) | magnitude
+
+    codes = [code(15, (halves >> 6) & 7), code(12, (halves >> 3) & 7), code(9, halves & 7),
+             code(14, (((halves >> 11) & 1) << 2) | (((halves >> 10) & 1) << 1) | ((halves >> 13) & 1))]
+    return torch.stack([c[..., 0] | (c[..., 1] << 4) for c in codes], dim=-1).to(torch.uint8).reshape(data.shape)
+
+
+def hopper_shape(part: str, experts: int, rows: int, cols: int, tile: tuple[int, int] = TILE) -> tuple:
+    """The Hopper-layout shape of a [experts, rows (out), cols (in)] weight's blocks ([E, rows / 4, 2 cols]) or
+    scales ([E, rows / 32, cols]), rows and cols padded to whole tiles."""
+    _tile_columns(part, tile)
+    rows, cols = (-(-rows // tile[0]) * tile[0], -(-cols // tile[1]) * tile[1])
+    return (experts, rows // 4, 2 * cols) if part == "blocks" else (experts, rows // 32, cols)
+
+
+def _check_hopper_tile(tile: tuple[int, int], warps: int) -> None:
+    if tile[0] % (32 * warps) or tile[1] % 128:
+        raise ValueError(f"Hopper layout: tile {tile} needs rows a multiple of 32 x {warps} warps and columns a "
+                         "multiple of 128")
+
+
+def to_hopper_layout(tensor: torch.Tensor, part: str, tile: tuple[int, int] = TILE,
+                     warps: int = HOPPER_WARPS) -> torch.Tensor:
+    """Checkpoint blocks [E, rows, cols/32, 16] or scales [E, rows, cols/32] -> OpenAI triton_kernels' Hopper MXFP4
+    layout (Triton 3.6: HopperMXValueLayout, mma_version 3; HopperMXScaleLayout at `warps` warps), the weight padded
+    to whole tiles with the value 0 (TILE_FILL): blocks [E, rows / 4, 2 cols], where each lane of a warpgroup loads
+    its MMA operand registers for 4 K steps of 16 as 16 contiguous bytes, their bits pre-placed (_hopper_bits) so
+    two instructions a value unpack them; scales [E, rows / 32, cols], a warp's 32 rows of one column group
+    together. One expert at a time (the scratch stays one expert's size); on meta tensors, the shape."""
+    _check_hopper_tile(tile, warps)
+    if tensor.dim() != (4 if part == "blocks" else 3):
+        raise ValueError(f"Hopper layout: {part} of shape {tuple(tensor.shape)} are not the checkpoint's "
+                         + ("[E, rows, cols/32, 16]" if part == "blocks" else "[E, rows, cols/32]"))
+    experts, rows, groups = tensor.shape[:3]
+    out = tensor.new_empty(hopper_shape(part, experts, rows, groups * BLOCK_SIZE, tile))
+    if tensor.is_meta:
+        return out
+    rows_pad = -(-rows // tile[0]) * tile[0]
+    cols_pad = -(-groups * BLOCK_SIZE // tile[1]) * tile[1]
+    per_row = cols_pad // 2 if part == "blocks" else cols_pad // BLOCK_SIZE
+    for e in range(experts):
+        padded = tensor.new_full((1, rows_pad, per_row), TILE_FILL[part])
+        padded[:, :rows, :groups * (BLOCK_SIZE // 2 if part == "blocks" else 1)] = tensor[e:e + 1].reshape(1, rows, -1)
+        if part == "scales":
+            padded = padded.reshape(1, rows_pad // (32 * warps), 2, warps, 2, 8, cols_pad // 64, 2)
+            out[e] = padded.permute(*_HOPPER_SCALE_ORDER).reshape(rows_pad // 32, cols_pad)
+        else:
+            view = [1, rows_pad // 16, *_HOPPER_VALUE_VIEW[2:7], cols_pad // 64, *_HOPPER_VALUE_VIEW[8:]]
+            out[e] = _hopper_bits(padded.view(view).permute(*_HOPPER_VALUE_ORDER).reshape(rows_pad // 4, 2 * cols_pad))
+    return out
+
+
+def from_hopper_layout(tensor: torch.Tensor, part: str, rows: int, cols: int,
+                       warps: int = HOPPER_WARPS) -> torch.Tensor:
+    """Inverse of to_hopper_layout for a [E, rows, cols] weight: the checkpoint's blocks or scales, contiguous (one
+    expert at a time)."""
+    if tensor.dim() != 3:
+        raise ValueError(f"Hopper layout: {part} of shape {tuple(tensor.shape)} are not in the Hopper layout "
+                         "([E, rows / 4, 2 cols] or [E, rows / 32, cols])")
+    experts = tensor.shape[0]
+    rows_pad, cols_pad = ((tensor.shape[1] * 4, tensor.shape[2] // 2) if part == "blocks"
+                          else (tensor.shape[1] * 32, tensor.shape[2]))
+    if (cols % BLOCK_SIZE or not (0 < rows <= rows_pad and 0 < cols <= cols_pad) or cols_pad % 128
+            or rows_pad % (32 * warps)):
+        raise ValueError(f"Hopper layout: a [{rows}, {cols}] weight (columns a multiple of {BLOCK_SIZE}) is not what "
+                         f"{part} of shape {tuple(tensor.shape)} hold")
+    groups = cols // BLOCK_SIZE
+    if part == "scales":
+        out = tensor.new_empty(experts, rows, groups)
+        shape = (1, rows_pad // (32 * warps), 2, warps, 2, 8, cols_pad // 64, 2)
+        for e in range(experts):
+            permuted = tensor[e:e + 1].reshape([shape[d] for d in _HOPPER_SCALE_ORDER])
+            flat = permuted.permute(*_inverse(_HOPPER_SCALE_ORDER)).reshape(rows_pad, cols_pad // BLOCK_SIZE)
+            out[e] = flat[:rows, :groups]
+        return out
+    out = tensor.new_empty(experts, rows, groups, BLOCK_SIZE // 2)
+    view = [1, rows_pad // 16, *_HOPPER_VALUE_VIEW[2:7], cols_pad // 64, *_HOPPER_VALUE_VIEW[8:]]
+    for e in range(experts):
+        permuted = _hopper_unbits(tensor[e:e + 1]).reshape([view[d] for d in _HOPPER_VALUE_ORDER])
+        flat = permuted.permute(*_inverse(_HOPPER_VALUE_ORDER)).reshape(rows_pad, cols_pad // 2)
+        out[e] = flat[:rows, :groups * (BLOCK_SIZE // 2)].reshape(rows, groups, BLOCK_SIZE // 2)
+    return out
+
+
+def _inverse(order: tuple[int, ...]) -> list[int]:
+    inverse = [0] * len(order)
+    for position, axis in enumerate(order):
+        inverse[axis] = position
+    return inverse
 
 
 class SafetensorsCheckpoint(Mapping):

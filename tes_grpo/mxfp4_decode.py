@@ -10,8 +10,8 @@ expert weights, the larger part of a decode step's memory traffic. gpt-oss ships
 ~3.7x fewer bytes than bf16 (BENCHMARKS.md, "Speed at the recipe, second session", times both). When training holds
 bf16 experts (the checkpoint loaded dequantized), this module packs a second, MXFP4 copy of the frozen experts for
 sampling only (the experts' MXFP4 size again on the GPU; the memory plan counts it); when they are resident as MXFP4
-(mxfp4_experts.py), a layer's blocks and scales go to the kernel as they are, with no copy. Both are kept in tile
-order (mxfp4.to_tile_order: each 128 x 128 tile of a weight contiguous), the order the kernel reads.
+(mxfp4_experts.py), a layer's blocks and scales go to the kernel as they are, with no copy. Both are kept in
+OpenAI triton_kernels' Hopper MXFP4 layout (mxfp4.to_hopper_layout), the order the kernel reads.
 
 It is the same policy, not an approximation: a layer is packed only when the round trip gives the bf16 weights back
 bit for bit (`pack_experts` checks every expert; true for weights loaded from an MXFP4 checkpoint, since MXFP4
@@ -20,17 +20,17 @@ numbers; what can differ from transformers' grouped_mm is the order of the float
 bf16 rounding of transformers' forward (matmul output, + bias, the gate's steps, x routing weight) is repeated.
 
 Kernel: one Triton program per (expert, tile of output columns) loops over the rows routed to its expert (sorted
-by expert, as transformers' grouped_mm path sorts them) and over K one tile at a time, reading the tile's packed
-weights and scales as one contiguous piece each (no masks: the padding holds zeros). By default (TILES) it upcasts
-the tile itself (Tiles.upcast="bits", `_mxfp4_to_bf16`: bit operations, then two exact bf16 multiplies by powers of
-two; Hopper has no MXFP4 tensor cores) and multiplies with `tl.dot`, the weights as the dot's left operand
-(Tiles.swap: out^T = W^T x^T, wide weight tiles and the few rows as the narrow side, the shape Hopper's warpgroup
-MMA takes with the upcast tile in registers). A layer whose scales that upcast does not give exactly
-(upcast_is_exact: 255, or 0 under nonzero codes) runs DOT_SCALED instead: `tl.dot_scaled`, Triton's own upcast.
-Tiles.upcast="hopper" reads a copy in OpenAI triton_kernels' Hopper layout (hopper_layout: each lane's loaded bytes
-are its MMA operand registers, unpacked by that library's PTX; benchmarks only). Every variant multiplies the same
-bf16 numbers and rounds the same epilogue; `Tiles` says which one runs. A program's BLOCK_N x BLOCK_K is the stored
-tile (mxfp4.TILE); other tiles and layouts read a copy (`retiled`, benchmarks only).
+by expert, as transformers' grouped_mm path sorts them) and over K one tile at a time (no masks on the weights: the
+padding holds zeros). By default (TILES, Tiles.upcast="hopper") a lane's loaded bytes are its tensor-core operand
+registers, unpacked by triton_kernels' PTX (`_hopper_unpack`: two instructions a value; Hopper has no MXFP4 tensor
+cores; on older GPUs the same bit operations in Triton's language), then multiplied by the scales (an exact bf16
+multiply by a power of two) and by x with `tl.dot`, the weights as the dot's left operand (Tiles.swap: out^T = W^T
+x^T, wide weight tiles and the few rows as the narrow side, the shape Hopper's warpgroup MMA takes with the upcast
+tile in registers). A layer whose scales that upcast does not give exactly (upcast_is_exact: 255, or 0 under
+nonzero codes) runs DOT_SCALED on a copy in tile order (mxfp4.to_tile_order) instead: `tl.dot_scaled`, Triton's own
+upcast. Tiles.upcast="bits" (`_mxfp4_to_bf16` on tile order) is a third variant, for benchmarks. Every variant
+multiplies the same bf16 numbers and rounds the same epilogue; `Tiles` says which one runs. A program's BLOCK_N x
+BLOCK_K is the stored tile (mxfp4.TILE); other tiles and layouts read a copy (`retiled`, benchmarks only).
 The gate_up launch applies gpt-oss's clamped SwiGLU before it stores; the down launch adds the bias, multiplies by
 the routing weight and writes each row back to its token's slot. No host reads, fixed shapes: CUDA-graph capturable.
 
@@ -43,6 +43,7 @@ triton was first imported, without the interpreter, and fail inside an interpret
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import weakref
 from dataclasses import dataclass
@@ -54,11 +55,15 @@ import triton.language as tl
 from tes_grpo import moe_routing
 from tes_grpo.mxfp4 import (
     BLOCK_SIZE,
+    HOPPER_WARPS,
     TILE,
     dequantize_mxfp4,
+    from_hopper_layout,
     from_tile_order,
+    hopper_shape,
     quantize_mxfp4,
     tile_order_shape,
+    to_hopper_layout,
     to_tile_order,
 )
 from tes_grpo.mxfp4_experts import is_resident, matrix_sizes
@@ -74,16 +79,19 @@ class Tiles:
     4 / 32). upcast="bits" is exact for E8M0 scales 1..254 and for all-zero groups at scale 0 (_mxfp4_to_bf16);
     a nonzero group at scale 0 (values below 2^-124, which mxfp4.quantize_mxfp4 writes for such tiny groups) reads
     as zeros, and 255 (NaN in the format) as infinities; the kernel reads no scale on the host to check it.
-    upcast="hopper" reads a copy in OpenAI triton_kernels' Hopper layout instead (hopper_layout; benchmarks only),
-    with the same exactness as "bits"."""
+    upcast="hopper" (the default) reads the Hopper layout the experts are kept in (mxfp4.to_hopper_layout), with
+    the same exactness as "bits"; "bits" and "dot_scaled" read tile order (mxfp4.to_tile_order), a copy.
+    ptx: "hopper" unpacks with OpenAI triton_kernels' PTX where the GPU has it (compute capability 9.0 or newer:
+    mul.bf16x2), else, or when False, with the same bit operations in Triton's language."""
 
     block_m: int = 16
     block_n: int = TILE[0]  # the stored tile's outputs and inputs (mxfp4.TILE); others read a copy (retiled)
     block_k: int = TILE[1]
-    num_warps: int = 4
-    num_stages: int = 3
-    upcast: str = "bits"  # "bits": _mxfp4_to_bf16, then tl.dot; "dot_scaled": tl.dot_scaled upcasts; "hopper"
+    num_warps: int = HOPPER_WARPS  # "hopper": the scales' layout is made for this many (others read a copy)
+    num_stages: int = 4
+    upcast: str = "hopper"  # "hopper": _hopper_unpack, then tl.dot; "bits": _mxfp4_to_bf16; "dot_scaled": Triton's
     swap: bool = True  # upcast="bits" or "hopper": the weight tile is the dot's left operand (acc [BLOCK_N, BLOCK_M])
+    ptx: bool = True  # upcast="hopper": triton_kernels' PTX on a GPU that has it; False: Triton's bit operations
 
     def __post_init__(self):
         if self.upcast not in UPCASTS:
@@ -98,8 +106,8 @@ class Tiles:
 
     @property
     def layout(self) -> str:
-        """How the weights must be stored for these tiles: "tiles" (mxfp4.to_tile_order) or "hopper"
-        (hopper_layout)."""
+        """How the weights must be stored for these tiles: "hopper" (mxfp4.to_hopper_layout, at num_warps) or
+        "tiles" (mxfp4.to_tile_order)."""
         return "hopper" if self.upcast == "hopper" else "tiles"
 
     @property
@@ -109,8 +117,9 @@ class Tiles:
 
 
 TILES = Tiles()  # the fastest bit-equal variant and shape of bench_mxfp4_decode.py's sweeps (BENCHMARKS.md)
-# for a layer whose scales the bits upcast does not give exactly (upcast_is_exact): Triton's upcast, the same tiles
-DOT_SCALED = dataclasses.replace(TILES, upcast="dot_scaled", swap=False)
+# for a layer whose scales the Hopper and bits upcasts do not give exactly (upcast_is_exact): Triton's upcast, on a
+# copy in tile order, at the tiles it was measured with
+DOT_SCALED = Tiles(upcast="dot_scaled", swap=False, num_stages=3)
 
 
 @triton.jit
@@ -194,15 +203,16 @@ def upcast_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _hopper_unpack(x, INTERPRETED: tl.constexpr):
-    """[R, C] bytes of hopper_layout (every 4 bytes one word of 8 FP4 codes, their bits placed by _hopper_bits) ->
-    [R, 2C] bf16, the codes' E2M1 values in the order the bytes held them (low nibble first): masks and shifts put
-    each code's sign and 3 magnitude bits where a bf16 reads them as the value times 2**-126, then one exact multiply
-    by 2**126. Compiled: OpenAI triton_kernels' PTX (Triton 3.6's hopper_value._unpack_fp4_to_bf16_triton, two
-    instructions a value); interpreted: the same bit operations in Triton's language."""
+def _hopper_unpack(x, PTX: tl.constexpr, INTERPRETED: tl.constexpr):
+    """[R, C] bytes of the Hopper layout (mxfp4.to_hopper_layout: every 4 bytes one word of 8 FP4 codes, their bits
+    placed by mxfp4._hopper_bits) -> [R, 2C] bf16, the codes' E2M1 values in the order the bytes held them (low
+    nibble first): masks and shifts put each code's sign and 3 magnitude bits where a bf16 reads them as the value
+    times 2**-126, then one exact multiply by 2**126. PTX: OpenAI triton_kernels' PTX (Triton 3.6's
+    hopper_value._unpack_fp4_to_bf16_triton, two instructions a value; mul.bf16x2 needs compute capability 9.0);
+    otherwise (and interpreted) the same bit operations in Triton's language."""
     R: tl.constexpr = x.shape[0]
     C: tl.constexpr = x.shape[1]
-    if INTERPRETED:
+    if not PTX or INTERPRETED:
         b = tl.reshape(x.to(tl.uint32), (R, C // 4, 2, 2))
         even, odd = tl.split(b)  # bytes 0 and 2, 1 and 3 of each word (little-endian)
         b0, b2 = tl.split(even)
@@ -246,7 +256,7 @@ def _hopper_unpack(x, INTERPRETED: tl.constexpr):
 
 @triton.jit
 def _hopper_unshuffle(x):
-    """hopper_layout's value order -> [rows, K] (triton_kernels' _unshuffle_triton, mma_version 3, bf16): [R, C]
+    """The Hopper layout's value order -> [rows, K] (triton_kernels' _unshuffle_triton, mma_version 3, bf16): [R, C]
     upcast values -> [4R, C / 4]."""
     R: tl.constexpr = x.shape[0]
     C: tl.constexpr = x.shape[1]
@@ -256,7 +266,7 @@ def _hopper_unshuffle(x):
 
 @triton.jit
 def _hopper_scales(x, NUM_WARPS: tl.constexpr):
-    """hopper_layout's scale order -> [rows, K / 32] (triton_kernels' unswizzle_mxfp4_scale_hopper): [R, C] bytes
+    """The Hopper layout's scale order -> [rows, K / 32] (triton_kernels' unswizzle_mxfp4_scale_hopper): [R, C] bytes
     -> [32R, C / 32]."""
     R: tl.constexpr = x.shape[0]
     C: tl.constexpr = x.shape[1]
@@ -268,7 +278,8 @@ def _hopper_scales(x, NUM_WARPS: tl.constexpr):
 def _experts_kernel(x_ptr, x_rows_ptr, offsets_ptr, blocks_ptr, scales_ptr, bias_ptr, weight_ptr, out_ptr,
                     out_rows_ptr, N, K, alpha, limit,
                     SWIGLU: tl.constexpr, ROUTED_OUT: tl.constexpr, UPCAST_BITS: tl.constexpr, SWAP: tl.constexpr,
-                    HOPPER: tl.constexpr, NUM_WARPS: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr,
+                    HOPPER: tl.constexpr, PTX: tl.constexpr, NUM_WARPS: tl.constexpr, INTERPRETED: tl.constexpr,
+                    BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[r] = f(x[x_rows[r]] @ W_e + b_e) for the rows r in offsets[e]:offsets[e+1] (rows sorted by expert).
 
@@ -278,8 +289,9 @@ def _experts_kernel(x_ptr, x_rows_ptr, offsets_ptr, blocks_ptr, scales_ptr, bias
     interleaved (gate, up) columns, out has N/2 columns. ROUTED_OUT: f multiplies by weight[out_rows[r]] and the row
     is stored at out_rows[r]. UPCAST_BITS: the weight tile is upcast by _mxfp4_to_bf16 and multiplied by tl.dot, not
     tl.dot_scaled; SWAP (with UPCAST_BITS): acc^T [BLOCK_N, BLOCK_M] = W_tile^T [BLOCK_N, BLOCK_K] @ x^T. HOPPER
-    (with SWAP): blocks and scales are hopper_layout's ([E, N / 4, 2 K] and [E, N / 32, K] bytes, padded to whole
-    tiles), upcast by _hopper_unpack, _hopper_unshuffle and _hopper_scales (NUM_WARPS: the scales' layout's)."""
+    (with SWAP): blocks and scales are in the Hopper layout (mxfp4.to_hopper_layout: [E, N / 4, 2 K] and
+    [E, N / 32, K] bytes, padded to whole tiles), upcast by _hopper_unpack (PTX: with triton_kernels' PTX),
+    _hopper_unshuffle and _hopper_scales (NUM_WARPS: the scales' layout's)."""
     expert = tl.program_id(0)
     start = tl.load(offsets_ptr + expert)
     end = tl.load(offsets_ptr + expert + 1)
@@ -313,7 +325,7 @@ def _experts_kernel(x_ptr, x_rows_ptr, offsets_ptr, blocks_ptr, scales_ptr, bias
                 s = tl.load(scales_ptr + expert.to(tl.int64) * (n_pad * k_pad // 32)
                             + (tl.program_id(1) * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32))[:, None] * k_pad
                             + (k0 + tl.arange(0, BLOCK_K))[None, :])
-                w = _hopper_unshuffle(_hopper_unpack(w, INTERPRETED))  # [BLOCK_N, BLOCK_K] bf16
+                w = _hopper_unshuffle(_hopper_unpack(w, PTX, INTERPRETED))  # [BLOCK_N, BLOCK_K] bf16
                 scale = (_hopper_scales(s, NUM_WARPS).to(tl.uint16) << 7).to(tl.bfloat16, bitcast=True)
                 scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // 32, 32)),
                                    (BLOCK_N, BLOCK_K))
@@ -361,8 +373,8 @@ def experts_matmul(x, x_rows, offsets, blocks, scales, size, bias, *, swiglu=Non
                    tiles: Tiles = TILES) -> torch.Tensor:
     """One launch of the experts kernel; see _experts_kernel. x [T, K] bf16 (contiguous), x_rows [S] (the row of x
     for sorted row r), offsets [E + 1] (sorted rows of expert e: offsets[e]:offsets[e+1]), blocks/scales the
-    weights [E, N, K] in the layout `tiles` reads (layout_shapes: tile order at tiles.tile, mxfp4.to_tile_order, or
-    hopper_layout's), size (N, K), bias [E, N].
+    weights [E, N, K] in the layout `tiles` reads (layout_shapes: mxfp4.to_hopper_layout's or, tile order at
+    tiles.tile, mxfp4.to_tile_order's), size (N, K), bias [E, N].
     swiglu=(alpha, limit) applies gpt-oss's gate (out [S, N/2]); weights [S'] with out_rows [S] writes row r, times
     weights[out_rows[r]], to out[out_rows[r]] (out [S', N])."""
     n, k = size
@@ -382,19 +394,26 @@ def experts_matmul(x, x_rows, offsets, blocks, scales, size, bias, *, swiglu=Non
     _experts_kernel[grid](x, x_rows, offsets, blocks, scales, bias, weights if weights is not None else bias, out,
                           out_rows if out_rows is not None else x_rows, n, k, float(alpha), float(limit),
                           SWIGLU=bool(swiglu), ROUTED_OUT=weights is not None, UPCAST_BITS=tiles.upcast == "bits",
-                          SWAP=tiles.swap, HOPPER=tiles.upcast == "hopper", NUM_WARPS=tiles.num_warps,
+                          SWAP=tiles.swap, HOPPER=tiles.upcast == "hopper",
+                          PTX=tiles.ptx and x.is_cuda and _has_ptx_unpack(x.device.index), NUM_WARPS=tiles.num_warps,
                           INTERPRETED=interpreted(), BLOCK_M=tiles.block_m,
                           BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
                           num_stages=tiles.num_stages)
     return out
 
 
+@functools.cache
+def _has_ptx_unpack(device_index: int | None) -> bool:
+    """Whether _hopper_unpack's PTX runs on this CUDA device (mul.bf16x2: compute capability 9.0 or newer)."""
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
 @dataclass
 class PackedExperts:
-    """One layer's experts as MXFP4 in the layout its `tiles` read (tile order, mxfp4.to_tile_order at `tile`:
-    blocks [E, N tiles, K tiles, tile rows, tile bytes], scales likewise; or a retiled copy in hopper_layout's) with
-    each weight's (out, in) size, the bf16 biases (the module's own tensors), and the parameter versions they were
-    packed from."""
+    """One layer's experts as MXFP4 in the layout its `tiles` read (the Hopper layout, mxfp4.to_hopper_layout:
+    blocks [E, N / 4, 2 K], scales [E, N / 32, K]; or tile order, mxfp4.to_tile_order at `tile`: blocks [E, N tiles,
+    K tiles, tile rows, tile bytes], scales likewise) with each weight's (out, in) size, the bf16 biases (the
+    module's own tensors), and the parameter versions they were packed from."""
 
     gate_up_blocks: torch.Tensor
     gate_up_scales: torch.Tensor
@@ -409,7 +428,7 @@ class PackedExperts:
     versions: tuple
     resident: bool = False  # the blocks/scales are the module's own resident buffers (mxfp4_experts.py), no copy
     tiles: Tiles = TILES  # what moe_forward runs this pack with unless told otherwise
-    exact: bool = True  # the bits upcast gives every weight exactly (upcast_is_exact); else only dot_scaled runs it
+    exact: bool = True  # the bits upcasts give every weight exactly (upcast_is_exact); else only dot_scaled runs it
 
     @property
     def experts(self) -> int:
@@ -417,7 +436,7 @@ class PackedExperts:
 
     @property
     def tile(self) -> tuple[int, int]:
-        """The tile the weights are kept in: (outputs, inputs) of a tile."""
+        """The tile the weights are kept in (padded to): (outputs, inputs) of a tile."""
         if self.tiles.layout == "hopper":
             return self.tiles.tile
         return self.gate_up_blocks.shape[3], self.gate_up_blocks.shape[4] * 2
@@ -426,98 +445,74 @@ class PackedExperts:
         return sum(t.numel() * t.element_size() for t in (self.gate_up_blocks, self.gate_up_scales,
                                                          self.down_blocks, self.down_scales))
 
+    def checkpoint_layout(self, proj: str, experts: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """Projection `proj` ("gate_up" or "down") of `experts` as the checkpoint's blocks [E, N, K/32, 16] and
+        scales [E, N, K/32] (new tensors)."""
+        size = getattr(self, f"{proj}_size")
+        parts = [getattr(self, f"{proj}_{part}")[experts] for part in ("blocks", "scales")]
+        if self.tiles.layout == "hopper":
+            return tuple(from_hopper_layout(t, part, *size, warps=self.tiles.num_warps)
+                         for t, part in zip(parts, ("blocks", "scales"), strict=True))
+        return tuple(from_tile_order(t, part, *size) for t, part in zip(parts, ("blocks", "scales"), strict=True))
+
 
 def upcast_is_exact(blocks: torch.Tensor, scales: torch.Tensor) -> bool:
-    """Whether Tiles.upcast="bits" gives these weights (tile order) exactly (Tiles: scales 1..254, and scale 0 only
-    for groups whose codes are all zeros of either sign). Reads the weights once, an expert at a time (one expert's
-    scratch), and the answer once at the end (one host read)."""
+    """Whether Tiles.upcast="hopper" and "bits" give these weights (the checkpoint's layout, or tile order) exactly
+    (Tiles: scales 1..254, and scale 0 only for groups whose codes are all zeros of either sign). Reads the weights
+    once, an expert at a time (one expert's scratch), and the answer once at the end (one host read)."""
+    return not bool(_inexact_flag(blocks, scales))
+
+
+def _inexact_flag(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     inexact = torch.zeros((), dtype=torch.bool, device=scales.device)
     for e in range(scales.shape[0]):
         groups = blocks[e].reshape(*scales.shape[1:], BLOCK_SIZE // 2)
         nonzero = (groups & 0x77).amax(dim=-1) > 0  # a code's 3 magnitude bits, both nibbles
         inexact |= ((scales[e] == 255) | ((scales[e] == 0) & nonzero)).any()
+    return inexact
+
+
+def pack_is_exact(pack: PackedExperts) -> bool:
+    """upcast_is_exact for every weight of a pack, whatever its layout (the Hopper layout is read back an expert
+    at a time); one host read."""
+    inexact = torch.zeros((), dtype=torch.bool, device=pack.gate_up_scales.device)
+    for proj in ("gate_up", "down"):
+        for e in range(pack.experts):
+            inexact |= _inexact_flag(*pack.checkpoint_layout(proj, slice(e, e + 1)))
     return not bool(inexact)
 
 
 def layout_shapes(tiles: Tiles, experts: int, n: int, k: int) -> list[tuple]:
     """The shapes of an [experts, n, k] weight's blocks and scales in the layout `tiles` reads (Tiles.layout)."""
     if tiles.layout == "hopper":
-        n_pad, k_pad = (-(-n // tiles.block_n) * tiles.block_n, -(-k // tiles.block_k) * tiles.block_k)
-        return [(experts, n_pad // 4, 2 * k_pad), (experts, n_pad // 32, k_pad)]
+        return [hopper_shape(part, experts, n, k, tiles.tile) for part in ("blocks", "scales")]
     return [tile_order_shape(part, experts, n, k, tiles.tile) for part in ("blocks", "scales")]
 
 
-def _unsigned_shift(x: torch.Tensor, bits: int) -> torch.Tensor:
-    return (x >> bits) & ((1 << (32 - bits)) - 1)
-
-
-def _hopper_bits(data: torch.Tensor) -> torch.Tensor:
-    """Every 4 bytes (8 FP4 codes) -> one little-endian word with the codes' bits where _hopper_unpack's masks and
-    shifts find them (triton_kernels' hopper_value._pack_bits)."""
-    x = data.reshape(*data.shape[:-1], -1, 4).to(torch.int32)
-
-    def placed(byte, fourth=False):  # low nibble to the word's low half, high nibble to its high half
-        def one(code):
-            if fourth:
-                return ((code & 0x8) << 11) | ((code & 0x6) << 9) | ((code & 0x1) << 13)
-            return ((code & 0x8) << 12) | ((code & 0x7) << 6)
-        return one(byte & 0xF) | (one(byte >> 4) << 16)
-
-    word = (placed(x[..., 0]) | _unsigned_shift(placed(x[..., 1]), 3) | _unsigned_shift(placed(x[..., 2]), 6)
-            | placed(x[..., 3], fourth=True))
-    return word.contiguous().view(torch.uint8).reshape(data.shape)
-
-
-def hopper_layout(blocks: torch.Tensor, scales: torch.Tensor, size: tuple[int, int], tiles: Tiles):
-    """Checkpoint-layout blocks/scales of an [E, N, K] weight -> the layout Tiles(upcast="hopper") reads, OpenAI
-    triton_kernels' Hopper MXFP4 layout (Triton 3.6: HopperMXValueLayout, mma_version 3, and HopperMXScaleLayout at
-    tiles.num_warps), each weight padded to whole tiles: values [E, N / 4, 2 K] (each lane's 16 bytes are its
-    warpgroup-MMA operand registers for 4 K steps of 16, bits pre-placed by _hopper_bits), scales [E, N / 32, K]."""
-    n, k = size
-    experts = blocks.shape[0]
-    n_pad, k_pad = (-(-n // tiles.block_n) * tiles.block_n, -(-k // tiles.block_k) * tiles.block_k)
-    values = blocks.new_zeros(experts, n_pad, k_pad // 2)
-    values[:, :n, :k // 2] = blocks.reshape(experts, n, k // 2)
-    values = values.view(experts, n_pad // 16, 1, 2, 4, 2, 1, k_pad // 64, 4, 2, 4, 1, 1)
-    values = values.permute(0, *[1 + d for d in (0, 3, 6, 10, 4, 9, 7, 1, 8, 2, 5, 11)]).reshape(
-        experts, n_pad // 4, 2 * k_pad)
-    warps = tiles.num_warps
-    padded = scales.new_full((experts, n_pad, k_pad // 32), 127)
-    padded[:, :n, :k // 32] = scales
-    padded = padded.reshape(experts, n_pad // (32 * warps), 2, warps, 2, 8, k_pad // 64, 2)
-    padded = padded.permute(0, 1, 3, 6, 2, 5, 7, 4).reshape(experts, n_pad // 32, k_pad)
-    return _hopper_bits(values).contiguous(), padded.contiguous()
+def _in_layout(blocks: torch.Tensor, scales: torch.Tensor, tiles: Tiles) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checkpoint's blocks/scales of one weight in the layout `tiles` reads."""
+    if tiles.layout == "hopper":
+        return (to_hopper_layout(blocks, "blocks", tiles.tile, tiles.num_warps),
+                to_hopper_layout(scales, "scales", tiles.tile, tiles.num_warps))
+    return to_tile_order(blocks, "blocks", tiles.tile), to_tile_order(scales, "scales", tiles.tile)
 
 
 def retiled(pack: PackedExperts, tiles: Tiles) -> PackedExperts:
     """The pack to run with `tiles`: itself when its weights are in the layout and tile `tiles` reads, else a copy
-    of them in it (benchmarks try other tiles and the Hopper layout this way; never made inside a CUDA graph
-    capture). ValueError for an upcast that would not give the pack's weights exactly (PackedExperts.exact), and
-    for the Hopper layout on a GPU older than Hopper (its PTX needs sm_90)."""
+    of them in it (benchmarks try other tiles and layouts this way, and a layer that only dot_scaled gives exactly
+    gets its tile-order copy; never made inside a CUDA graph capture). ValueError for an upcast that would not give
+    the pack's weights exactly (PackedExperts.exact)."""
     if not pack.exact and tiles.upcast != "dot_scaled":
         raise ValueError(f"retiled: upcast={tiles.upcast!r} would not give these weights exactly (scales 255, or 0 "
                          "under nonzero codes); only upcast='dot_scaled' runs them")
-    device = pack.gate_up_blocks.device
-    if tiles.upcast == "hopper" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
-        raise ValueError(f"retiled: upcast='hopper' needs a GPU of compute capability 9.0 or newer (mul.bf16x2), "
-                         f"{torch.cuda.get_device_name(device)} has "
-                         f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
     if pack.tiles.layout == tiles.layout and pack.tile == tiles.tile and (
             tiles.layout == "tiles" or pack.tiles.num_warps == tiles.num_warps):  # the Hopper scales' order needs it
         return dataclasses.replace(pack, tiles=tiles)
-    if pack.tiles.layout != "tiles":
-        raise ValueError(f"retiled: a pack in the {pack.tiles.layout} layout is copied only from tile order")
     if pack.gate_up_blocks.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("retiled: a copy in another tile order must be made before a CUDA graph capture")
+        raise RuntimeError("retiled: a copy in another layout or tile must be made before a CUDA graph capture")
     copies = {}
     for proj in ("gate_up", "down"):
-        size = getattr(pack, f"{proj}_size")
-        checkpoint = [from_tile_order(getattr(pack, f"{proj}_{part}"), part, *size) for part in ("blocks", "scales")]
-        if tiles.layout == "hopper":
-            copies[f"{proj}_blocks"], copies[f"{proj}_scales"] = hopper_layout(*checkpoint, size, tiles)
-        else:
-            for part, tensor in zip(("blocks", "scales"), checkpoint, strict=True):
-                copies[f"{proj}_{part}"] = to_tile_order(tensor, part, tiles.tile)
+        copies[f"{proj}_blocks"], copies[f"{proj}_scales"] = _in_layout(*pack.checkpoint_layout(proj), tiles)
     return dataclasses.replace(pack, **copies, resident=False, tiles=tiles)
 
 
@@ -546,7 +541,7 @@ def pack_blockers(experts) -> list[str]:
 
 
 def _pack_param(param: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """[E, in, out] bf16 -> (blocks, scales) in tile order (mxfp4.TILE); raises ValueError unless the bf16 values
+    """[E, in, out] bf16 -> (blocks, scales) in the checkpoint's layout; raises ValueError unless the bf16 values
     come back bit for bit."""
     blocks, scales = [], []
     for e in range(param.shape[0]):
@@ -555,29 +550,35 @@ def _pack_param(param: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Ten
         if not torch.equal(dequantize_mxfp4(b, s, torch.bfloat16), weight):
             raise ValueError(f"{name}[{e}] is not exactly MXFP4 (its weights were not loaded from an MXFP4 "
                              "checkpoint, or were changed since)")
-        blocks.append(to_tile_order(b[None], "blocks")[0])
-        scales.append(to_tile_order(s[None], "scales")[0])
+        blocks.append(b)
+        scales.append(s)
     return torch.stack(blocks), torch.stack(scales)
 
 
 def pack_experts(experts) -> PackedExperts:
-    """The experts' MXFP4 copy (or, resident, their own tensors), to run with TILES, or DOT_SCALED where the bits
-    upcast would not give every weight exactly (upcast_is_exact); ValueError names what prevents it (pack_blockers,
-    or weights not exactly MXFP4)."""
+    """The experts' MXFP4 copy in the Hopper layout (or, resident, their own tensors, kept in it), to run with
+    TILES; where the bits upcasts would not give every weight exactly (upcast_is_exact), a copy in tile order to run
+    with DOT_SCALED. ValueError names what prevents packing (pack_blockers, or weights not exactly MXFP4)."""
     reasons = pack_blockers(experts)
     if reasons:
         raise ValueError("; ".join(reasons))
     sizes = matrix_sizes(experts)
     resident = is_resident(experts)
-    if resident:  # the checkpoint's bytes in tile order, as they are
+    if resident:  # the checkpoint's bytes in the Hopper layout (mxfp4_experts.py keeps them so), as they are
         tensors = (experts.gate_up_proj_blocks, experts.gate_up_proj_scales, experts.down_proj_blocks,
                    experts.down_proj_scales)
+        exact = None
     else:
-        tensors = (*_pack_param(experts.gate_up_proj, "gate_up_proj"), *_pack_param(experts.down_proj, "down_proj"))
-    exact = upcast_is_exact(*tensors[:2]) and upcast_is_exact(*tensors[2:])
-    return PackedExperts(*tensors, sizes["gate_up_proj"], sizes["down_proj"], experts.gate_up_proj_bias,
+        checkpoint = (*_pack_param(experts.gate_up_proj, "gate_up_proj"), *_pack_param(experts.down_proj, "down_proj"))
+        exact = upcast_is_exact(*checkpoint[:2]) and upcast_is_exact(*checkpoint[2:])
+        tiles = TILES if exact else DOT_SCALED
+        tensors = (*_in_layout(*checkpoint[:2], tiles), *_in_layout(*checkpoint[2:], tiles))
+    pack = PackedExperts(*tensors, sizes["gate_up_proj"], sizes["down_proj"], experts.gate_up_proj_bias,
                          experts.down_proj_bias, float(experts.alpha), float(experts.limit), _versions(experts),
-                         resident=resident, tiles=TILES if exact else DOT_SCALED, exact=exact)
+                         resident=resident, tiles=TILES if exact is not False else DOT_SCALED, exact=exact is not False)
+    if resident and not pack_is_exact(pack):
+        return retiled(dataclasses.replace(pack, exact=False), DOT_SCALED)
+    return pack
 
 
 _PACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # experts module -> PackedExperts or why not
@@ -611,17 +612,18 @@ def packed_experts(experts) -> tuple[PackedExperts | str, bool]:
 
 def pack_model(layers, say=print, tiles: Tiles = TILES) -> list[PackedExperts | None]:
     """Every layer's packed experts (None for a layer that cannot be packed), each to run with its own tiles
-    (pack_experts: TILES, or DOT_SCALED where the bits upcast is not exact) or, given other tiles, with those (a copy
-    in their tile order where that is not mxfp4.TILE: retiled, made here so a captured step finds it). Says what it
-    packed or copied, which layers upcast through tl.dot_scaled, and why a layer keeps its bf16 experts, when that
-    was worked out now (later calls reuse the packs silently)."""
+    (pack_experts: TILES, or DOT_SCALED on a tile-order copy where the bits upcasts are not exact) or, given other
+    tiles, with those (a copy in their layout and tile where those differ from the pack's: retiled, made here so a
+    captured step finds it). Says what it packed or copied, which layers upcast through tl.dot_scaled, and why a
+    layer keeps its bf16 experts, when that was worked out now (later calls reuse the packs silently)."""
     start = time.perf_counter()
-    packs, new, resident, inexact, reasons = [], [], [], [], {}
+    packs, new, resident, inexact, copied, reasons = [], [], [], [], [], {}
     for i, layer in enumerate(layers):
         result, fresh = packed_experts(layer.mlp.experts)
         packs.append(result if isinstance(result, PackedExperts) else None)
         if fresh and isinstance(result, PackedExperts):
-            (resident if result.resident else new).append(result)
+            kept_in = resident if result.resident else copied if is_resident(layer.mlp.experts) else new
+            kept_in.append(result)
             if not result.exact:
                 inexact.append(i)
         elif fresh:
@@ -632,10 +634,13 @@ def pack_model(layers, say=print, tiles: Tiles = TILES) -> list[PackedExperts | 
     if resident:
         say(f"DECODE_EXPERTS=mxfp4: {len(resident)} layers decode from their resident MXFP4 experts "
             f"({sum(p.nbytes() for p in resident) / 2**30:.2f} GiB, no copy)")
+    if copied:
+        say(f"DECODE_EXPERTS=mxfp4: {len(copied)} layers' resident experts copied in tile order for tl.dot_scaled "
+            f"({sum(p.nbytes() for p in copied) / 2**30:.2f} GiB more, which the memory plan does not count)")
     for reason, ids in reasons.items():
         say(f"DECODE_EXPERTS=mxfp4: layers {ids} decode with their bf16 experts ({reason})")
     if inexact:
-        say(f"DECODE_EXPERTS=mxfp4: layers {inexact} have scales the kernel's own upcast does not give exactly (255, "
+        say(f"DECODE_EXPERTS=mxfp4: layers {inexact} have scales the kernel's own upcasts do not give exactly (255, "
             "or 0 under nonzero codes), so they upcast through tl.dot_scaled (slower, exact)")
     if tiles == TILES:
         return packs

@@ -17,13 +17,14 @@ How:
 - A resident experts module is transformers' own experts module (its class, its forward and experts
   implementation, fused_experts.py's training forward) with `gate_up_proj` / `down_proj` taken out of its parameters
   and read through properties instead: the checkpoint's `{proj}_blocks` (uint8 [E, out, in/32, 16] in the
-  checkpoint) and `{proj}_scales` (uint8 [E, out, in/32]) are non-persistent buffers in their place, in tile order
-  (next point), and the property dequantizes them to the tensor transformers would hold: [E, in, out], contiguous,
-  in the dtype the dequantized load would give (bf16 on a GPU, float32 on the CPU).
-- The buffers hold those bytes in tile order (mxfp4.to_tile_order: [E, row tiles, column tiles, tile rows, tile
-  bytes], each 128 x 128 tile contiguous, the last ones padded with zeros), the order mxfp4_decode's kernel reads
-  a tile in, so decoding reads them with no copy; the dequantization reads the same order. put_checkpoint_tensor
-  stores a checkpoint tensor, checkpoint_tensor and resident_state give them back in the checkpoint's layout.
+  checkpoint) and `{proj}_scales` (uint8 [E, out, in/32]) are non-persistent buffers in their place, in the Hopper
+  layout (next point), and the property dequantizes them to the tensor transformers would hold: [E, in, out],
+  contiguous, in the dtype the dequantized load would give (bf16 on a GPU, float32 on the CPU).
+- The buffers hold those bytes in OpenAI triton_kernels' Hopper MXFP4 layout (mxfp4.to_hopper_layout: blocks
+  [E, out / 4, 2 in], scales [E, out / 32, in], padded to whole 128 x 128 tiles with zeros), the order
+  mxfp4_decode's kernel reads (a lane's loaded bytes are its tensor-core operand registers), so decoding reads them
+  with no copy; the dequantization reads the same layout. put_checkpoint_tensor stores a checkpoint tensor,
+  checkpoint_tensor and resident_state give them back in the checkpoint's layout.
 - Each call of the module (the layer's forward, its recompute under gradient checkpointing, a decoding step)
   dequantizes each projection once, when first read, and drops it when the call returns; the caching allocator
   reuses the memory for the next layer.
@@ -72,11 +73,15 @@ import torch
 
 from tes_grpo.mxfp4 import (
     BLOCK_SIZE,
+    HOPPER_WARPS,
+    TILE,
     dequantize_mxfp4,
+    from_hopper_layout,
     from_tile_order,
+    hopper_shape,
     quantize_mxfp4,
     tile_order_shape,
-    to_tile_order,
+    to_hopper_layout,
 )
 from tes_grpo.patches.torch_patches import saved_tensors_hooks_now, saved_tensors_hooks_readable
 from tes_grpo.processes import say
@@ -84,7 +89,8 @@ from tes_grpo.processes import say
 PROJECTIONS = ("gate_up_proj", "down_proj")
 # the dequantization kernel's program: rows (outputs) x columns (inputs), warps; benchmarks/bench_mxfp4_load.py times
 # others (DEQUANT_TILES)
-DEQUANT_TILE = (64, 64, 4)
+DEQUANT_TILE = (64, 64, 4)  # tile order and the checkpoint's layout
+DEQUANT_HOPPER = (128, 64, 4)  # the Hopper layout: its smallest whole piece (32 x HOPPER_WARPS rows, 64 columns)
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts$")
 
 __all__ = ["PROJECTIONS", "ResidentState", "ResidentSummary", "checkpoint_tensor", "dequantize_experts",
@@ -93,7 +99,7 @@ __all__ = ["PROJECTIONS", "ResidentState", "ResidentSummary", "checkpoint_tensor
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Dequantization: blocks and scales (the checkpoint's layout, or tile order) -> transformers' [E, in, out]
+# Dequantization: blocks and scales (the checkpoint's layout, tile order, the Hopper layout) -> [E, in, out]
 # ---------------------------------------------------------------------------------------------------------------
 
 _SAID: set = set()
@@ -113,12 +119,19 @@ def _triton_kernel(interpreted: bool):
     import triton.language as tl
 
     @triton.jit
-    def dequantize_kernel(blocks_ptr, scales_ptr, out_ptr, ROWS, COLS, OUT_KIND: tl.constexpr,
-                          TILE_R: tl.constexpr, TILE_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    def dequantize_kernel(blocks_ptr, scales_ptr, out_ptr, ROWS, COLS, OUT_KIND: tl.constexpr, HOPPER: tl.constexpr,
+                          WARPS: tl.constexpr, TILE_R: tl.constexpr, TILE_C: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_C: tl.constexpr):
         """out[e, c, r] = FP4(code of value (r, c)) * 2**(scale of (r, c) - 127): the weight [E, ROWS, COLS] written
         transposed, its bytes (two codes, the low nibble the even column) and scales (one a 32-column group) read in
-        tile order (mxfp4.to_tile_order: [E, row tiles, column tiles, TILE_R, TILE_C / 2 bytes or / 32 scales]).
-        The checkpoint's own layout is the one-tile case, TILE_R = ROWS and TILE_C = COLS.
+        tile order (mxfp4.to_tile_order: [E, row tiles, column tiles, TILE_R, TILE_C / 2 bytes or / 32 scales]), or
+        with HOPPER in the Hopper layout (mxfp4.to_hopper_layout, padded to TILE_R x TILE_C, its scales' layout at
+        WARPS warps: [E, rows / 4, 2 cols] and [E, rows / 32, cols]). The checkpoint's own layout is tile order's
+        one-tile case, TILE_R = ROWS and TILE_C = COLS.
+
+        HOPPER: a program reads whole pieces of the layout (BLOCK_R a multiple of 32 x WARPS rows, BLOCK_C of 64
+        columns), takes each word's eight codes out of the places mxfp4._hopper_bits put their bits in (the masks
+        and shifts of mxfp4_decode._hopper_unpack, without its multiply), and undoes the layout's permutations.
 
         The float32 bits are built with integer arithmetic: FP4 values times a power of two are exact in float32
         (subnormals included), so nothing rounds and no flush-to-zero can change a value; a bf16 result is their
@@ -127,14 +140,44 @@ def _triton_kernel(interpreted: bool):
         r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
         ok = (c[:, None] < COLS) & (r[None, :] < ROWS)
-        col_tiles = (COLS + TILE_C - 1) // TILE_C
-        tile = (e * ((ROWS + TILE_R - 1) // TILE_R) + r[None, :] // TILE_R) * col_tiles + c[:, None] // TILE_C
-        row, col = r[None, :] % TILE_R, c[:, None] % TILE_C
-        byte = tl.load(blocks_ptr + tile * (TILE_R * (TILE_C // 2)) + row * (TILE_C // 2) + col // 2,
-                       mask=ok, other=0).to(tl.int32)
-        code = (byte >> ((c[:, None] % 2) * 4)) & 15
-        scale = tl.load(scales_ptr + tile * (TILE_R * (TILE_C // 32)) + row * (TILE_C // 32) + col // 32,
-                        mask=ok, other=127).to(tl.int32)
+        if HOPPER:
+            rows_pad = (ROWS + TILE_R - 1) // TILE_R * TILE_R
+            cols_pad = (COLS + TILE_C - 1) // TILE_C * TILE_C
+            VR: tl.constexpr = BLOCK_R // 4  # value rows and bytes of this program's piece
+            VC: tl.constexpr = 2 * BLOCK_C
+            vr = tl.program_id(1) * VR + tl.arange(0, VR)
+            vc = tl.program_id(2) * VC + tl.arange(0, VC)
+            x = tl.load(blocks_ptr + e * rows_pad * (cols_pad // 2) + vr[:, None] * (2 * cols_pad) + vc[None, :])
+            b = tl.reshape(x.to(tl.uint32), (VR, VC // 4, 2, 2))
+            even, odd = tl.split(b)  # bytes 0 and 2, 1 and 3 of each word (little-endian)
+            b0, b2 = tl.split(even)
+            b1, b3 = tl.split(odd)
+            word = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
+            o0 = word & 0x81C081C0  # each byte's two codes: sign at bit 15, magnitude at 8..6 of a half
+            o1 = (word << 3) & 0x81C081C0
+            o2 = (word << 6) & 0x81C081C0
+            o3 = ((word << 1) & 0x80008000) | ((word >> 3) & 0x01800180) | ((word >> 7) & 0x00400040)
+            words = tl.reshape(tl.trans(tl.join(tl.join(o0, o1), tl.join(o2, o3)), 0, 1, 3, 2), (VR, VC // 4, 4))
+            halves = tl.reshape(tl.join(words & 0xFFFF, words >> 16), (VR, 2 * VC))  # the bytes' order, low first
+            codes = ((halves >> 12) & 8) | ((halves >> 6) & 7)
+            codes = tl.reshape(codes, (VR // 4, 4, (2 * VC) // 256, 2, 4, 8, 2, 2))  # the value layout undone
+            code = tl.trans(tl.reshape(tl.trans(codes, 0, 6, 1, 3, 2, 5, 4, 7), (BLOCK_R, BLOCK_C))).to(tl.int32)
+            sr = tl.program_id(1) * (BLOCK_R // 32) + tl.arange(0, BLOCK_R // 32)
+            sc = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+            s = tl.load(scales_ptr + e * (rows_pad // 32) * cols_pad + sr[:, None] * cols_pad + sc[None, :])
+            s = tl.reshape(s.to(tl.int32), (BLOCK_R // 32 // WARPS, WARPS, BLOCK_C // 64, 2, 8, 2, 2))
+            s = tl.reshape(tl.trans(s, 0, 3, 1, 6, 4, 2, 5), (BLOCK_R, BLOCK_C // 32))  # the scale layout undone
+            s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_R, BLOCK_C // 32, 32)), (BLOCK_R, BLOCK_C))
+            scale = tl.trans(s)
+        else:
+            col_tiles = (COLS + TILE_C - 1) // TILE_C
+            tile = (e * ((ROWS + TILE_R - 1) // TILE_R) + r[None, :] // TILE_R) * col_tiles + c[:, None] // TILE_C
+            row, col = r[None, :] % TILE_R, c[:, None] % TILE_C
+            byte = tl.load(blocks_ptr + tile * (TILE_R * (TILE_C // 2)) + row * (TILE_C // 2) + col // 2,
+                           mask=ok, other=0).to(tl.int32)
+            code = (byte >> ((c[:, None] % 2) * 4)) & 15
+            scale = tl.load(scales_ptr + tile * (TILE_R * (TILE_C // 32)) + row * (TILE_C // 32) + col // 32,
+                            mask=ok, other=127).to(tl.int32)
         # E2M1: exponent field f, mantissa bit m; f > 0: (1 + m/2) * 2**(f - 1), f = 0: m * 0.5. Times the scale,
         # the leading bit sits at 2**lead with the fraction bit m (f > 0) or none (f = 0).
         f = (code >> 1) & 3
@@ -156,9 +199,21 @@ def _triton_kernel(interpreted: bool):
     return dequantize_kernel
 
 
-def _layout(blocks: torch.Tensor, scales: torch.Tensor, size: tuple[int, int] | None):
-    """(rows, cols, tile) of blocks/scales in the checkpoint's layout ([E, out, in/32, 16] / [E, out, in/32]; size
-    None, tile the whole matrix) or in tile order (mxfp4.to_tile_order, size = (out, in)); ValueError otherwise."""
+@dataclass(frozen=True)
+class _Layout:
+    """Where an [E, rows, cols] weight's codes and scales are: `tile` the tile order's tile (the checkpoint's layout:
+    the whole matrix), or with `hopper` the Hopper layout padded to whole tiles of `tile` (mxfp4.TILE)."""
+
+    rows: int
+    cols: int
+    tile: tuple[int, int]
+    hopper: bool = False
+
+
+def _layout(blocks: torch.Tensor, scales: torch.Tensor, size: tuple[int, int] | None) -> _Layout:
+    """The layout of blocks/scales: the checkpoint's ([E, out, in/32, 16] / [E, out, in/32]; size None), tile order
+    (mxfp4.to_tile_order, 5-D) or the Hopper layout (mxfp4.to_hopper_layout at mxfp4.TILE and HOPPER_WARPS, 3-D),
+    size = (out, in); ValueError otherwise."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
     if size is None:
@@ -166,31 +221,43 @@ def _layout(blocks: torch.Tensor, scales: torch.Tensor, size: tuple[int, int] | 
             raise ValueError(f"blocks {tuple(blocks.shape)} / scales {tuple(scales.shape)} are not the checkpoint's "
                              "[E, out, in/32, 16] / [E, out, in/32]")
         rows, cols = blocks.shape[1], blocks.shape[2] * BLOCK_SIZE
-        return rows, cols, (rows, cols)
+        return _Layout(rows, cols, (rows, cols))
     rows, cols = size
+    if blocks.dim() == 3:
+        if [tuple(blocks.shape), tuple(scales.shape)] != [
+                hopper_shape(part, blocks.shape[0], rows, cols, TILE) for part in ("blocks", "scales")]:
+            raise ValueError(f"blocks {tuple(blocks.shape)} / scales {tuple(scales.shape)} are not a [E, {rows}, "
+                             f"{cols}] weight in the Hopper layout ([E, rows / 4, 2 cols] / [E, rows / 32, cols], "
+                             f"padded to whole {TILE[0]} x {TILE[1]} tiles)")
+        return _Layout(rows, cols, TILE, hopper=True)
     tile = (blocks.shape[3], blocks.shape[4] * 2) if blocks.dim() == 5 else (0, 0)
     ok = tile[0] > 0 and tile[1] % BLOCK_SIZE == 0
     if not ok or [tuple(blocks.shape), tuple(scales.shape)] != [
             tile_order_shape(part, blocks.shape[0], rows, cols, tile) for part in ("blocks", "scales")]:
         raise ValueError(f"blocks {tuple(blocks.shape)} / scales {tuple(scales.shape)} are not a [E, {rows}, {cols}] "
-                         "weight in tile order ([E, row tiles, column tiles, tile rows, tile columns / 2 or / 32])")
-    return rows, cols, tile
+                         "weight in tile order ([E, row tiles, column tiles, tile rows, tile columns / 2 or / 32]) "
+                         "or in the Hopper layout")
+    return _Layout(rows, cols, tile)
 
 
 def dequantize_with_triton(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
-                           program: tuple[int, int, int] = DEQUANT_TILE,
+                           program: tuple[int, int, int] | None = None,
                            size: tuple[int, int] | None = None) -> torch.Tensor:
     """dequantize_experts through the Triton kernel (a CUDA device, or CPU tensors under TRITON_INTERPRET=1);
-    program: (rows, columns, warps) of a program."""
-    block_r, block_c, num_warps = program
-    rows, cols, (tile_r, tile_c) = _layout(blocks, scales, size)
+    program: (rows, columns, warps) of a program (default DEQUANT_TILE, or DEQUANT_HOPPER for the Hopper layout)."""
+    layout = _layout(blocks, scales, size)
+    block_r, block_c, num_warps = program or (DEQUANT_HOPPER if layout.hopper else DEQUANT_TILE)
+    if layout.hopper and (block_r % (32 * HOPPER_WARPS) or block_c % 64):
+        raise ValueError(f"dequantize_with_triton: a program reads the Hopper layout in pieces of {32 * HOPPER_WARPS} "
+                         f"rows and 64 columns, got {program}")
     experts = blocks.shape[0]
-    out = torch.empty(experts, cols, rows, dtype=dtype, device=blocks.device)
+    out = torch.empty(experts, layout.cols, layout.rows, dtype=dtype, device=blocks.device)
     kernel = _triton_kernel(os.environ.get("TRITON_INTERPRET", "0") == "1")
-    grid = (experts, -(-rows // block_r), -(-cols // block_c))
+    grid = (experts, -(-layout.rows // block_r), -(-layout.cols // block_c))
     kind = {torch.float32: 0, torch.bfloat16: 1}.get(dtype, 2)
-    kernel[grid](blocks.contiguous(), scales.contiguous(), out, rows, cols, OUT_KIND=kind, TILE_R=tile_r,
-                 TILE_C=tile_c, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps)
+    kernel[grid](blocks.contiguous(), scales.contiguous(), out, layout.rows, layout.cols, OUT_KIND=kind,
+                 HOPPER=layout.hopper, WARPS=HOPPER_WARPS, TILE_R=layout.tile[0], TILE_C=layout.tile[1],
+                 BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps)
     return out
 
 
@@ -198,12 +265,16 @@ def dequantize_with_torch(blocks: torch.Tensor, scales: torch.Tensor, dtype: tor
                           size: tuple[int, int] | None = None) -> torch.Tensor:
     """dequantize_experts through torch's codec (mxfp4.dequantize_mxfp4), one expert at a time so the float32
     scratch stays one expert's size."""
-    rows, cols, _ = _layout(blocks, scales, size)
-    if size is not None:
-        blocks, scales = from_tile_order(blocks, "blocks", rows, cols), from_tile_order(scales, "scales", rows, cols)
+    layout = _layout(blocks, scales, size)
+    rows, cols = layout.rows, layout.cols
     out = torch.empty(blocks.shape[0], cols, rows, dtype=dtype, device=blocks.device)
     for e in range(blocks.shape[0]):
-        out[e].copy_(dequantize_mxfp4(blocks[e], scales[e], dtype).t())
+        b, s = blocks[e:e + 1], scales[e:e + 1]
+        if layout.hopper:
+            b, s = from_hopper_layout(b, "blocks", rows, cols), from_hopper_layout(s, "scales", rows, cols)
+        elif size is not None:
+            b, s = from_tile_order(b, "blocks", rows, cols), from_tile_order(s, "scales", rows, cols)
+        out[e].copy_(dequantize_mxfp4(b[0], s[0], dtype).t())
     return out
 
 
@@ -213,10 +284,10 @@ def _has_triton() -> bool:
 
 def dequantize_experts(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
                        size: tuple[int, int] | None = None) -> torch.Tensor:
-    """A checkpoint's expert blocks/scales (or, with size = (out, in), the same in tile order: what a resident
-    module keeps) -> transformers' expert parameter [E, in, out] (contiguous, `dtype`): the values transformers'
-    dequantized load holds (integrations.mxfp4.convert_moe_packed_tensors), bit for bit. On CUDA through the Triton
-    kernel; on the CPU (and on CUDA without Triton, said once) through torch's codec."""
+    """A checkpoint's expert blocks/scales (or, with size = (out, in), the same in the Hopper layout, what a
+    resident module keeps, or in tile order) -> transformers' expert parameter [E, in, out] (contiguous, `dtype`):
+    the values transformers' dequantized load holds (integrations.mxfp4.convert_moe_packed_tensors), bit for bit. On
+    CUDA through the Triton kernel; on the CPU (and on CUDA without Triton, said once) through torch's codec."""
     if blocks.is_cuda:
         if _has_triton():
             return dequantize_with_triton(blocks, scales, dtype, size=size)
@@ -353,8 +424,8 @@ class ResidentMxfp4Experts:
 
     def extra_repr(self) -> str:
         blocks = self.gate_up_proj_blocks
-        return (f"resident MXFP4 in tile order: {blocks.shape[0]} experts, gate_up_proj / down_proj dequantized to "
-                f"{self.expert_dtype} when called")
+        return (f"resident MXFP4 in the Hopper layout: {blocks.shape[0]} experts, gate_up_proj / down_proj "
+                f"dequantized to {self.expert_dtype} when called")
 
 
 @functools.cache
@@ -394,24 +465,24 @@ def _split(name: str) -> tuple[str, str]:
 
 def put_checkpoint_tensor(experts, name: str, tensor: torch.Tensor) -> None:
     """Stores a checkpoint's `{proj}_{blocks|scales}` tensor (its layout and shape, on the device it is on) into a
-    resident module, in tile order."""
+    resident module, in the Hopper layout."""
     expected = expected_shapes(experts)
     if name not in expected:
         raise ValueError(f"put_checkpoint_tensor: {name!r} is none of {sorted(expected)}")
     if tensor.dtype != torch.uint8 or tuple(tensor.shape) != expected[name]:
         raise ValueError(f"{name}: {tensor.dtype} {tuple(tensor.shape)}, expected uint8 {expected[name]}")
-    experts._buffers[name] = to_tile_order(tensor, _split(name)[1])
+    experts._buffers[name] = to_hopper_layout(tensor, _split(name)[1])
 
 
 def checkpoint_tensor(experts, name: str) -> torch.Tensor:
     """A resident module's `{proj}_{blocks|scales}` back in the checkpoint's layout (a new tensor)."""
     proj, part = _split(name)
-    return from_tile_order(getattr(experts, name), part, *matrix_sizes(experts)[proj])
+    return from_hopper_layout(getattr(experts, name), part, *matrix_sizes(experts)[proj])
 
 
 def make_resident(experts, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> None:
     """Turns one gpt-oss experts module resident in place: `tensors` holds its `{proj}_blocks` / `{proj}_scales`
-    (uint8, checkpoint layout; meta tensors for a skeleton), kept in tile order (mxfp4.to_tile_order, what
+    (uint8, checkpoint layout; meta tensors for a skeleton), kept in the Hopper layout (mxfp4.to_hopper_layout, what
     mxfp4_decode's kernel reads; dequantize reads it too); `dtype` the weights' dtype when dequantized. Drops the
     module's gate_up_proj / down_proj parameters."""
     if is_resident(experts):
@@ -430,7 +501,7 @@ def make_resident(experts, tensors: Mapping[str, torch.Tensor], dtype: torch.dty
     for name in PROJECTIONS:
         experts._parameters.pop(name, None)
     for name, tensor in tensors.items():
-        experts.register_buffer(name, to_tile_order(tensor, _split(name)[1]), persistent=False)
+        experts.register_buffer(name, to_hopper_layout(tensor, _split(name)[1]), persistent=False)
     experts.expert_dtype = dtype
     experts.__class__ = resident_class(type(experts))
 
@@ -475,7 +546,7 @@ class ResidentState(Mapping):
         return len(self._where)
 
     def stored(self, key: str) -> torch.Tensor:
-        """The buffer itself, in tile order."""
+        """The buffer itself, in the Hopper layout."""
         module, name = self._where[key]
         return getattr(module, name)
 
@@ -486,7 +557,7 @@ def resident_state(model) -> ResidentState:
 
 
 def resident_bytes(model) -> int:
-    """Bytes the resident blocks and scales take (tile order, with its padding)."""
+    """Bytes the resident blocks and scales take (the Hopper layout, with its padding)."""
     state = resident_state(model)
     return sum(state.stored(key).nbytes for key in state)
 

@@ -27,6 +27,27 @@ def test_triton_dequantization_equals_torchs_codec_bit_for_bit():
         assert torch.equal(dequantize_with_triton(blocks, scales, dtype), dequantize_with_torch(blocks, scales, dtype))
 
 
+def test_triton_dequantization_from_the_hopper_layout_equals_torchs_codec_bit_for_bit():
+    """What a resident layer runs on the GPU: the compiled kernel on the Hopper layout, every byte at every scale
+    (0 and 255 among them) and a shape with partial tiles, bf16 and float32."""
+    pytest.importorskip("triton", reason="requirements-gpu.txt installs triton")
+    from tes_grpo.mxfp4 import to_hopper_layout
+    from tes_grpo.mxfp4_experts import dequantize_with_torch, dequantize_with_triton
+
+    generator = torch.Generator().manual_seed(0)
+    every = (torch.arange(256, dtype=torch.uint8).repeat(256).view(1, 256, 16, 16),
+             torch.arange(256, dtype=torch.uint8).view(1, 256, 1).expand(1, 256, 16).contiguous())
+    odd = (torch.randint(0, 256, (4, 96, 5, 16), dtype=torch.uint8, generator=generator),
+           torch.randint(100, 140, (4, 96, 5), dtype=torch.uint8, generator=generator))
+    for blocks, scales in (every, odd):
+        size = (blocks.shape[1], blocks.shape[2] * 32)
+        stored = to_hopper_layout(blocks.cuda(), "blocks"), to_hopper_layout(scales.cuda(), "scales")
+        for dtype, as_bits in ((torch.bfloat16, torch.int16), (torch.float32, torch.int32)):  # signed zeros, infs
+            ours = dequantize_with_triton(*stored, dtype, size=size)
+            codec = dequantize_with_torch(blocks.cuda(), scales.cuda(), dtype)
+            assert torch.equal(ours.view(as_bits), codec.view(as_bits))
+
+
 def test_bits_upcast_equals_the_codec_on_cuda():
     """mxfp4_decode's own upcast (Tiles.upcast="bits") compiled: every byte times every scale 1..254, bit for bit
     against the codec. The CPU test checks the arithmetic; this one the GPU's bf16 multiplies (the code 0.5 passes
@@ -59,11 +80,13 @@ def exact_mxfp4_mlp(hidden: int, intermediate: int, seed: int) -> GptOssMLP:
     return mlp.to("cuda").requires_grad_(False)
 
 
-@pytest.mark.parametrize("variant", [{"upcast": "dot_scaled", "swap": False}, {"swap": False}, {}, {"block_m": 8},
-                                     {"block_n": 128, "block_k": 64}, {"block_n": 64, "block_k": 64},
-                                     {"upcast": "hopper"}],
-                         ids=["dot_scaled", "bits", "bits-swap-16", "bits-swap-8", "tiles-128-64", "tiles-64-64",
-                              "hopper"])
+@pytest.mark.parametrize("variant", [{}, {"ptx": False}, {"block_k": 256}, {"upcast": "dot_scaled", "swap": False},
+                                     {"upcast": "bits", "swap": False}, {"upcast": "bits"},
+                                     {"upcast": "bits", "block_m": 8},
+                                     {"upcast": "bits", "block_n": 128, "block_k": 64},
+                                     {"upcast": "bits", "block_n": 64, "block_k": 64}],
+                         ids=["hopper", "hopper-bitops", "hopper-256", "dot_scaled", "bits", "bits-swap-16",
+                              "bits-swap-8", "tiles-128-64", "tiles-64-64"])
 @pytest.mark.parametrize("routing", ["torch", "triton"])
 @pytest.mark.parametrize("tokens", [1, 37])
 def test_mxfp4_decode_kernel_matches_the_mlp_on_cuda(tokens, routing, variant):
@@ -75,27 +98,27 @@ def test_mxfp4_decode_kernel_matches_the_mlp_on_cuda(tokens, routing, variant):
 
     mlp = exact_mxfp4_mlp(96, 160, seed=0)
     x = torch.randn(1, tokens, 96, device="cuda").to(torch.bfloat16)
-    pack = md.retiled(md.pack_experts(mlp.experts), md.Tiles(**variant))  # a copy for another tile order
+    pack = md.retiled(md.pack_experts(mlp.experts), md.Tiles(**variant))  # a copy for another layout or tile
     ours = md.moe_forward(mlp, pack, x, routing=routing).float()
     reference = mlp(x)[0].float()
     torch.testing.assert_close(ours, reference, rtol=2e-2, atol=2e-2 * float(reference.abs().max()))
 
 
-def test_hopper_variant_equals_the_default_kernel_bit_for_bit_on_cuda():
-    """The compiled Hopper-layout variant (its PTX unpack, which the CPU tests' interpreter never runs) gives the
-    default kernel's output bit for bit: the same bf16 weights, the same sums."""
+def test_the_hopper_unpackings_equal_the_bits_upcast_bit_for_bit_on_cuda():
+    """The default kernel (the Hopper layout, unpacked by triton_kernels' PTX on Hopper, which the CPU tests'
+    interpreter never runs), the same unpacked by Triton's bit operations (as on older GPUs), and the bits upcast on
+    a tile-order copy give the same output bit for bit: the same bf16 weights, the same sums."""
     pytest.importorskip("triton", reason="requirements-gpu.txt installs triton")
     from tes_grpo import mxfp4_decode as md
 
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("the Hopper layout's PTX needs compute capability 9.0 (retiled refuses it, tested on the CPU)")
     mlp = exact_mxfp4_mlp(256, 384, seed=1)
     with torch.no_grad():
         x = torch.randn(1, 64, 256, device="cuda").to(torch.bfloat16)
         pack = md.pack_experts(mlp.experts)
         default = md.moe_forward(mlp, pack, x)
-        hopper = md.moe_forward(mlp, md.retiled(pack, md.Tiles(upcast="hopper", num_stages=4)), x)
-    assert torch.equal(hopper, default)
+        bitops = md.moe_forward(mlp, md.retiled(pack, md.Tiles(ptx=False)), x)
+        bits = md.moe_forward(mlp, md.retiled(pack, md.Tiles(upcast="bits", num_stages=3)), x)
+    assert torch.equal(bitops, default) and torch.equal(bits, default)
 
 
 @pytest.mark.parametrize("tokens, top_k, experts", [

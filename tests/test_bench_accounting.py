@@ -112,7 +112,9 @@ SWEEP_ENTRIES = [
                          "num_stages": 2}),
     ("bits-swap:128/128/8/3/8", {"upcast": "bits", "swap": True, "block_n": 128, "block_k": 128, "num_warps": 8,
                                  "num_stages": 3, "block_m": 8}),
-    ("tiled:64/128/4/3", None),  # gone: every variant reads the weights in tile order
+    ("hopper-bitops:128/128/4/4", {"upcast": "hopper", "ptx": False, "block_n": 128, "block_k": 128,
+                                   "num_warps": 4, "num_stages": 4}),  # the unpacking GPUs before Hopper run
+    ("tiled:64/128/4/3", None),  # gone: a variant names its upcast, which names the layout it reads
     ("128/64/4", None),  # three numbers
     ("bits-swap:128/64/4/3/8/2", None),  # six
     ("128/64/4/a", None),  # not a number
@@ -140,8 +142,8 @@ def test_mxfp4_variant_sweep_list_parses_and_covers_every_variant():
     from tes_grpo.mxfp4_decode import Tiles
 
     tiles = [Tiles(**sweep_tiles(entry)) for entry in _VARIANT_SWEEP]
-    assert {(t.upcast, t.swap) for t in tiles} == {(t.upcast, t.swap) for t in
-                                                   (Tiles(**v) for v in SWEEP_VARIANTS.values())}
+    assert {(t.upcast, t.swap, t.ptx) for t in tiles} == {(t.upcast, t.swap, t.ptx) for t in
+                                                           (Tiles(**v) for v in SWEEP_VARIANTS.values())}
     assert {t.block_m for t in tiles if t.swap} == {8, 16}
     assert len(set(_VARIANT_SWEEP)) == len(_VARIANT_SWEEP)
 

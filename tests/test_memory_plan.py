@@ -281,9 +281,9 @@ RECIPES = [
 ]
 
 
-def test_mxfp4_expert_bytes_are_the_tile_order_s():
-    """The resident experts and the decoding copy are kept in tile order: each matrix padded to whole 128 x 128
-    tiles (20B: 2,880 -> 2,944 inputs, down's 2,880 outputs too), 17 bytes a 32-block."""
+def test_mxfp4_expert_bytes_are_the_padded_layout_s():
+    """The resident experts and the decoding copy are kept in the Hopper layout: each matrix padded to whole
+    128 x 128 tiles (20B: 2,880 -> 2,944 inputs, down's 2,880 outputs too), 17 bytes a 32-block."""
     from tes_grpo.mxfp4 import TILE
 
     assert TILE == (128, 128)
@@ -387,7 +387,7 @@ def test_the_plan_counts_the_expert_layers_kept_bf16(monkeypatch, tmp_path, toke
 
 # (layers whose experts stay bf16 among resident ones; GiB of the 20B's weights)
 SOME_BF16_EXPERTS = [
-    (0, 13.1),  # every layer resident as MXFP4 (in tile order, padded)
+    (0, 13.1),  # every layer resident as MXFP4 (in the Hopper layout, padded)
     (3, 16.3),  # three layers' experts bf16 for LoRA: 1.08 GiB more each
     (24, 39.0),  # all of them: the same as the dequantized model
 ]

@@ -18,13 +18,16 @@ from tes_grpo.mxfp4 import (
     dequantize_mxfp4,
     expert_param_to_mxfp4,
     fake_quantize_expert_param,
+    from_hopper_layout,
     from_tile_order,
+    hopper_shape,
     legacy_config_keys,
     mxfp4_to_expert_param,
+    padded_bytes,
     quantize_mxfp4,
     save_tokenizer_files,
-    tile_order_bytes,
     tile_order_shape,
+    to_hopper_layout,
     to_tile_order,
     write_config_json,
     write_mxfp4_checkpoint,
@@ -133,7 +136,7 @@ def test_tile_order_round_trips_and_pads_with_zeros(shape, tile):
         assert tuple(tiled[part].shape) == tile_order_shape(part, experts, rows, cols, tile)
         assert torch.equal(from_tile_order(tiled[part], part, rows, cols), original)
         assert tiled[part].is_contiguous()
-    assert sum(t.nbytes for t in tiled.values()) == experts * tile_order_bytes(rows, cols, tile)
+    assert sum(t.nbytes for t in tiled.values()) == experts * padded_bytes(rows, cols, tile)
     # tile (i, j) holds rows i*tile_rows.. and columns j*tile_cols..: its first row starts with the weight's bytes
     assert torch.equal(tiled["blocks"][0, 0, 0, 0, :min(cols, tile[1]) // 2],
                        blocks[0, 0].reshape(-1)[:min(cols, tile[1]) // 2])
@@ -162,6 +165,73 @@ def test_tile_order_works_on_meta_tensors_and_refuses_bad_tiles():
             from_tile_order(tiled, "blocks", rows, cols)
     with pytest.raises(ValueError, match="not in tile order"):
         from_tile_order(blocks, "blocks", 96, 160)
+
+
+HOPPER_CASES = [  # (experts, rows, cols) of a weight, padded to mxfp4.TILE
+    (2, 96, 160),  # partial tiles both ways
+    (1, 256, 512),  # whole tiles
+    (3, 40, 32),  # smaller than one tile (the tiny model's experts are)
+]
+
+
+@pytest.mark.parametrize("shape", HOPPER_CASES)
+def test_hopper_layout_round_trips_and_pads_with_zeros(shape):
+    experts, rows, cols = shape
+    blocks, scales = quantize_mxfp4(torch.randn(experts, rows, cols))
+    stored = {"blocks": to_hopper_layout(blocks, "blocks"), "scales": to_hopper_layout(scales, "scales")}
+    for part, original in (("blocks", blocks), ("scales", scales)):
+        assert tuple(stored[part].shape) == hopper_shape(part, experts, rows, cols)
+        assert torch.equal(from_hopper_layout(stored[part], part, rows, cols), original)
+    assert sum(t.nbytes for t in stored.values()) == experts * padded_bytes(rows, cols)
+    padded = [-(-n // 128) * 128 for n in (rows, cols)]
+    whole = dequantize_mxfp4(from_hopper_layout(stored["blocks"], "blocks", *padded),
+                             from_hopper_layout(stored["scales"], "scales", *padded))
+    assert torch.equal(whole[:, :rows, :cols], dequantize_mxfp4(blocks, scales))
+    assert not whole[:, rows:].any() and not whole[:, :, cols:].any()  # the padding holds the value 0
+
+
+# (the 4 bytes of a word, the word _hopper_bits makes of them): each code's sign and 3 magnitude bits where
+# mxfp4_decode._hopper_unpack's masks find them (low nibble in the low half)
+HOPPER_BITS_CASES = [
+    ((0x21, 0, 0, 0), 0x00800040),  # first byte: magnitude at bits 8..6 of each half (codes 1, 2)
+    ((0, 0x21, 0, 0), 0x00100008),  # second byte: the first byte's places shifted right by 3
+    ((0, 0, 0x21, 0), 0x00020001),  # third byte: shifted right by 6
+    ((0, 0, 0, 0x21), 0x04002000),  # fourth byte: bit 0 at 13, bits 2 and 1 at 11 and 10
+    ((0x88, 0x08, 0x08, 0x08), 0x8000D200),  # the signs: 15 (and 31), 12, 9, 14
+]
+
+
+@pytest.mark.parametrize("word_bytes, word", HOPPER_BITS_CASES)
+def test_hopper_bits_place_each_code(word_bytes, word):
+    from tes_grpo.mxfp4 import _hopper_bits, _hopper_unbits
+
+    data = torch.tensor([word_bytes], dtype=torch.uint8)
+    placed = _hopper_bits(data)
+    assert int(placed.view(torch.int32)[0, 0]) & 0xFFFFFFFF == word
+    assert torch.equal(_hopper_unbits(placed), data)
+
+
+def test_hopper_bits_round_trip_every_byte_in_every_place():
+    from tes_grpo.mxfp4 import _hopper_bits, _hopper_unbits
+
+    every = torch.arange(256, dtype=torch.uint8)
+    data = torch.stack([every, every.roll(1), every.roll(2), every.roll(3)], dim=-1)
+    assert torch.equal(_hopper_unbits(_hopper_bits(data)), data)
+
+
+def test_hopper_layout_works_on_meta_tensors_and_refuses_bad_shapes():
+    blocks = torch.empty(2, 96, 5, 16, dtype=torch.uint8, device="meta")
+    assert to_hopper_layout(blocks, "blocks").shape == (2, 32, 512)
+    with pytest.raises(ValueError, match=re.escape("rows a multiple of 32 x 4 warps")):
+        to_hopper_layout(blocks, "blocks", (64, 128))
+    with pytest.raises(ValueError, match="not the checkpoint's"):
+        to_hopper_layout(blocks[..., 0], "blocks")  # scales-shaped blocks
+    stored = to_hopper_layout(torch.zeros(2, 96, 5, 16, dtype=torch.uint8), "blocks")
+    for rows, cols in ((96, 150), (129, 160), (96, 288)):
+        with pytest.raises(ValueError, match="is not what blocks of shape"):
+            from_hopper_layout(stored, "blocks", rows, cols)
+    with pytest.raises(ValueError, match="not in the Hopper layout"):
+        from_hopper_layout(blocks, "blocks", 96, 160)
 
 
 def test_checkpoint_layout_and_config(tmp_path):

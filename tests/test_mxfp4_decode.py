@@ -83,15 +83,17 @@ def random_mlp(seed=0, **shape) -> GptOssMLP:
     return mlp.requires_grad_(False)
 
 
-# Tiles fields of each kernel variant (mxfp4_decode.Tiles): the default (the kernel's own upcast, the weights as the
-# dot's left operand, 16 rows a tile), with 8 rows, without the swap, and Triton's tl.dot_scaled upcast
+# Tiles fields of each kernel variant (mxfp4_decode.Tiles): the default (the Hopper layout the experts are kept in,
+# its bit unpacking, the weights as the dot's left operand, 16 rows a tile), the bits upcast on a tile-order copy
+# with 16 or 8 rows or without the swap, Triton's tl.dot_scaled upcast, and copies at other tiles (retiled)
 VARIANTS = {
-    "bits-swap-16": {},
-    "bits-swap-8": {"block_m": 8},
-    "bits": {"swap": False},
-    "dot_scaled": {"upcast": "dot_scaled", "swap": False},  # DOT_SCALED: where the bits upcast is not exact
-    "narrow-tiles": {"block_n": 64, "block_k": 64},  # a copy in another tile order (retiled)
-    "hopper": {"upcast": "hopper"},  # a copy in triton_kernels' Hopper layout (hopper_layout), its bit unpacking
+    "hopper": {},
+    "hopper-wide-k": {"block_k": 256},  # a copy in the Hopper layout padded to 256 inputs
+    "bits-swap-16": {"upcast": "bits"},
+    "bits-swap-8": {"upcast": "bits", "block_m": 8},
+    "bits": {"upcast": "bits", "swap": False},
+    "dot_scaled": {"upcast": "dot_scaled", "swap": False},  # DOT_SCALED: where the bits upcasts are not exact
+    "narrow-tiles": {"upcast": "bits", "block_n": 64, "block_k": 64},  # a copy in another tile order
 }
 
 
@@ -123,7 +125,7 @@ def test_kernel_equals_transformers_mlp_bit_for_bit(tokens, shape, variant):
 ])
 @runs_kernel
 def test_other_tile_sizes_give_the_same_result(block_n, block_k):
-    tiles = md.Tiles(block_n=block_n, block_k=block_k)
+    tiles = md.Tiles(block_n=block_n, block_k=block_k, upcast="bits")
     mlp = random_mlp(seed=1)
     x = torch.randn(9, mlp.router.hidden_dim).to(torch.bfloat16)
     packed = md.pack_experts(mlp.experts)
@@ -171,9 +173,10 @@ def test_bits_upcast_of_an_all_zero_group_at_scale_0_is_the_codecs():
 @pytest.mark.parametrize("fields, message", [
     ({"upcast": "fp8"}, "upcast='fp8'; valid: 'dot_scaled', 'bits'"),
     ({"upcast": "dot_scaled"}, "swap=True needs upcast='bits' or 'hopper'"),  # measured slower, gone
-    ({"upcast": "hopper", "block_n": 64}, "block_n of 32 x num_warps"),  # the scales' layout: 32 rows a warp
-    ({"upcast": "hopper", "block_k": 64}, "block_k a multiple of 128"),
-    ({"upcast": "hopper", "block_m": 8}, "block_m >= 16"),  # measured not bit-equal on the H100
+    ({"block_n": 64}, "block_n of 32 x num_warps"),  # the Hopper scales' layout: 32 rows a warp
+    ({"block_k": 64}, "block_k a multiple of 128"),
+    ({"block_m": 8}, "block_m >= 16"),  # measured not bit-equal on the H100
+    ({"swap": False}, "needs swap=True"),
 ])
 def test_tiles_refuse_an_unknown_variant(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -207,7 +210,7 @@ def test_upcast_is_exact(scale, byte, exact):
 @runs_kernel
 def test_a_layer_the_bits_upcast_cannot_give_exactly_runs_dot_scaled():
     """A group at scale 0 under nonzero codes (values of 2**-128, exactly MXFP4): pack_experts gives the layer
-    DOT_SCALED, and it still equals transformers' MLP bit for bit."""
+    DOT_SCALED on a tile-order copy, and it still equals transformers' MLP bit for bit."""
     mlp = random_mlp()
     with torch.no_grad():
         mlp.experts.down_proj[2, :32, 5] = 2.0**-128  # one group of 32 inputs of expert 2's output 5
@@ -216,7 +219,7 @@ def test_a_layer_the_bits_upcast_cannot_give_exactly_runs_dot_scaled():
     x = torch.randn(1, 9, mlp.router.hidden_dim).to(torch.bfloat16)
     with torch.backends.mkldnn.flags(enabled=False):
         assert torch.equal(md.moe_forward(mlp, pack, x), mlp(x)[0])
-    for tiles in (md.TILES, md.Tiles(upcast="hopper")):  # asked for another upcast, the layer is refused, not run
+    for tiles in (md.TILES, md.Tiles(upcast="bits")):  # asked for another upcast, the layer is refused, not run
         with pytest.raises(ValueError, match="would not give these weights exactly"):
             md.retiled(pack, tiles)
     assert md.retiled(pack, md.Tiles(block_n=64, upcast="dot_scaled", swap=False)).tile == (64, 128)
@@ -241,8 +244,6 @@ def test_pack_blockers(change, reason):
 
 
 def test_pack_is_kept_and_redone_when_the_weights_change_in_place():
-    from tes_grpo.mxfp4 import from_tile_order
-
     mlp = random_mlp()
     first, fresh = md.packed_experts(mlp.experts)
     assert fresh and isinstance(first, md.PackedExperts)
@@ -250,7 +251,7 @@ def test_pack_is_kept_and_redone_when_the_weights_change_in_place():
     with torch.no_grad():
         mlp.experts.gate_up_proj.mul_(2)  # still exact (a power of two), but new values: the copy must follow
     second, fresh = md.packed_experts(mlp.experts)
-    scales = [from_tile_order(pack.gate_up_scales, "scales", *pack.gate_up_size) for pack in (first, second)]
+    scales = [pack.checkpoint_layout("gate_up")[1] for pack in (first, second)]
     assert fresh and torch.equal(scales[1], scales[0] + 1)
 
 
@@ -291,17 +292,17 @@ def test_graph_decode_samples_the_same_tokens_with_mxfp4_experts():
 
 @runs_kernel
 def test_pack_model_with_other_tiles_runs_a_copy_in_their_order():
-    """pack_model with tiles whose tile is not mxfp4.TILE copies each layer's weights into that order (said, counted)
-    and the packs run with those tiles, equal to transformers' MLP bit for bit; with the stored tile, no copy."""
+    """pack_model with tiles whose layout is not the stored one copies each layer's weights into it (said, counted)
+    and the packs run with those tiles, equal to transformers' MLP bit for bit; with the stored layout, no copy."""
     model = small_bf16_model()
     stored = md.pack_model(model.model.layers, say=lambda line: None)
-    tiles = md.Tiles(block_n=32, block_k=64)
+    tiles = md.Tiles(block_n=32, block_k=64, upcast="bits")
     said = []
     packs = md.pack_model(model.model.layers, say=said.append, tiles=tiles)
     assert all(pack.tiles == tiles and pack.tile == (32, 64) for pack in packs)
     assert any("2 layers' experts copied in (32, 64) tile order" in line for line in said)
     same = []
-    assert md.pack_model(model.model.layers, say=same.append, tiles=md.Tiles(num_warps=8))[0].gate_up_blocks is (
+    assert md.pack_model(model.model.layers, say=same.append, tiles=md.Tiles(num_stages=2))[0].gate_up_blocks is (
         stored[0].gate_up_blocks) and not same
     x = torch.randn(1, 6, model.config.hidden_size).to(torch.bfloat16)
     mlp = model.model.layers[0].mlp
@@ -314,8 +315,8 @@ def test_pack_model_with_other_tiles_runs_a_copy_in_their_order():
 
 
 def test_the_memory_plan_counts_the_packs_bytes():
-    """memory_plan.expert_bytes(mxfp4=True) against a pack's tile-ordered tensors, at a shape whose gate_up and down
-    pad differently (hidden 96, intermediate 160: 2 x 160 = 320 -> 384 and 160 -> 256, 96 -> 128)."""
+    """memory_plan.expert_bytes(mxfp4=True) against a pack's tensors (the Hopper layout), at a shape whose gate_up
+    and down pad differently (hidden 96, intermediate 160: 2 x 160 = 320 -> 384 and 160 -> 256, 96 -> 128)."""
     from dataclasses import replace
 
     from tes_grpo import memory_plan
@@ -328,9 +329,9 @@ def test_the_memory_plan_counts_the_packs_bytes():
     assert pack.nbytes() == memory_plan.expert_bytes(shape, mxfp4=True) == 8 * (384 * 128 + 128 * 256) * 17 // 32
 
 
-def test_experts_matmul_refuses_weights_in_another_tile_order():
+def test_experts_matmul_refuses_weights_in_another_layout():
     mlp = random_mlp()
-    pack = md.retiled(md.pack_experts(mlp.experts), md.Tiles(block_n=64, block_k=64))
+    pack = md.retiled(md.pack_experts(mlp.experts), md.Tiles(block_n=64, block_k=64, upcast="bits"))
     x = torch.randn(3, mlp.router.hidden_dim).to(torch.bfloat16)
     rows, offsets = torch.arange(3), torch.tensor([0, 3] + [3] * 7)
     with pytest.raises(ValueError, match="retiled makes a copy"):
@@ -373,7 +374,7 @@ def tiny_bf16():
 
 
 def test_resident_layers_are_packed_as_they_are(tiny_bf16):
-    from tes_grpo.mxfp4 import SafetensorsCheckpoint, to_tile_order
+    from tes_grpo.mxfp4 import SafetensorsCheckpoint, to_hopper_layout
 
     path, models = tiny_bf16
     said = []
@@ -387,8 +388,8 @@ def test_resident_layers_are_packed_as_they_are(tiny_bf16):
         for field, name in (("gate_up_blocks", "gate_up_proj_blocks"), ("gate_up_scales", "gate_up_proj_scales"),
                             ("down_blocks", "down_proj_blocks"), ("down_scales", "down_proj_scales")):
             assert getattr(pack, field) is getattr(experts, name)  # the module's own tensor: no copy
-            assert torch.equal(getattr(pack, field), to_tile_order(checkpoint[f"model.layers.{i}.mlp.experts.{name}"],
-                                                                   name.rpartition("_")[2]))
+            assert torch.equal(getattr(pack, field), to_hopper_layout(
+                checkpoint[f"model.layers.{i}.mlp.experts.{name}"], name.rpartition("_")[2]))
             assert torch.equal(getattr(requantized[i], field), getattr(pack, field))
     assert md.packed_experts(models["mxfp4"].model.layers[0].mlp.experts) == (packs[0], False)  # kept
 
@@ -404,6 +405,41 @@ def test_a_resident_pack_is_redone_when_its_scales_change_in_place(tiny_bf16):
     experts._buffers["down_proj_scales"] = experts.down_proj_scales.clone()  # replaced (a reload): version 0 again
     third, fresh = md.packed_experts(experts)
     assert fresh and third is not again and third.down_scales is experts.down_proj_scales
+
+
+def test_a_resident_layer_the_bits_upcasts_cannot_give_exactly_gets_a_tile_order_copy(tiny_bf16):
+    """A resident group at scale 0 under nonzero codes: the pack is a tile-order copy run with DOT_SCALED (said,
+    with its size); the resident buffers stay as they were."""
+    from tes_grpo.model_loading import load_training_model
+
+    path, _ = tiny_bf16
+    model = load_training_model(path, dtype=torch.bfloat16, experts="mxfp4", say=lambda line: None)
+    experts = model.model.layers[1].mlp.experts
+    blocks, scales = (mx_checkpoint(experts, f"down_proj_{part}") for part in ("blocks", "scales"))
+    blocks[2, 5, 0] = 0x11  # expert 2, output 5, the first 32 inputs: code 1 (0.5) ...
+    scales[2, 5, 0] = 0  # ... at scale 0
+    for name, tensor in (("down_proj_blocks", blocks), ("down_proj_scales", scales)):
+        mx_put(experts, name, tensor)
+    said = []
+    packs = md.pack_model(model.model.layers, say=said.append)
+    assert packs[0].resident and packs[0].tiles == md.TILES
+    assert not packs[1].resident and packs[1].tiles == md.DOT_SCALED and not packs[1].exact
+    assert packs[1].down_blocks.dim() == 5 and experts.down_proj_blocks.dim() == 3  # tile order; the buffer kept
+    assert any("1 layers' resident experts copied in tile order for tl.dot_scaled" in line for line in said)
+    assert any("layers [1] have scales the kernel's own upcasts do not give exactly" in line for line in said)
+    assert torch.equal(packs[1].checkpoint_layout("down")[1], scales)
+
+
+def mx_checkpoint(experts, name):
+    from tes_grpo.mxfp4_experts import checkpoint_tensor
+
+    return checkpoint_tensor(experts, name)
+
+
+def mx_put(experts, name, tensor):
+    from tes_grpo.mxfp4_experts import put_checkpoint_tensor
+
+    put_checkpoint_tensor(experts, name, tensor)
 
 
 def test_resident_float32_experts_are_not_packed(tiny_bf16):

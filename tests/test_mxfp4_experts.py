@@ -90,8 +90,8 @@ TILE_ORDER_CASES = [
 
 @pytest.mark.parametrize("shape, tile, program", TILE_ORDER_CASES)
 def test_dequantize_from_tile_order_equals_transformers(shape, tile, program, monkeypatch):
-    """What a resident module keeps (tile order) dequantizes to the checkpoint layout's values, bit for bit: the
-    Triton kernel (interpreted) and torch's codec."""
+    """A weight in tile order (what the decode kernel's tl.dot_scaled copies hold) dequantizes to the checkpoint
+    layout's values, bit for bit: the Triton kernel (interpreted) and torch's codec."""
     pytest.importorskip("triton")
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
@@ -112,6 +112,39 @@ def test_dequantize_from_tile_order_equals_transformers(shape, tile, program, mo
     assert torch.equal(bits(mx.dequantize_with_torch(*tiled, torch.bfloat16, size=(rows, cols))), bits(expected))
 
 
+# (weight [E, out, in], dequantization program (rows, columns, warps) or None for DEQUANT_HOPPER)
+HOPPER_CASES = [
+    ((3, 96, 160), None),  # partial tiles both ways: padded, and the padding never read back
+    ((2, 256, 256), (256, 128, 8)),  # a program over two pieces each way
+    ((1, 256, 512), None),  # every byte and scale (every_byte_and_scale), 0 and 255 among them
+]
+
+
+@pytest.mark.parametrize("shape, program", HOPPER_CASES)
+def test_dequantize_from_the_hopper_layout_equals_transformers(shape, program, monkeypatch):
+    """What a resident module keeps (the Hopper layout) dequantizes to the checkpoint layout's values, bit for bit:
+    the Triton kernel (interpreted) and torch's codec, bf16 and float32."""
+    pytest.importorskip("triton")
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from tes_grpo.mxfp4 import to_hopper_layout
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    experts, rows, cols = shape
+    if shape == (1, 256, 512):
+        blocks, scales = every_byte_and_scale()
+    else:
+        g = torch.Generator().manual_seed(2)
+        blocks = torch.randint(0, 256, (experts, rows, cols // 32, 16), dtype=torch.uint8, generator=g)
+        scales = torch.randint(110, 130, (experts, rows, cols // 32), dtype=torch.uint8, generator=g)
+    stored = to_hopper_layout(blocks, "blocks"), to_hopper_layout(scales, "scales")
+    for dtype in (torch.bfloat16, torch.float32):
+        expected = convert_moe_packed_tensors(blocks, scales, dtype=dtype)
+        assert torch.equal(bits(mx.dequantize_with_triton(*stored, dtype, program, size=(rows, cols))),
+                           bits(expected))
+        assert torch.equal(bits(mx.dequantize_with_torch(*stored, dtype, size=(rows, cols))), bits(expected))
+
+
 # (name, what is stored, words of the error)
 PUT_CASES = [
     ("gate_up_proj_blocks", torch.zeros(4, 128, 2, 16, dtype=torch.uint8), None),  # the checkpoint's shape: stored
@@ -123,12 +156,12 @@ PUT_CASES = [
 
 @pytest.mark.parametrize("name, tensor, words", PUT_CASES)
 def test_put_checkpoint_tensor(tiny, name, tensor, words):
-    from tes_grpo.mxfp4 import to_tile_order
+    from tes_grpo.mxfp4 import to_hopper_layout
 
     experts = load(tiny, "mxfp4").model.layers[0].mlp.experts
     if words is None:
         mx.put_checkpoint_tensor(experts, name, tensor.clone().fill_(7))
-        assert torch.equal(getattr(experts, name), to_tile_order(tensor.fill_(7), "blocks"))
+        assert torch.equal(getattr(experts, name), to_hopper_layout(tensor.fill_(7), "blocks"))
         assert torch.equal(mx.checkpoint_tensor(experts, name), tensor)
     else:
         with pytest.raises(ValueError, match=re.escape(words)):
@@ -145,12 +178,19 @@ def test_loader_names_the_checkpoint_tensor_a_resident_module_refuses(tiny):
         _place(experts, "down_proj_scales", torch.zeros(4, 64, 3, dtype=torch.uint8), "cpu", name)
 
 
-def test_dequantize_refuses_what_is_not_tile_order():
+def test_dequantize_refuses_what_is_not_a_layout_it_reads():
+    from tes_grpo.mxfp4 import to_hopper_layout
+
     blocks, scales = every_byte_and_scale()
     with pytest.raises(ValueError, match="not a \\[E, 256, 512\\] weight in tile order"):
         mx.dequantize_experts(blocks, scales, torch.float32, size=(256, 512))  # the checkpoint's layout, size given
     with pytest.raises(ValueError, match="not the checkpoint's"):
         mx.dequantize_experts(blocks[..., :8], scales, torch.float32)
+    stored = to_hopper_layout(blocks, "blocks"), to_hopper_layout(scales, "scales")
+    with pytest.raises(ValueError, match="not a \\[E, 256, 384\\] weight in the Hopper layout"):
+        mx.dequantize_experts(*stored, torch.float32, size=(256, 384))  # the inputs padded past one tile
+    with pytest.raises(ValueError, match="pieces of 128 rows and 64 columns"):
+        mx.dequantize_with_triton(*stored, torch.float32, program=(64, 64, 4), size=(256, 512))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -329,7 +369,7 @@ class FloatShapes(TorchDispatchMode):
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])
 def test_loader_builds_no_bf16_expert_and_matches_from_pretrained(tiny, dtype):
-    from tes_grpo.mxfp4 import SafetensorsCheckpoint, tile_order_bytes, to_tile_order
+    from tes_grpo.mxfp4 import SafetensorsCheckpoint, padded_bytes, to_hopper_layout
 
     said = []
     with FloatShapes() as created:
@@ -362,10 +402,10 @@ def test_loader_builds_no_bf16_expert_and_matches_from_pretrained(tiny, dtype):
             model.config._experts_implementation) == (False, reference.name_or_path,
                                                       resolve_attention("auto", DEVICE), "grouped_mm")
     resident = mx.resident_state(model)
-    for name in resident:  # kept in tile order, the order the decode kernel reads
-        assert torch.equal(resident.stored(name).cpu(), to_tile_order(checkpoint[name], name.rpartition("_")[2]))
+    for name in resident:  # kept in the Hopper layout, the order the decode kernel reads
+        assert torch.equal(resident.stored(name).cpu(), to_hopper_layout(checkpoint[name], name.rpartition("_")[2]))
     # each of the 2 layers' 4 experts: gate_up [128, 64] and down [64, 64] (out, in), each padded to one tile
-    assert mx.resident_bytes(model) == 2 * 4 * (tile_order_bytes(2 * i, h) + tile_order_bytes(h, i)) == 139264
+    assert mx.resident_bytes(model) == 2 * 4 * (padded_bytes(2 * i, h) + padded_bytes(h, i)) == 139264
     assert any(line.startswith("experts: 2 layer(s) resident as MXFP4") for line in said)
 
 
