@@ -35,6 +35,7 @@ Training on a GPU:
 - decode_math: graph_decode's decode step: attention with sinks, LoRA in PEFT's order, MXFP4 experts, the LM head
 - token_sampling: one sampling step as transformers' generate takes it, and the recorder of its log-probabilities
 - mxfp4_decode: the MoE experts read as MXFP4 while decoding (Triton)
+- mxfp4_kernels: the MXFP4 experts' Triton kernels: decoding's experts product, training's dequantization
 - moe_routing: the decode step's rows sorted by expert in one Triton program, as torch's sort would give them
 - fused_experts: the MoE experts' elementwise work fused for the training forward and backward
 - lm_head: TRL's fused LM head, which never builds a micro-batch's logits

@@ -18,6 +18,7 @@ holds the transposed `[experts, in, out]` parameters (`gate_up_proj` `[E, H, 2I]
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -144,10 +145,10 @@ def fake_quantize_expert_param(param: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Tile order: how the experts are kept in memory (mxfp4_experts.py) and read by the decode kernel (mxfp4_decode.py)
+# Tiles, and tile order: each tile of a weight contiguous (the copies mxfp4_decode's tl.dot_scaled variant reads)
 # ---------------------------------------------------------------------------------------------------------------
 
-TILE = (128, 128)  # (outputs, inputs) of one tile: what mxfp4_decode's kernel reads in one K step, one piece
+TILE = (128, 128)  # (outputs, inputs) of one tile: what mxfp4_decode's kernel reads in one K step; the padding unit
 TILE_FILL = {"blocks": 0, "scales": E8M0_BIAS}  # padding: code 0 at scale 2**0, the value 0
 
 
@@ -227,36 +228,52 @@ def _unsigned_shift(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x >> bits) & ((1 << (32 - bits)) - 1)
 
 
-def _placed(byte: torch.Tensor, fourth: bool = False) -> torch.Tensor:
-    """A byte's two codes where a 16-bit half of a word holds them (low nibble: low half, high nibble: high half):
-    sign at bit 15 and magnitude at bits 8..6 for the word's first three bytes (shifted right by 0, 3, 6 when
-    combined), for the fourth byte sign at 14, magnitude bits 2 and 1 at 11 and 10, bit 0 at 13."""
-    def one(code):
-        if fourth:
-            return ((code & 0x8) << 11) | ((code & 0x6) << 9) | ((code & 0x1) << 13)
-        return ((code & 0x8) << 12) | ((code & 0x7) << 6)
-    return one(byte & 0xF) | (one(byte >> 4) << 16)
+def _placed_code(code: torch.Tensor, fourth: bool) -> torch.Tensor:
+    """One FP4 code's bits where a 16-bit half of a word holds them: sign at bit 15 and magnitude at bits 8..6 (the
+    word's first three bytes, shifted right by 0, 3, 6 when combined), or for the fourth byte sign at 14,
+    magnitude bits 2 and 1 at 11 and 10, bit 0 at 13."""
+    if fourth:
+        return ((code & 0x8) << 11) | ((code & 0x6) << 9) | ((code & 0x1) << 13)
+    return ((code & 0x8) << 12) | ((code & 0x7) << 6)
+
+
+def _placed_bytes(fourth: bool = False) -> torch.Tensor:
+    """Every byte value's two codes placed (_placed_code): the low nibble in the low half, the high in the high."""
+    byte = torch.arange(256, dtype=torch.int32)
+    return _placed_code(byte & 0xF, fourth) | (_placed_code(byte >> 4, fourth) << 16)
+
+
+@functools.cache
+def _hopper_word_bits(device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A word's bits from its first two bytes and from its last two, by their 16-bit value (little-endian): two
+    lookups a word, since the bytes' placed bits never overlap."""
+    pair = torch.arange(1 << 16, dtype=torch.int32)
+    low, high = pair & 0xFF, pair >> 8
+    first = _placed_bytes()[low] | _unsigned_shift(_placed_bytes(), 3)[high]
+    last = _unsigned_shift(_placed_bytes(), 6)[low] | _placed_bytes(fourth=True)[high]
+    return first.to(device), last.to(device)
 
 
 def _hopper_bits(data: torch.Tensor) -> torch.Tensor:
     """Every 4 bytes (8 FP4 codes) -> one little-endian word with the codes' bits where the unpacking's masks and
-    shifts find them (triton_kernels' hopper_value._pack_bits; mxfp4_decode._hopper_unpack reads them)."""
-    x = data.reshape(*data.shape[:-1], -1, 4).to(torch.int32)
-    word = (_placed(x[..., 0]) | _unsigned_shift(_placed(x[..., 1]), 3) | _unsigned_shift(_placed(x[..., 2]), 6)
-            | _placed(x[..., 3], fourth=True))
-    return word.contiguous().view(torch.uint8).reshape(data.shape)
+    shifts find them (triton_kernels' hopper_value._pack_bits; mxfp4_kernels._hopper_halves reads them)."""
+    words = data.contiguous().view(torch.int32)
+    first, last = _hopper_word_bits(str(data.device))
+    placed = first[(words & 0xFFFF).long()] | last[_unsigned_shift(words, 16).long()]
+    return placed.view(torch.uint8).reshape(data.shape)
+
+
+def _code_from(halves: torch.Tensor, sign: int, magnitude: torch.Tensor) -> torch.Tensor:
+    return (((halves >> sign) & 1) << 3) | magnitude
 
 
 def _hopper_unbits(data: torch.Tensor) -> torch.Tensor:
     """Inverse of _hopper_bits: each word's 8 codes back into its 4 bytes."""
     word = data.contiguous().view(torch.int32).reshape(*data.shape[:-1], -1, 1)
     halves = torch.cat([word & 0xFFFF, _unsigned_shift(word, 16)], dim=-1)  # low nibbles, high nibbles
-
-    def code(sign, magnitude):
-        return (((halves >> sign) & 1) << 3) | magnitude
-
-    codes = [code(15, (halves >> 6) & 7), code(12, (halves >> 3) & 7), code(9, halves & 7),
-             code(14, (((halves >> 11) & 1) << 2) | (((halves >> 10) & 1) << 1) | ((halves >> 13) & 1))]
+    codes = [_code_from(halves, 15, (halves >> 6) & 7), _code_from(halves, 12, (halves >> 3) & 7),
+             _code_from(halves, 9, halves & 7),
+             _code_from(halves, 14, (((halves >> 11) & 1) << 2) | (((halves >> 10) & 1) << 1) | ((halves >> 13) & 1))]
     return torch.stack([c[..., 0] | (c[..., 1] << 4) for c in codes], dim=-1).to(torch.uint8).reshape(data.shape)
 
 

@@ -19,25 +19,24 @@ values are exact in bf16 and the quantizer takes the smallest shared exponent). 
 numbers; what can differ from transformers' grouped_mm is the order of the float32 sums inside a dot product. Each
 bf16 rounding of transformers' forward (matmul output, + bias, the gate's steps, x routing weight) is repeated.
 
-Kernel: one Triton program per (expert, tile of output columns) loops over the rows routed to its expert (sorted
-by expert, as transformers' grouped_mm path sorts them) and over K one tile at a time (no masks on the weights: the
-padding holds zeros). By default (TILES, Tiles.upcast="hopper") a lane's loaded bytes are its tensor-core operand
-registers, unpacked by triton_kernels' PTX (`_hopper_unpack`: two instructions a value; Hopper has no MXFP4 tensor
-cores; on older GPUs the same bit operations in Triton's language), then multiplied by the scales (an exact bf16
-multiply by a power of two) and by x with `tl.dot`, the weights as the dot's left operand (Tiles.swap: out^T = W^T
-x^T, wide weight tiles and the few rows as the narrow side, the shape Hopper's warpgroup MMA takes with the upcast
-tile in registers). A layer whose scales that upcast does not give exactly (upcast_is_exact: 255, or 0 under
-nonzero codes) runs DOT_SCALED on a copy in tile order (mxfp4.to_tile_order) instead: `tl.dot_scaled`, Triton's own
-upcast. Tiles.upcast="bits" (`_mxfp4_to_bf16` on tile order) is a third variant, for benchmarks. Every variant
-multiplies the same bf16 numbers and rounds the same epilogue; `Tiles` says which one runs. A program's BLOCK_N x
-BLOCK_K is the stored tile (mxfp4.TILE); other tiles and layouts read a copy (`retiled`, benchmarks only).
+Kernel (mxfp4_kernels.experts_kernel): one Triton program per (expert, tile of output columns) loops over the rows
+routed to its expert (sorted by expert, as transformers' grouped_mm path sorts them) and over K one tile at a time (no
+masks on the weights: the padding holds zeros). By default (TILES, Tiles.upcast="hopper") a lane's loaded bytes are its
+tensor-core operand registers, unpacked by triton_kernels' PTX (`mxfp4_kernels._hopper_unpack`: two instructions a
+value; Hopper has no MXFP4 tensor cores; on older GPUs the same bit operations in Triton's language, not measured on
+one), then multiplied by the scales (an exact bf16 multiply by a power of two) and by x with `tl.dot`, the weights as
+the dot's left operand (Tiles.swap: out^T = W^T x^T, wide weight tiles and the few rows as the narrow side, the shape
+Hopper's warpgroup MMA takes with the upcast tile in registers). A layer whose scales that upcast does not give exactly
+(upcast_is_exact: 255, or 0 under nonzero codes) runs DOT_SCALED on a copy in tile order (mxfp4.to_tile_order) instead:
+`tl.dot_scaled`, Triton's own upcast. Tiles.upcast="bits" (`mxfp4_kernels._mxfp4_to_bf16` on tile order) is a third
+variant, for benchmarks. Every variant multiplies the same bf16 numbers and rounds the same epilogue; `Tiles` says which
+one runs. A program's BLOCK_N x BLOCK_K is the stored tile (mxfp4.TILE); other tiles and layouts read a copy (`retiled`,
+benchmarks only).
 The gate_up launch applies gpt-oss's clamped SwiGLU before it stores; the down launch adds the bias, multiplies by
 the routing weight and writes each row back to its token's slot. No host reads, fixed shapes: CUDA-graph capturable.
 
-Needs Triton on a CUDA device. On CPU the same kernels run under Triton's interpreter (TRITON_INTERPRET=1 while this
-module is imported and its kernels run), which is how the tests check them without a GPU. The kernels call only
-triton.language's builtins, no functions of its standard library (tl.zeros, tl.sigmoid): those were compiled when
-triton was first imported, without the interpreter, and fail inside an interpreted kernel.
+Needs Triton on a CUDA device. On CPU the same kernels run under Triton's interpreter (mxfp4_kernels imported under
+TRITON_INTERPRET=1), which is how the tests check them without a GPU.
 """
 
 from __future__ import annotations
@@ -50,9 +49,8 @@ from dataclasses import dataclass
 
 import torch
 import triton
-import triton.language as tl
 
-from tes_grpo import moe_routing
+from tes_grpo import moe_routing, mxfp4_kernels
 from tes_grpo.mxfp4 import (
     BLOCK_SIZE,
     HOPPER_WARPS,
@@ -112,7 +110,7 @@ class Tiles:
 
     @property
     def tile(self) -> tuple[int, int]:
-        """The tile order a program reads: (BLOCK_N, BLOCK_K)."""
+        """The tile a program reads, the weights padded to whole ones: (BLOCK_N, BLOCK_K)."""
         return self.block_n, self.block_k
 
 
@@ -122,261 +120,23 @@ TILES = Tiles()  # the fastest bit-equal variant and shape of bench_mxfp4_decode
 DOT_SCALED = Tiles(upcast="dot_scaled", swap=False, num_stages=3)
 
 
-@triton.jit
-def _bf16(x):
-    """Rounds float32 values to bf16 (to nearest, ties to even) and back: where transformers' bf16 forward rounds,
-    this rounds too. Done on the bits because Triton's interpreter truncates in `.to(tl.bfloat16)` (3.9), which
-    would make the CPU tests check a different rounding than the GPU does; finite values only."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _widen(x):
-    """bf16 -> float32 on the bits (exact): Triton's interpreter (3.9) converts bf16 subnormals wrongly."""
-    return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _mul(a, b, INTERPRETED: tl.constexpr):
-    """a * b of bf16 tensors whose products are exact in bf16 (as _mxfp4_to_bf16's are). Triton's interpreter (3.9;
-    it keeps bf16 tensors as their uint16 bits) multiplies the bits as integers, so interpreted the product is taken
-    in float32 and its upper half kept (exact products: nothing to round). Compiled kernels multiply in bf16."""
-    if INTERPRETED:
-        bits = (_widen(a) * _widen(b)).to(tl.uint32, bitcast=True) >> 16
-        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return a * b
-
-
-@triton.jit
-def _mxfp4_to_bf16(packed, scales, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
-    """[ROWS, BLOCK_K / 2] packed bytes (low nibble the even value) and their [ROWS, BLOCK_K / 32] E8M0 scales ->
-    [ROWS, BLOCK_K] bf16: the values mxfp4.dequantize_mxfp4 gives, for scales 1..254.
-
-    A code's sign bit goes to the bf16 sign bit and its 3 magnitude bits (exponent field f, mantissa bit m) to the
-    bf16 exponent's two lowest bits and the mantissa's highest: the bf16 then reads as the FP4 value times 2**-126
-    for every code (f = 0 lands in bf16's subnormals as E2M1's own 0.5 does), both codes of a byte in one 32-bit
-    word (two integer multiplies place them, their shifted copies never overlap). Two multiplies by powers of two
-    give the value: x 2**126, then x 2**(scale - 127) (the scale byte shifted into a bf16's exponent field); both
-    products are exact (an overflow is inf, as in float32)."""
-    word = packed.to(tl.uint32)
-    word = ((word * 0x40040) & 0x01C001C0) | ((word * 0x1001000) & 0x80008000)
-    low = (word & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    high = (word >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    values = tl.reshape(tl.join(low, high), (ROWS, BLOCK_K))
-    values = _mul(values, tl.full((ROWS, BLOCK_K), 2.0**126, tl.bfloat16), INTERPRETED)
-    scale = (scales.to(tl.uint16) << 7).to(tl.bfloat16, bitcast=True)
-    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (ROWS, BLOCK_K // 32, 32)), (ROWS, BLOCK_K))
-    return _mul(values, scale, INTERPRETED)
-
-
-@triton.jit
-def _dot(a, b, acc, INTERPRETED: tl.constexpr):
-    """tl.dot(a, b, acc) of bf16 tiles. Triton's interpreter (3.9; it keeps bf16 tensors as their uint16 bits)
-    multiplies a bf16 tl.dot's bits as integers, so interpreted the tiles are widened to float32 first: exact, and
-    the float32 products and sums are the ones its tl.dot_scaled computes. Compiled kernels multiply the bf16 tiles."""
-    if INTERPRETED:
-        a = _widen(a)
-        b = _widen(b)
-    return tl.dot(a, b, acc)
-
-
-@triton.jit
-def _upcast_kernel(blocks_ptr, scales_ptr, out_ptr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                   INTERPRETED: tl.constexpr):
-    rows = tl.arange(0, ROWS)
-    packed = tl.load(blocks_ptr + rows[:, None] * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)[None, :])
-    scales = tl.load(scales_ptr + rows[:, None] * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)[None, :])
-    tl.store(out_ptr + rows[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :],
-             _mxfp4_to_bf16(packed, scales, ROWS, BLOCK_K, INTERPRETED))
-
-
 def upcast_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Tiles.upcast="bits"'s upcast on its own (one program), to check it: blocks [R, G, 16], scales [R, G] uint8
     (R and G powers of two) -> [R, G * 32] bf16."""
     rows, groups, _ = blocks.shape
     out = torch.empty(rows, groups * BLOCK_SIZE, dtype=torch.bfloat16, device=blocks.device)
-    _upcast_kernel[(1,)](blocks.contiguous(), scales.contiguous(), out, ROWS=rows, BLOCK_K=groups * BLOCK_SIZE,
-                         INTERPRETED=interpreted())
+    mxfp4_kernels.upcast_kernel[(1,)](blocks.contiguous(), scales.contiguous(), out, ROWS=rows,
+                                      BLOCK_K=groups * BLOCK_SIZE, INTERPRETED=interpreted())
     return out
-
-
-@triton.jit
-def _hopper_unpack(x, PTX: tl.constexpr, INTERPRETED: tl.constexpr):
-    """[R, C] bytes of the Hopper layout (mxfp4.to_hopper_layout: every 4 bytes one word of 8 FP4 codes, their bits
-    placed by mxfp4._hopper_bits) -> [R, 2C] bf16, the codes' E2M1 values in the order the bytes held them (low
-    nibble first): masks and shifts put each code's sign and 3 magnitude bits where a bf16 reads them as the value
-    times 2**-126, then one exact multiply by 2**126. PTX: OpenAI triton_kernels' PTX (Triton 3.6's
-    hopper_value._unpack_fp4_to_bf16_triton, two instructions a value; mul.bf16x2 needs compute capability 9.0);
-    otherwise (and interpreted) the same bit operations in Triton's language."""
-    R: tl.constexpr = x.shape[0]
-    C: tl.constexpr = x.shape[1]
-    if not PTX or INTERPRETED:
-        b = tl.reshape(x.to(tl.uint32), (R, C // 4, 2, 2))
-        even, odd = tl.split(b)  # bytes 0 and 2, 1 and 3 of each word (little-endian)
-        b0, b2 = tl.split(even)
-        b1, b3 = tl.split(odd)
-        word = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
-        o0 = word & 0x81C081C0
-        o1 = (word << 3) & 0x81C081C0
-        o2 = (word << 6) & 0x81C081C0
-        o3 = ((word << 1) & 0x80008000) | ((word >> 3) & 0x01800180) | ((word >> 7) & 0x00400040)
-        pairs = tl.trans(tl.join(tl.join(o0, o1), tl.join(o2, o3)), 0, 1, 3, 2)  # [R, C/4, pair, k in pair]
-        words = tl.reshape(pairs, (R, C // 4, 4))
-        halves = tl.reshape(tl.join(words & 0xFFFF, words >> 16), (R, 2 * C))  # each word: its low bf16 first
-        values = halves.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        return _mul(values, tl.full((R, 2 * C), 2.0**126, tl.bfloat16), INTERPRETED)
-    r0, r1 = tl.inline_asm_elementwise(
-        asm="""{
-            .reg .b32 b, c, d<7>, bias;
-            mov.b32 bias, 0x7e807e80;
-            and.b32 $0, $4, 0b10000001110000001000000111000000;
-            mul.bf16x2 $0, $0, bias;
-            shl.b32 b, $4, 3;
-            and.b32 $1, b,  0b10000001110000001000000111000000;
-            mul.bf16x2 $1, $1, bias;
-            shl.b32 c, $4, 6;
-            and.b32 $2, c,  0b10000001110000001000000111000000;
-            mul.bf16x2 $2, $2, bias;
-            shl.b32 d0, $4, 1;
-            and.b32 d1, d0, 0b10000000000000001000000000000000;
-            shr.b32 d2, $4, 3;
-            and.b32 d3, d2, 0b00000001100000000000000110000000;
-            or.b32 d4, d1, d3;
-            shr.b32 d5, $4, 7;
-            and.b32 d6, d5, 0b00000000010000000000000001000000;
-            or.b32 $3, d4, d6;
-            mul.bf16x2 $3, $3, bias;
-        }""",
-        constraints="=r,=r,=r,=r,r", args=[x], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-    values = tl.reshape(tl.join(r0, r1), (R, C // 4, 4, 2))
-    return tl.reshape(tl.trans(values, 0, 1, 3, 2), (R, 2 * C))
-
-
-@triton.jit
-def _hopper_unshuffle(x):
-    """The Hopper layout's value order -> [rows, K] (triton_kernels' _unshuffle_triton, mma_version 3, bf16): [R, C]
-    upcast values -> [4R, C / 4]."""
-    R: tl.constexpr = x.shape[0]
-    C: tl.constexpr = x.shape[1]
-    x = tl.reshape(x, (R // 4, 4, C // 256, 2, 4, 8, 2, 2))
-    return tl.reshape(tl.trans(x, 0, 6, 1, 3, 2, 5, 4, 7), (R * 4, C // 4))
-
-
-@triton.jit
-def _hopper_scales(x, NUM_WARPS: tl.constexpr):
-    """The Hopper layout's scale order -> [rows, K / 32] (triton_kernels' unswizzle_mxfp4_scale_hopper): [R, C] bytes
-    -> [32R, C / 32]."""
-    R: tl.constexpr = x.shape[0]
-    C: tl.constexpr = x.shape[1]
-    x = tl.reshape(x, (R // NUM_WARPS, NUM_WARPS, C // 64, 2, 8, 2, 2))
-    return tl.reshape(tl.trans(x, 0, 3, 1, 6, 4, 2, 5), (R * 32, C // 32))
-
-
-@triton.jit
-def _experts_kernel(x_ptr, x_rows_ptr, offsets_ptr, blocks_ptr, scales_ptr, bias_ptr, weight_ptr, out_ptr,
-                    out_rows_ptr, N, K, alpha, limit,
-                    SWIGLU: tl.constexpr, ROUTED_OUT: tl.constexpr, UPCAST_BITS: tl.constexpr, SWAP: tl.constexpr,
-                    HOPPER: tl.constexpr, PTX: tl.constexpr, NUM_WARPS: tl.constexpr, INTERPRETED: tl.constexpr,
-                    BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[r] = f(x[x_rows[r]] @ W_e + b_e) for the rows r in offsets[e]:offsets[e+1] (rows sorted by expert).
-
-    W_e is stored in tile order (mxfp4.to_tile_order at (BLOCK_N, BLOCK_K)): blocks [E, N tiles, K tiles, BLOCK_N,
-    BLOCK_K / 2] (two FP4 codes a byte, low nibble first), scales [E, N tiles, K tiles, BLOCK_N, BLOCK_K / 32]
-    (E8M0), whole tiles padded with zeros, so the weights need no masks. SWIGLU: f is gpt-oss's clamped SwiGLU over
-    interleaved (gate, up) columns, out has N/2 columns. ROUTED_OUT: f multiplies by weight[out_rows[r]] and the row
-    is stored at out_rows[r]. UPCAST_BITS: the weight tile is upcast by _mxfp4_to_bf16 and multiplied by tl.dot, not
-    tl.dot_scaled; SWAP (with UPCAST_BITS): acc^T [BLOCK_N, BLOCK_M] = W_tile^T [BLOCK_N, BLOCK_K] @ x^T. HOPPER
-    (with SWAP): blocks and scales are in the Hopper layout (mxfp4.to_hopper_layout: [E, N / 4, 2 K] and
-    [E, N / 32, K] bytes, padded to whole tiles), upcast by _hopper_unpack (PTX: with triton_kernels' PTX),
-    _hopper_unshuffle and _hopper_scales (NUM_WARPS: the scales' layout's)."""
-    expert = tl.program_id(0)
-    start = tl.load(offsets_ptr + expert)
-    end = tl.load(offsets_ptr + expert + 1)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    bias = tl.load(bias_ptr + expert * N + cols, mask=col_ok, other=0.0).to(tl.float32)
-    local = tl.arange(0, BLOCK_N)
-    first_tile = (expert.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)) * ((K + BLOCK_K - 1) // BLOCK_K)
-    for row0 in range(start, end, BLOCK_M):
-        rows = row0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < end
-        src = tl.load(x_rows_ptr + rows, mask=row_ok, other=0)
-        if SWAP:
-            acc = tl.full((BLOCK_N, BLOCK_M), 0.0, dtype=tl.float32)
-        else:
-            acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            if SWAP:  # x^T [BLOCK_K, BLOCK_M], loaded transposed
-                xt = tl.load(x_ptr + src[None, :].to(tl.int64) * K + ks[:, None],
-                             mask=row_ok[None, :] & (ks[:, None] < K), other=0.0)
-            else:
-                x = tl.load(x_ptr + src[:, None].to(tl.int64) * K + ks[None, :],
-                            mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
-            if HOPPER:  # [BLOCK_N / 4, 2 BLOCK_K] value bytes, [BLOCK_N / 32, BLOCK_K] scales of padded rows
-                k_pad = ((K + BLOCK_K - 1) // BLOCK_K) * BLOCK_K
-                n_pad = tl.num_programs(1) * BLOCK_N
-                w = tl.load(blocks_ptr + expert.to(tl.int64) * (n_pad * k_pad // 2)
-                            + (tl.program_id(1) * (BLOCK_N // 4) + tl.arange(0, BLOCK_N // 4))[:, None] * (2 * k_pad)
-                            + (2 * k0 + tl.arange(0, 2 * BLOCK_K))[None, :])
-                s = tl.load(scales_ptr + expert.to(tl.int64) * (n_pad * k_pad // 32)
-                            + (tl.program_id(1) * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32))[:, None] * k_pad
-                            + (k0 + tl.arange(0, BLOCK_K))[None, :])
-                w = _hopper_unshuffle(_hopper_unpack(w, PTX, INTERPRETED))  # [BLOCK_N, BLOCK_K] bf16
-                scale = (_hopper_scales(s, NUM_WARPS).to(tl.uint16) << 7).to(tl.bfloat16, bitcast=True)
-                scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // 32, 32)),
-                                   (BLOCK_N, BLOCK_K))
-                acc = _dot(_mul(w, scale, INTERPRETED), xt, acc, INTERPRETED)
-            else:
-                # this K step's tile: [BLOCK_N, BLOCK_K / 2] bytes, then [BLOCK_N, BLOCK_K / 32] scales
-                tile = first_tile + k0 // BLOCK_K
-                w_tile = blocks_ptr + tile * (BLOCK_N * BLOCK_K // 2)
-                within = tl.arange(0, BLOCK_K // 2)
-                s = tl.load(scales_ptr + tile * (BLOCK_N * BLOCK_K // 32) + local[:, None] * (BLOCK_K // 32)
-                            + tl.arange(0, BLOCK_K // 32)[None, :])
-                if UPCAST_BITS:  # [BLOCK_N, BLOCK_K / 2]: a column's bytes along a row
-                    w = tl.load(w_tile + local[:, None] * (BLOCK_K // 2) + within[None, :])
-                    w = _mxfp4_to_bf16(w, s, BLOCK_N, BLOCK_K, INTERPRETED)  # [BLOCK_N, BLOCK_K] bf16
-                    if SWAP:
-                        acc = _dot(w, xt, acc, INTERPRETED)
-                    else:
-                        acc = _dot(x, tl.trans(w), acc, INTERPRETED)
-                else:  # [BLOCK_K / 2, BLOCK_N], as tl.dot_scaled takes it
-                    w = tl.load(w_tile + local[None, :] * (BLOCK_K // 2) + within[:, None])
-                    acc = tl.dot_scaled(x, None, "bf16", w, s, "e2m1", acc, fast_math=True)
-        if SWAP:
-            acc = tl.trans(acc)
-        # transformers: grouped_mm's bf16 output, then `out.add_(bias)` in bf16
-        y = _bf16(_bf16(acc) + bias[None, :])
-        if SWIGLU:
-            gate, up = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-            glu = _bf16(gate * _bf16(1.0 / (1.0 + tl.exp(-_bf16(gate * alpha)))))
-            y = _bf16(_bf16(up + 1.0) * glu)
-            half_cols = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-            tl.store(out_ptr + rows[:, None].to(tl.int64) * (N // 2) + half_cols[None, :], y,
-                     mask=row_ok[:, None] & (half_cols[None, :] < N // 2))
-        else:
-            dest = rows
-            if ROUTED_OUT:
-                dest = tl.load(out_rows_ptr + rows, mask=row_ok, other=0)
-                y = _bf16(y * tl.load(weight_ptr + dest, mask=row_ok, other=0.0).to(tl.float32)[:, None])
-            tl.store(out_ptr + dest[:, None].to(tl.int64) * N + cols[None, :], y,
-                     mask=row_ok[:, None] & col_ok[None, :])
 
 
 def experts_matmul(x, x_rows, offsets, blocks, scales, size, bias, *, swiglu=None, weights=None, out_rows=None,
                    tiles: Tiles = TILES) -> torch.Tensor:
-    """One launch of the experts kernel; see _experts_kernel. x [T, K] bf16 (contiguous), x_rows [S] (the row of x
-    for sorted row r), offsets [E + 1] (sorted rows of expert e: offsets[e]:offsets[e+1]), blocks/scales the
-    weights [E, N, K] in the layout `tiles` reads (layout_shapes: mxfp4.to_hopper_layout's or, tile order at
-    tiles.tile, mxfp4.to_tile_order's), size (N, K), bias [E, N].
-    swiglu=(alpha, limit) applies gpt-oss's gate (out [S, N/2]); weights [S'] with out_rows [S] writes row r, times
-    weights[out_rows[r]], to out[out_rows[r]] (out [S', N])."""
+    """One launch of the experts kernel; see mxfp4_kernels.experts_kernel. x [T, K] bf16 (contiguous), x_rows [S] (the
+    row of x for sorted row r), offsets [E + 1] (sorted rows of expert e: offsets[e]:offsets[e+1]), blocks/scales the
+    weights [E, N, K] in the layout `tiles` reads (layout_shapes: mxfp4.to_hopper_layout's or, tile order at tiles.tile,
+    mxfp4.to_tile_order's), size (N, K), bias [E, N]. swiglu=(alpha, limit) applies gpt-oss's gate (out [S, N/2]);
+    weights [S'] with out_rows [S] writes row r, times weights[out_rows[r]], to out[out_rows[r]] (out [S', N])."""
     n, k = size
     experts = blocks.shape[0]
     if x.shape[-1] != k or x.dtype != torch.bfloat16:
@@ -391,21 +151,21 @@ def experts_matmul(x, x_rows, offsets, blocks, scales, size, bias, *, swiglu=Non
     out = torch.empty(shape, dtype=torch.bfloat16, device=x.device)
     alpha, limit = swiglu if swiglu else (0.0, 0.0)
     grid = (experts, triton.cdiv(n, tiles.block_n))
-    _experts_kernel[grid](x, x_rows, offsets, blocks, scales, bias, weights if weights is not None else bias, out,
-                          out_rows if out_rows is not None else x_rows, n, k, float(alpha), float(limit),
-                          SWIGLU=bool(swiglu), ROUTED_OUT=weights is not None, UPCAST_BITS=tiles.upcast == "bits",
-                          SWAP=tiles.swap, HOPPER=tiles.upcast == "hopper",
-                          PTX=tiles.ptx and x.is_cuda and _has_ptx_unpack(x.device.index), NUM_WARPS=tiles.num_warps,
-                          INTERPRETED=interpreted(), BLOCK_M=tiles.block_m,
-                          BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
-                          num_stages=tiles.num_stages)
+    mxfp4_kernels.experts_kernel[grid](
+        x, x_rows, offsets, blocks, scales, bias, weights if weights is not None else bias, out,
+        out_rows if out_rows is not None else x_rows, n, k, float(alpha), float(limit),
+        SWIGLU=bool(swiglu), ROUTED_OUT=weights is not None, UPCAST_BITS=tiles.upcast == "bits", SWAP=tiles.swap,
+        HOPPER=tiles.upcast == "hopper", PTX=tiles.ptx and x.is_cuda and _has_ptx_unpack(x.device.index),
+        NUM_WARPS=tiles.num_warps, INTERPRETED=interpreted(), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
 
 @functools.cache
 def _has_ptx_unpack(device_index: int | None) -> bool:
-    """Whether _hopper_unpack's PTX runs on this CUDA device (mul.bf16x2: compute capability 9.0 or newer)."""
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+    """Whether mxfp4_kernels._hopper_unpack's PTX runs on this device: NVIDIA (not ROCm, whose devices also report
+    capabilities) of compute capability 9.0 or newer (mul.bf16x2)."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
 @dataclass
@@ -464,6 +224,9 @@ def upcast_is_exact(blocks: torch.Tensor, scales: torch.Tensor) -> bool:
 
 
 def _inexact_flag(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    if blocks.dim() == 3:  # the same number of bytes, but a scale's codes are not where the reshape below looks
+        raise ValueError("upcast_is_exact: blocks/scales in the Hopper layout; read them back first "
+                         "(PackedExperts.checkpoint_layout, pack_is_exact)")
     inexact = torch.zeros((), dtype=torch.bool, device=scales.device)
     for e in range(scales.shape[0]):
         groups = blocks[e].reshape(*scales.shape[1:], BLOCK_SIZE // 2)
@@ -473,8 +236,12 @@ def _inexact_flag(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def pack_is_exact(pack: PackedExperts) -> bool:
-    """upcast_is_exact for every weight of a pack, whatever its layout (the Hopper layout is read back an expert
-    at a time); one host read."""
+    """upcast_is_exact for every weight of a pack, whatever its layout: first from the scales alone (no 0 or 255
+    anywhere, the padding's 127 included, is exact); else each expert is read back (the Hopper layout) and checked
+    group by group. One host read, or two."""
+    scales = (pack.gate_up_scales, pack.down_scales)
+    if not bool(torch.stack([((s == 0) | (s == 255)).any() for s in scales]).any()):
+        return True
     inexact = torch.zeros((), dtype=torch.bool, device=pack.gate_up_scales.device)
     for proj in ("gate_up", "down"):
         for e in range(pack.experts):
@@ -693,5 +460,5 @@ def moe_forward(mlp, packed: PackedExperts, hidden: torch.Tensor, tiles: Tiles |
 
 
 def interpreted() -> bool:
-    """Whether the kernels run under Triton's interpreter (TRITON_INTERPRET=1 when this module was imported)."""
-    return type(_experts_kernel).__name__ == "InterpretedFunction"
+    """Whether the kernels run under Triton's interpreter (mxfp4_kernels imported under TRITON_INTERPRET=1)."""
+    return mxfp4_kernels.interpreted()

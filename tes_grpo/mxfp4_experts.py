@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -111,94 +110,6 @@ def _say_once(key: str, message: str) -> None:
         say(message)
 
 
-@functools.cache
-def _triton_kernel(interpreted: bool):
-    """The Triton dequantization kernel (built once per interpreter mode: triton.jit reads TRITON_INTERPRET when it
-    decorates). Only triton.language builtins: an interpreted kernel cannot call its compiled standard library."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def dequantize_kernel(blocks_ptr, scales_ptr, out_ptr, ROWS, COLS, OUT_KIND: tl.constexpr, HOPPER: tl.constexpr,
-                          WARPS: tl.constexpr, TILE_R: tl.constexpr, TILE_C: tl.constexpr, BLOCK_R: tl.constexpr,
-                          BLOCK_C: tl.constexpr):
-        """out[e, c, r] = FP4(code of value (r, c)) * 2**(scale of (r, c) - 127): the weight [E, ROWS, COLS] written
-        transposed, its bytes (two codes, the low nibble the even column) and scales (one a 32-column group) read in
-        tile order (mxfp4.to_tile_order: [E, row tiles, column tiles, TILE_R, TILE_C / 2 bytes or / 32 scales]), or
-        with HOPPER in the Hopper layout (mxfp4.to_hopper_layout, padded to TILE_R x TILE_C, its scales' layout at
-        WARPS warps: [E, rows / 4, 2 cols] and [E, rows / 32, cols]). The checkpoint's own layout is tile order's
-        one-tile case, TILE_R = ROWS and TILE_C = COLS.
-
-        HOPPER: a program reads whole pieces of the layout (BLOCK_R a multiple of 32 x WARPS rows, BLOCK_C of 64
-        columns), takes each word's eight codes out of the places mxfp4._hopper_bits put their bits in (the masks
-        and shifts of mxfp4_decode._hopper_unpack, without its multiply), and undoes the layout's permutations.
-
-        The float32 bits are built with integer arithmetic: FP4 values times a power of two are exact in float32
-        (subnormals included), so nothing rounds and no flush-to-zero can change a value; a bf16 result is their
-        upper half (OUT_KIND 1), a float32 result the bits themselves (0); 2: converted (other dtypes)."""
-        e = tl.program_id(0).to(tl.int64)
-        r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-        c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-        ok = (c[:, None] < COLS) & (r[None, :] < ROWS)
-        if HOPPER:
-            rows_pad = (ROWS + TILE_R - 1) // TILE_R * TILE_R
-            cols_pad = (COLS + TILE_C - 1) // TILE_C * TILE_C
-            VR: tl.constexpr = BLOCK_R // 4  # value rows and bytes of this program's piece
-            VC: tl.constexpr = 2 * BLOCK_C
-            vr = tl.program_id(1) * VR + tl.arange(0, VR)
-            vc = tl.program_id(2) * VC + tl.arange(0, VC)
-            x = tl.load(blocks_ptr + e * rows_pad * (cols_pad // 2) + vr[:, None] * (2 * cols_pad) + vc[None, :])
-            b = tl.reshape(x.to(tl.uint32), (VR, VC // 4, 2, 2))
-            even, odd = tl.split(b)  # bytes 0 and 2, 1 and 3 of each word (little-endian)
-            b0, b2 = tl.split(even)
-            b1, b3 = tl.split(odd)
-            word = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
-            o0 = word & 0x81C081C0  # each byte's two codes: sign at bit 15, magnitude at 8..6 of a half
-            o1 = (word << 3) & 0x81C081C0
-            o2 = (word << 6) & 0x81C081C0
-            o3 = ((word << 1) & 0x80008000) | ((word >> 3) & 0x01800180) | ((word >> 7) & 0x00400040)
-            words = tl.reshape(tl.trans(tl.join(tl.join(o0, o1), tl.join(o2, o3)), 0, 1, 3, 2), (VR, VC // 4, 4))
-            halves = tl.reshape(tl.join(words & 0xFFFF, words >> 16), (VR, 2 * VC))  # the bytes' order, low first
-            codes = ((halves >> 12) & 8) | ((halves >> 6) & 7)
-            codes = tl.reshape(codes, (VR // 4, 4, (2 * VC) // 256, 2, 4, 8, 2, 2))  # the value layout undone
-            code = tl.trans(tl.reshape(tl.trans(codes, 0, 6, 1, 3, 2, 5, 4, 7), (BLOCK_R, BLOCK_C))).to(tl.int32)
-            sr = tl.program_id(1) * (BLOCK_R // 32) + tl.arange(0, BLOCK_R // 32)
-            sc = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-            s = tl.load(scales_ptr + e * (rows_pad // 32) * cols_pad + sr[:, None] * cols_pad + sc[None, :])
-            s = tl.reshape(s.to(tl.int32), (BLOCK_R // 32 // WARPS, WARPS, BLOCK_C // 64, 2, 8, 2, 2))
-            s = tl.reshape(tl.trans(s, 0, 3, 1, 6, 4, 2, 5), (BLOCK_R, BLOCK_C // 32))  # the scale layout undone
-            s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_R, BLOCK_C // 32, 32)), (BLOCK_R, BLOCK_C))
-            scale = tl.trans(s)
-        else:
-            col_tiles = (COLS + TILE_C - 1) // TILE_C
-            tile = (e * ((ROWS + TILE_R - 1) // TILE_R) + r[None, :] // TILE_R) * col_tiles + c[:, None] // TILE_C
-            row, col = r[None, :] % TILE_R, c[:, None] % TILE_C
-            byte = tl.load(blocks_ptr + tile * (TILE_R * (TILE_C // 2)) + row * (TILE_C // 2) + col // 2,
-                           mask=ok, other=0).to(tl.int32)
-            code = (byte >> ((c[:, None] % 2) * 4)) & 15
-            scale = tl.load(scales_ptr + tile * (TILE_R * (TILE_C // 32)) + row * (TILE_C // 32) + col // 32,
-                            mask=ok, other=127).to(tl.int32)
-        # E2M1: exponent field f, mantissa bit m; f > 0: (1 + m/2) * 2**(f - 1), f = 0: m * 0.5. Times the scale,
-        # the leading bit sits at 2**lead with the fraction bit m (f > 0) or none (f = 0).
-        f = (code >> 1) & 3
-        m = code & 1
-        lead = tl.where(f == 0, scale - 128, f + scale - 128)
-        frac = tl.where(f == 0, 0, m)
-        normal = ((tl.maximum(lead + 127, 0) << 23) | (frac << 22))
-        subnormal = (2 + frac) << tl.minimum(tl.maximum(lead + 148, 0), 29)  # (2 + frac) * 2**(lead - 1)
-        bits = tl.where(lead > 127, 0x7F800000, tl.where(lead >= -126, normal, subnormal))
-        bits = tl.where((f == 0) & (m == 0), 0, bits) | ((code >> 3) << 31)
-        if OUT_KIND == 1:
-            value = ((bits >> 16) & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        else:
-            value = bits.to(tl.float32, bitcast=True)
-            if OUT_KIND == 2:
-                value = value.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + e * COLS * ROWS + c[:, None] * ROWS + r[None, :], value, mask=ok)
-
-    return dequantize_kernel
-
-
 @dataclass(frozen=True)
 class _Layout:
     """Where an [E, rows, cols] weight's codes and scales are: `tile` the tile order's tile (the checkpoint's layout:
@@ -243,21 +154,24 @@ def _layout(blocks: torch.Tensor, scales: torch.Tensor, size: tuple[int, int] | 
 def dequantize_with_triton(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
                            program: tuple[int, int, int] | None = None,
                            size: tuple[int, int] | None = None) -> torch.Tensor:
-    """dequantize_experts through the Triton kernel (a CUDA device, or CPU tensors under TRITON_INTERPRET=1);
-    program: (rows, columns, warps) of a program (default DEQUANT_TILE, or DEQUANT_HOPPER for the Hopper layout)."""
+    """dequantize_experts through the Triton kernel (mxfp4_kernels.dequantize_kernel: a CUDA device, or CPU tensors with
+    mxfp4_kernels imported under TRITON_INTERPRET=1); program: (rows, columns, warps) of a program (default
+    DEQUANT_TILE, or DEQUANT_HOPPER for the Hopper layout)."""
     layout = _layout(blocks, scales, size)
     block_r, block_c, num_warps = program or (DEQUANT_HOPPER if layout.hopper else DEQUANT_TILE)
     if layout.hopper and (block_r % (32 * HOPPER_WARPS) or block_c % 64):
         raise ValueError(f"dequantize_with_triton: a program reads the Hopper layout in pieces of {32 * HOPPER_WARPS} "
                          f"rows and 64 columns, got {program}")
+    from tes_grpo import mxfp4_kernels  # Triton is optional on the CPU; only this path needs it
+
     experts = blocks.shape[0]
     out = torch.empty(experts, layout.cols, layout.rows, dtype=dtype, device=blocks.device)
-    kernel = _triton_kernel(os.environ.get("TRITON_INTERPRET", "0") == "1")
     grid = (experts, -(-layout.rows // block_r), -(-layout.cols // block_c))
     kind = {torch.float32: 0, torch.bfloat16: 1}.get(dtype, 2)
-    kernel[grid](blocks.contiguous(), scales.contiguous(), out, layout.rows, layout.cols, OUT_KIND=kind,
-                 HOPPER=layout.hopper, WARPS=HOPPER_WARPS, TILE_R=layout.tile[0], TILE_C=layout.tile[1],
-                 BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps)
+    mxfp4_kernels.dequantize_kernel[grid](
+        blocks.contiguous(), scales.contiguous(), out, layout.rows, layout.cols, OUT_KIND=kind, HOPPER=layout.hopper,
+        WARPS=HOPPER_WARPS, TILE_R=layout.tile[0], TILE_C=layout.tile[1], BLOCK_R=block_r, BLOCK_C=block_c,
+        num_warps=num_warps)
     return out
 
 

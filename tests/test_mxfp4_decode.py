@@ -7,6 +7,8 @@ interpreter's own float-to-bf16 conversion truncates). On a GPU the sums inside 
 order; benchmarks/bench_mxfp4_decode.py measures that there.
 """
 
+import importlib
+
 import pytest
 import torch
 from transformers import GenerationConfig, GptOssConfig, GptOssForCausalLM
@@ -48,9 +50,12 @@ bf16_constants = pytest.mark.skipif(
 
 @pytest.fixture(scope="module", autouse=True)
 def triton_interpreter():
-    """tes_grpo.mxfp4_decode with its kernels under Triton's interpreter for this module's tests."""
+    """tes_grpo.mxfp4_decode with its kernels (tes_grpo.mxfp4_kernels) under Triton's interpreter for this module's
+    tests."""
     global md
-    with interpreted("tes_grpo.mxfp4_decode") as md:
+    with interpreted("tes_grpo.mxfp4_kernels"):
+        md = importlib.import_module("tes_grpo.mxfp4_decode")
+        assert md.interpreted()
         yield
 
 
@@ -89,6 +94,7 @@ def random_mlp(seed=0, **shape) -> GptOssMLP:
 VARIANTS = {
     "hopper": {},
     "hopper-wide-k": {"block_k": 256},  # a copy in the Hopper layout padded to 256 inputs
+    "hopper-8-warps": {"block_n": 256, "num_warps": 8},  # a copy whose scales are laid out for 8 warps
     "bits-swap-16": {"upcast": "bits"},
     "bits-swap-8": {"upcast": "bits", "block_m": 8},
     "bits": {"upcast": "bits", "swap": False},
@@ -197,14 +203,21 @@ UPCAST_EXACT_CASES = [
 
 @pytest.mark.parametrize("scale, byte, exact", UPCAST_EXACT_CASES)
 def test_upcast_is_exact(scale, byte, exact):
-    from tes_grpo.mxfp4 import to_tile_order
+    """The same answer from the checkpoint's layout and tile order, and from a pack in the Hopper layout
+    (pack_is_exact); upcast_is_exact refuses the Hopper layout, whose bytes it would pair with the wrong scales."""
+    from tes_grpo.mxfp4 import to_hopper_layout, to_tile_order
 
     blocks = torch.full((2, 64, 4, 16), 0x35, dtype=torch.uint8)
     scales = torch.full((2, 64, 4), 120, dtype=torch.uint8)
     blocks[1, 17, 2] = byte  # one group of one expert
     scales[1, 17, 2] = scale
     tiled = to_tile_order(blocks, "blocks"), to_tile_order(scales, "scales")
-    assert md.upcast_is_exact(*tiled) is exact
+    assert md.upcast_is_exact(blocks, scales) is exact and md.upcast_is_exact(*tiled) is exact
+    hopper = to_hopper_layout(blocks, "blocks"), to_hopper_layout(scales, "scales")
+    pack = md.PackedExperts(*hopper, *hopper, (64, 128), (64, 128), None, None, 1.0, 1.0, ())
+    assert md.pack_is_exact(pack) is exact
+    with pytest.raises(ValueError, match="in the Hopper layout"):
+        md.upcast_is_exact(*hopper)
 
 
 @runs_kernel
@@ -411,15 +424,16 @@ def test_a_resident_layer_the_bits_upcasts_cannot_give_exactly_gets_a_tile_order
     """A resident group at scale 0 under nonzero codes: the pack is a tile-order copy run with DOT_SCALED (said,
     with its size); the resident buffers stay as they were."""
     from tes_grpo.model_loading import load_training_model
+    from tes_grpo.mxfp4_experts import checkpoint_tensor, put_checkpoint_tensor
 
     path, _ = tiny_bf16
     model = load_training_model(path, dtype=torch.bfloat16, experts="mxfp4", say=lambda line: None)
     experts = model.model.layers[1].mlp.experts
-    blocks, scales = (mx_checkpoint(experts, f"down_proj_{part}") for part in ("blocks", "scales"))
+    blocks, scales = (checkpoint_tensor(experts, f"down_proj_{part}") for part in ("blocks", "scales"))
     blocks[2, 5, 0] = 0x11  # expert 2, output 5, the first 32 inputs: code 1 (0.5) ...
     scales[2, 5, 0] = 0  # ... at scale 0
     for name, tensor in (("down_proj_blocks", blocks), ("down_proj_scales", scales)):
-        mx_put(experts, name, tensor)
+        put_checkpoint_tensor(experts, name, tensor)
     said = []
     packs = md.pack_model(model.model.layers, say=said.append)
     assert packs[0].resident and packs[0].tiles == md.TILES
@@ -428,18 +442,6 @@ def test_a_resident_layer_the_bits_upcasts_cannot_give_exactly_gets_a_tile_order
     assert any("1 layers' resident experts copied in tile order for tl.dot_scaled" in line for line in said)
     assert any("layers [1] have scales the kernel's own upcasts do not give exactly" in line for line in said)
     assert torch.equal(packs[1].checkpoint_layout("down")[1], scales)
-
-
-def mx_checkpoint(experts, name):
-    from tes_grpo.mxfp4_experts import checkpoint_tensor
-
-    return checkpoint_tensor(experts, name)
-
-
-def mx_put(experts, name, tensor):
-    from tes_grpo.mxfp4_experts import put_checkpoint_tensor
-
-    put_checkpoint_tensor(experts, name, tensor)
 
 
 def test_resident_float32_experts_are_not_packed(tiny_bf16):

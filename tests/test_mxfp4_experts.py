@@ -10,8 +10,12 @@ train_grpo.build_trainer. mxfp4_decode's use of resident layers is tested in tes
 from __future__ import annotations
 
 import gc
+import os
 import re
+import subprocess
+import sys
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -64,85 +68,83 @@ def test_dequantize_equals_transformers_for_every_byte_and_scale(dtype):
     assert torch.equal(bits(got), bits(expected))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
-def test_triton_kernel_equals_transformers(dtype, monkeypatch):
-    """The CUDA kernel's code under Triton's interpreter: every byte and scale, and shapes with partial tiles."""
+@pytest.fixture
+def kernels():
+    """tes_grpo.mxfp4_kernels under Triton's interpreter (compiled again after the test, for the CUDA tests)."""
     pytest.importorskip("triton")
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    from triton_interpreter import interpreted
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    g = torch.Generator().manual_seed(0)
-    odd = (torch.randint(0, 256, (3, 96, 5, 16), dtype=torch.uint8, generator=g),
-           torch.randint(110, 130, (3, 96, 5), dtype=torch.uint8, generator=g))
-    for blocks, scales in (every_byte_and_scale(), odd):
-        expected = convert_moe_packed_tensors(blocks, scales, dtype=dtype)
-        got = mx.dequantize_with_triton(blocks, scales, dtype)
-        assert torch.equal(bits(got), bits(expected))
+    with interpreted("tes_grpo.mxfp4_kernels") as module:
+        yield module
 
 
-# (weight [E, out, in], tile (out, in), dequantization program (rows, columns, warps))
-TILE_ORDER_CASES = [
-    ((3, 96, 160), (64, 64), (32, 32, 4)),  # partial tiles both ways: padded, and the padding never read back
-    ((2, 64, 128), (64, 128), (64, 64, 4)),  # whole tiles, a program inside one tile
-    ((1, 256, 512), (128, 128), (64, 64, 4)),  # mxfp4.TILE, every byte and scale (every_byte_and_scale)
+def random_blocks(experts, rows, cols, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 256, (experts, rows, cols // 32, 16), dtype=torch.uint8, generator=g),
+            torch.randint(110, 130, (experts, rows, cols // 32), dtype=torch.uint8, generator=g))
+
+
+# (layout, weight [E, out, in] or "every" (every_byte_and_scale: 0 and 255 among the scales), the layout's tile,
+# dequantization program (rows, columns, warps) or None for its default)
+DEQUANTIZE_CASES = [
+    ("checkpoint", (3, 96, 160), None, None),  # partial programs both ways
+    ("checkpoint", "every", None, None),
+    ("tiles", (3, 96, 160), (64, 64), (32, 32, 4)),  # partial tiles both ways: padded, the padding never read back
+    ("tiles", (2, 64, 128), (64, 128), (64, 64, 4)),  # whole tiles, a program inside one tile
+    ("tiles", "every", (128, 128), (64, 64, 4)),  # mxfp4.TILE
+    ("hopper", (3, 96, 160), None, None),  # partial tiles both ways (DEQUANT_HOPPER)
+    ("hopper", (2, 256, 256), None, (256, 128, 8)),  # a program over two pieces each way
+    ("hopper", (1, 384, 128), None, (256, 128, 8)),  # its second row program reaches past the weight (masked)
+    ("hopper", "every", None, None),  # what a resident module keeps
 ]
 
 
-@pytest.mark.parametrize("shape, tile, program", TILE_ORDER_CASES)
-def test_dequantize_from_tile_order_equals_transformers(shape, tile, program, monkeypatch):
-    """A weight in tile order (what the decode kernel's tl.dot_scaled copies hold) dequantizes to the checkpoint
-    layout's values, bit for bit: the Triton kernel (interpreted) and torch's codec."""
-    pytest.importorskip("triton")
+@pytest.mark.parametrize("layout, shape, tile, program", DEQUANTIZE_CASES)
+def test_dequantize_equals_transformers(layout, shape, tile, program, kernels):
+    """The checkpoint's layout, tile order (the decode kernel's tl.dot_scaled copies) and the Hopper layout (what a
+    resident module keeps) dequantize to transformers' values bit for bit: the Triton kernel (interpreted; bf16,
+    float32 and a converted dtype) and torch's codec."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from tes_grpo.mxfp4 import to_tile_order
+    from tes_grpo.mxfp4 import to_hopper_layout, to_tile_order
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    experts, rows, cols = shape
-    if shape == (1, 256, 512):
-        blocks, scales = every_byte_and_scale()
-    else:
-        g = torch.Generator().manual_seed(1)
-        blocks = torch.randint(0, 256, (experts, rows, cols // 32, 16), dtype=torch.uint8, generator=g)
-        scales = torch.randint(110, 130, (experts, rows, cols // 32), dtype=torch.uint8, generator=g)
-    expected = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
-    tiled = to_tile_order(blocks, "blocks", tile), to_tile_order(scales, "scales", tile)
-    assert torch.equal(bits(mx.dequantize_with_triton(*tiled, torch.bfloat16, program, size=(rows, cols))),
-                       bits(expected))
-    assert torch.equal(bits(mx.dequantize_with_torch(*tiled, torch.bfloat16, size=(rows, cols))), bits(expected))
-
-
-# (weight [E, out, in], dequantization program (rows, columns, warps) or None for DEQUANT_HOPPER)
-HOPPER_CASES = [
-    ((3, 96, 160), None),  # partial tiles both ways: padded, and the padding never read back
-    ((2, 256, 256), (256, 128, 8)),  # a program over two pieces each way
-    ((1, 256, 512), None),  # every byte and scale (every_byte_and_scale), 0 and 255 among them
-]
-
-
-@pytest.mark.parametrize("shape, program", HOPPER_CASES)
-def test_dequantize_from_the_hopper_layout_equals_transformers(shape, program, monkeypatch):
-    """What a resident module keeps (the Hopper layout) dequantizes to the checkpoint layout's values, bit for bit:
-    the Triton kernel (interpreted) and torch's codec, bf16 and float32."""
-    pytest.importorskip("triton")
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
-    from tes_grpo.mxfp4 import to_hopper_layout
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    experts, rows, cols = shape
-    if shape == (1, 256, 512):
-        blocks, scales = every_byte_and_scale()
-    else:
-        g = torch.Generator().manual_seed(2)
-        blocks = torch.randint(0, 256, (experts, rows, cols // 32, 16), dtype=torch.uint8, generator=g)
-        scales = torch.randint(110, 130, (experts, rows, cols // 32), dtype=torch.uint8, generator=g)
-    stored = to_hopper_layout(blocks, "blocks"), to_hopper_layout(scales, "scales")
-    for dtype in (torch.bfloat16, torch.float32):
+    blocks, scales = every_byte_and_scale() if shape == "every" else random_blocks(*shape, seed=1)
+    rows, cols = blocks.shape[1], blocks.shape[2] * 32
+    size = None if layout == "checkpoint" else (rows, cols)
+    stored = {"checkpoint": lambda t, part: t, "tiles": lambda t, part: to_tile_order(t, part, tile),
+              "hopper": lambda t, part: to_hopper_layout(t, part)}[layout]
+    kept = stored(blocks, "blocks"), stored(scales, "scales")
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
         expected = convert_moe_packed_tensors(blocks, scales, dtype=dtype)
-        assert torch.equal(bits(mx.dequantize_with_triton(*stored, dtype, program, size=(rows, cols))),
-                           bits(expected))
-        assert torch.equal(bits(mx.dequantize_with_torch(*stored, dtype, size=(rows, cols))), bits(expected))
+        assert torch.equal(bits(mx.dequantize_with_triton(*kept, dtype, program, size=size)), bits(expected))
+        assert torch.equal(bits(mx.dequantize_with_torch(*kept, dtype, size=size)), bits(expected))
+
+
+GUARDED_DEQUANTIZE = """
+import sys, torch
+from guard_pages import ending_at_a_guard_page
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+from tes_grpo import mxfp4_experts as mx
+from tes_grpo.mxfp4 import quantize_mxfp4, to_hopper_layout
+blocks, scales = quantize_mxfp4(torch.randn(1, 300, 128))  # 300 rows padded to 384: three 128-row pieces
+kept = [ending_at_a_guard_page(to_hopper_layout(t, part)) for t, part in ((blocks, "blocks"), (scales, "scales"))]
+out = mx.dequantize_with_triton(kept[0][0], kept[1][0], torch.bfloat16, (256, 128, 8), size=(300, 128))
+sys.exit(0 if torch.equal(out, convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)) else 3)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the guard page is made with Linux's mmap and mprotect")
+def test_dequantizing_the_hopper_layout_reads_nothing_past_the_weights():
+    """A 256-row program over a weight padded to 384 rows: its second piece reaches 128 rows past the stored bytes.
+    With the stored bytes ending at a page the process cannot read, an unmasked load would fault (in a child process,
+    so a fault fails this test instead of ending the run)."""
+    pytest.importorskip("triton")
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", GUARDED_DEQUANTIZE], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, f"exit {result.returncode}: {result.stderr[-2000:]}"
 
 
 # (name, what is stored, words of the error)

@@ -119,7 +119,7 @@ BAD_SETTINGS = [
     ({"USE_VLLM": True, "DECODE_GRAPHS": "on"}, "both choose how completions are generated"),
     ({"DECODE_EXPERTS": "mxfp4", "DECODE_GRAPHS": "off"}, "DECODE_EXPERTS=mxfp4 is graph_decode's"),
     ({"DECODE_EXPERTS": "mxfp4", "USE_VLLM": True}, "DECODE_EXPERTS=mxfp4 is graph_decode's"),
-    ({"DECODE_EXPERTS": "mxfp4_tiled"}, "DECODE_EXPERTS='mxfp4_tiled'"),  # gone: the experts are kept tile-ordered
+    ({"DECODE_EXPERTS": "mxfp4_tiled"}, "DECODE_EXPERTS='mxfp4_tiled'"),  # gone: mxfp4 reads them as kept
     ({"DECODE_GLUE": "compiled", "DECODE_GRAPHS": "off"}, "DECODE_GLUE=compiled is graph_decode's"),
     ({"GENERATION_STEPS": 0}, "GENERATION_STEPS=0: must be at least 1"),
     ({"GENERATION_STEPS": 3}, "SAVE_STEPS=20: must be a multiple of GENERATION_STEPS=3"),  # a checkpoint mid-batch
