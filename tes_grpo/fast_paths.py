@@ -177,7 +177,9 @@ def install(trainer, paths: FastPaths) -> list[str]:
     model = trainer.model
     if paths.keep_grouped_mm_for_decode and transformers_patches.keep_grouped_mm_experts_for_decode(model,
                                                                                                    lines.append):
-        lines.append("decoding experts: grouped_mm kept for decoding (DECODE_EXPERTS)")
+        lines.append("decoding experts: the model's own experts stay on grouped_mm while generating (transformers "
+                     "would switch them to batched_mm; they run the prefill and any layer the MXFP4 kernel does not "
+                     "take; DECODE_EXPERTS)")
     if paths.cpu_completion_scoring:
         trl_patches.score_only_completion_tokens_on_cpu(lines.append)
     if paths.flex_masks_from_bounds and transformers_patches.flex_masks_with_padding_bounds(lines.append):
