@@ -86,7 +86,7 @@ GROUPS = (MOE, ROUTING, ATTENTION, PROJECTIONS, ELEMENTWISE, HEAD, SAMPLING, KV_
 # Kernel-name patterns (re.search, first match wins) for the time no probed call site accounts for: the step's
 # own glue (norms, RoPE, masks, residual adds, the embedding, the graph's input copies) and anything a probe missed.
 RULES = (
-    (MOE, r"_experts_kernel"),
+    (MOE, r"experts_kernel"),  # mxfp4_kernels.experts_kernel (named _experts_kernel in logs before 2026-11-27)
     (ATTENTION, r"flex|triton_tem_"),  # flex attention's decoding template; its other kernels are claimed by probes
     (ROUTING, r"[Tt]op[Kk]|[Ss]ort|searchsorted"),
     (KV_WRITES, r"index_copy|indexFunc|index_put"),

@@ -257,7 +257,7 @@ def _hopper_word_bits(device: str) -> tuple[torch.Tensor, torch.Tensor]:
 def _hopper_bits(data: torch.Tensor) -> torch.Tensor:
     """Every 4 bytes (8 FP4 codes) -> one little-endian word with the codes' bits where the unpacking's masks and
     shifts find them (triton_kernels' hopper_value._pack_bits; mxfp4_kernels._hopper_halves reads them)."""
-    words = data.contiguous().view(torch.int32)
+    words = (data.contiguous() if data.storage_offset() % 4 == 0 else data.clone()).view(torch.int32)
     first, last = _hopper_word_bits(str(data.device))
     placed = first[(words & 0xFFFF).long()] | last[_unsigned_shift(words, 16).long()]
     return placed.view(torch.uint8).reshape(data.shape)

@@ -239,8 +239,11 @@ def pack_is_exact(pack: PackedExperts) -> bool:
     """upcast_is_exact for every weight of a pack, whatever its layout: first from the scales alone (no 0 or 255
     anywhere, the padding's 127 included, is exact); else each expert is read back (the Hopper layout) and checked
     group by group. One host read, or two."""
-    scales = (pack.gate_up_scales, pack.down_scales)
-    if not bool(torch.stack([((s == 0) | (s == 255)).any() for s in scales]).any()):
+    suspect = torch.zeros((), dtype=torch.bool, device=pack.gate_up_scales.device)
+    for scales in (pack.gate_up_scales, pack.down_scales):
+        for e in range(pack.experts):  # one expert's scratch at a time
+            suspect |= ((scales[e] == 0) | (scales[e] == 255)).any()
+    if not bool(suspect):
         return True
     inexact = torch.zeros((), dtype=torch.bool, device=pack.gate_up_scales.device)
     for proj in ("gate_up", "down"):

@@ -27,25 +27,36 @@ def test_triton_dequantization_equals_torchs_codec_bit_for_bit():
         assert torch.equal(dequantize_with_triton(blocks, scales, dtype), dequantize_with_torch(blocks, scales, dtype))
 
 
-def test_triton_dequantization_from_the_hopper_layout_equals_torchs_codec_bit_for_bit():
-    """What a resident layer runs on the GPU: the compiled kernel on the Hopper layout, every byte at every scale
-    (0 and 255 among them) and a shape with partial tiles, bf16 and float32."""
+# (weight [E, out, in] or "every" (every byte at every scale, 0 and 255 among them), program or None: DEQUANT_HOPPER)
+HOPPER_DEQUANTIZE_CASES = [
+    ("every", None),
+    ((4, 96, 160), None),  # partial tiles both ways
+    ((1, 384, 128), (256, 128, 8)),  # the second row program reaches past the padded weight: its loads masked
+    ((2, 256, 256), (256, 128, 8)),
+]
+
+
+@pytest.mark.parametrize("shape, program", HOPPER_DEQUANTIZE_CASES)
+def test_triton_dequantization_from_the_hopper_layout_equals_torchs_codec_bit_for_bit(shape, program):
+    """What a resident layer runs on the GPU: the compiled kernel on the Hopper layout, bf16 and float32."""
     pytest.importorskip("triton", reason="requirements-gpu.txt installs triton")
     from tes_grpo.mxfp4 import to_hopper_layout
     from tes_grpo.mxfp4_experts import dequantize_with_torch, dequantize_with_triton
 
     generator = torch.Generator().manual_seed(0)
-    every = (torch.arange(256, dtype=torch.uint8).repeat(256).view(1, 256, 16, 16),
-             torch.arange(256, dtype=torch.uint8).view(1, 256, 1).expand(1, 256, 16).contiguous())
-    odd = (torch.randint(0, 256, (4, 96, 5, 16), dtype=torch.uint8, generator=generator),
-           torch.randint(100, 140, (4, 96, 5), dtype=torch.uint8, generator=generator))
-    for blocks, scales in (every, odd):
-        size = (blocks.shape[1], blocks.shape[2] * 32)
-        stored = to_hopper_layout(blocks.cuda(), "blocks"), to_hopper_layout(scales.cuda(), "scales")
-        for dtype, as_bits in ((torch.bfloat16, torch.int16), (torch.float32, torch.int32)):  # signed zeros, infs
-            ours = dequantize_with_triton(*stored, dtype, size=size)
-            codec = dequantize_with_torch(blocks.cuda(), scales.cuda(), dtype)
-            assert torch.equal(ours.view(as_bits), codec.view(as_bits))
+    if shape == "every":
+        blocks = torch.arange(256, dtype=torch.uint8).repeat(256).view(1, 256, 16, 16)
+        scales = torch.arange(256, dtype=torch.uint8).view(1, 256, 1).expand(1, 256, 16).contiguous()
+    else:
+        experts, rows, cols = shape
+        blocks = torch.randint(0, 256, (experts, rows, cols // 32, 16), dtype=torch.uint8, generator=generator)
+        scales = torch.randint(100, 140, (experts, rows, cols // 32), dtype=torch.uint8, generator=generator)
+    size = (blocks.shape[1], blocks.shape[2] * 32)
+    stored = to_hopper_layout(blocks.cuda(), "blocks"), to_hopper_layout(scales.cuda(), "scales")
+    for dtype, as_bits in ((torch.bfloat16, torch.int16), (torch.float32, torch.int32)):  # signed zeros, infs
+        ours = dequantize_with_triton(*stored, dtype, program, size=size)
+        codec = dequantize_with_torch(blocks.cuda(), scales.cuda(), dtype)
+        assert torch.equal(ours.view(as_bits), codec.view(as_bits))
 
 
 def test_bits_upcast_equals_the_codec_on_cuda():

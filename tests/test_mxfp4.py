@@ -191,7 +191,7 @@ def test_hopper_layout_round_trips_and_pads_with_zeros(shape):
 
 
 # (the 4 bytes of a word, the word _hopper_bits makes of them): each code's sign and 3 magnitude bits where
-# mxfp4_decode._hopper_unpack's masks find them (low nibble in the low half)
+# mxfp4_kernels._hopper_halves' masks find them (low nibble in the low half)
 HOPPER_BITS_CASES = [
     ((0x21, 0, 0, 0), 0x00800040),  # first byte: magnitude at bits 8..6 of each half (codes 1, 2)
     ((0, 0x21, 0, 0), 0x00100008),  # second byte: the first byte's places shifted right by 3

@@ -140,8 +140,8 @@ def test_dequantizing_the_hopper_layout_reads_nothing_past_the_weights():
     so a fault fails this test instead of ending the run)."""
     pytest.importorskip("triton")
     tests = Path(__file__).resolve().parent
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")])}
+    paths = [str(tests), str(tests.parent)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(paths)}
     result = subprocess.run([sys.executable, "-c", GUARDED_DEQUANTIZE], env=env, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, f"exit {result.returncode}: {result.stderr[-2000:]}"

@@ -14,7 +14,8 @@ TINY = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 64, "num
 
 
 @pytest.mark.parametrize("name, group", [
-    ("_experts_kernel", pd.MOE),
+    ("experts_kernel", pd.MOE),  # mxfp4_kernels.experts_kernel
+    ("_experts_kernel", pd.MOE),  # its name in older profiles
     ("triton_tem_fused_flex_decoding_0", pd.ATTENTION),
     ("triton_per_fused_2", pd.ELEMENTWISE),  # the compiled glue's norms; flex's own are claimed by its probe
     ("triton_poi_fused_add_cat_mul_0", pd.ELEMENTWISE),  # the compiled glue's rotary embedding
@@ -32,7 +33,7 @@ def test_rules_by_kernel_name(name, group):
 
 
 def test_allocate_shares_each_kernel_among_its_call_sites():
-    step = {"gemm_a": 100.0, "vectorized_elementwise_kernel<add>": 50.0, "nvjet_x": 10.0, "_experts_kernel": 300.0,
+    step = {"gemm_a": 100.0, "vectorized_elementwise_kernel<add>": 50.0, "nvjet_x": 10.0, "experts_kernel": 300.0,
             "gemm_b": 50.0}
     expected = {pd.PROJECTIONS: {"gemm_a": 60.0, "vectorized_elementwise_kernel<add>": 10.0, "gemm_b": 60.0},
                 pd.HEAD: {"gemm_a": 20.0, "gemm_b": 40.0}}
@@ -42,7 +43,7 @@ def test_allocate_shares_each_kernel_among_its_call_sites():
     # the LoRA add the projections' probe launched; the rest (residual adds) by the elementwise rule
     assert got["vectorized_elementwise_kernel<add>"] == pytest.approx({pd.PROJECTIONS: 10.0, pd.ELEMENTWISE: 40.0})
     assert got["nvjet_x"] == {None: 10.0}  # no probe launched it, no rule matches: ungrouped
-    assert got["_experts_kernel"] == {pd.MOE: 300.0}
+    assert got["experts_kernel"] == {pd.MOE: 300.0}
     # less time than expected: scaled down in proportion
     assert got["gemm_b"] == pytest.approx({pd.PROJECTIONS: 30.0, pd.HEAD: 20.0})
     totals = pd.group_totals(got)
@@ -51,8 +52,8 @@ def test_allocate_shares_each_kernel_among_its_call_sites():
 
 
 def test_split_probe_separates_the_experts_kernel_from_the_routing():
-    site = {"_experts_kernel": 30.0, "gatherTopK": 2.0, "nvjet_router": 1.0}
-    assert pd.split_probe(site) == {pd.MOE: {"_experts_kernel": 30.0},
+    site = {"experts_kernel": 30.0, "gatherTopK": 2.0, "nvjet_router": 1.0}
+    assert pd.split_probe(site) == {pd.MOE: {"experts_kernel": 30.0},
                                     pd.ROUTING: {"gatherTopK": 2.0, "nvjet_router": 1.0}}
 
 
