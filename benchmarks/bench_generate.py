@@ -16,9 +16,8 @@ experts to `batched_mm` while decoding; `grouped_mm` keeps grouped GEMM througho
 graphs and `graphs` the same with each decode step replayed as a CUDA graph (train_grpo's DECODE_GRAPHS); both
 prefill each distinct prompt once, `static_unshared` / `graphs_unshared` prefill every row; `graphs_mxfp4` /
 `static_mxfp4` compute the experts from their MXFP4 copy (mxfp4_decode.py, train_grpo's DECODE_EXPERTS=mxfp4); a
-`_merged` suffix decodes with the LoRA
-adapter merged into bf16 copies of the attention weights (the earlier decode path) instead of adding its output in
-PEFT's order. graph_decode variants run the decode step's glue (norms,
+`_merged` suffix decodes with the LoRA adapter merged into bf16 copies of the attention weights (the earlier
+decode path) instead of adding its output in PEFT's order. graph_decode variants run the decode step's glue (norms,
 residual adds, rotary embedding, sinks, LoRA adds: decode_glue.py) compiled on CUDA, as train_grpo's default
 DECODE_GLUE=auto does; an `_eagerglue` suffix runs it kernel by kernel (DECODE_GLUE=eager), to time the two in one
 run (`--VARIANTS=graphs_mxfp4,graphs_mxfp4_eagerglue`). graph_decode variants run under AUTOCAST, as train_grpo's
@@ -93,7 +92,7 @@ def variant_generate_kwargs(variant: str) -> dict:
 
 
 _TRANSFORMERS_VARIANTS = ("default", "grouped_mm", "grouped_mm_graphs")
-_GRAPH_DECODE_FLAGS = ("unshared", "mxfp4", "merged", "eagerglue")  # static|graphs + any of these, by _
+_GRAPH_DECODE_FLAGS = ("unshared", "mxfp4", "merged", "eagerglue")  # graph_decode: static|graphs + any, by _
 
 
 def variant_flags(variant: str) -> set[str] | None:
@@ -109,11 +108,6 @@ def variant_experts(variant: str) -> str:
     """How a variant's decode steps read the experts (decode_limit.decode_bytes' format): graph_decode's _mxfp4
     variants from the MXFP4 copy, every other variant the model's bf16 experts."""
     return "mxfp4" if "mxfp4" in (variant_flags(variant) or ()) else "bf16"
-
-
-def graph_decode_experts(flags: set[str]) -> str:
-    """graph_decode's experts for a variant's flags: "mxfp4" or "model"."""
-    return "mxfp4" if "mxfp4" in flags else "model"
 
 
 def is_graph_decode(variant: str) -> bool:
@@ -167,7 +161,7 @@ def run_generate(model, input_ids, attention_mask, new_tokens: int, variant: str
                                   pad_token_id=token_ids(model)[1], eos_token_id=None)
         return graph_decode.generate(model, input_ids, attention_mask, config, graphs=variant.startswith("graphs"),
                                      share_prompts="unshared" not in flags, prefill_bucket=prefill_bucket,
-                                     experts=graph_decode_experts(flags),
+                                     experts="mxfp4" if "mxfp4" in flags else "model",
                                      lora="merged" if "merged" in flags else "peft", autocast=autocast,
                                      glue="eager" if "eagerglue" in flags else "compiled")
     return model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,

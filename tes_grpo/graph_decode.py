@@ -75,12 +75,12 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
 
     graphs: replay CUDA graphs (default: when the model is on CUDA; on CPU the steps run eagerly); whether this model
     can be captured is checked once, when the caller installs the path (auto_decode_graphs). share_prompts,
-    prefill_bucket: see prefill (defaults SHARE_PROMPTS, PREFILL_BUCKET_TOKENS). experts: "model" (the model's MLP),
-    "mxfp4" (see expert_packs; what cannot be packed is said through `say`). lora: "peft" (the
-    adapter added to the base products as PEFT's forward does) or "merged" (see attention_projections). autocast:
-    the dtype the trainer's forward runs under autocast in (decode_step). glue: "eager" or "compiled" (the decode
-    step's glue compiled on CUDA: decode_glue.glue_for; how it runs is said once through `say`). The random numbers
-    drawn are generate()'s: one torch.multinomial over all rows per step, nothing in the prefill.
+    prefill_bucket: see prefill (defaults SHARE_PROMPTS, PREFILL_BUCKET_TOKENS). experts: "model" (the model's MLP) or
+    "mxfp4" (see expert_packs; what cannot be packed is said through `say`). lora: "peft" (the adapter added to the
+    base products as PEFT's forward does) or "merged" (see attention_projections). autocast: the dtype the trainer's
+    forward runs under autocast in (decode_step). glue: "eager" or "compiled" (the decode step's glue compiled on
+    CUDA: decode_glue.glue_for; how it runs is said once through `say`). The random numbers drawn are generate()'s: one
+    torch.multinomial over all rows per step, nothing in the prefill.
     """
     lm = causal_lm(model)
     device = input_ids.device

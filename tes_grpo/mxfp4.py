@@ -216,12 +216,19 @@ def from_tile_order(tensor: torch.Tensor, part: str, rows: int, cols: int) -> to
 # ---------------------------------------------------------------------------------------------------------------
 
 HOPPER_WARPS = 4  # warps of the kernel that reads the scales' layout (HopperMXScaleLayout's num_warps)
-# the value layout as OpenAI triton_kernels builds it (Triton 3.6, HopperMXValueLayout, mma_version 3): the packed
-# bytes [E, rows, cols / 2] viewed with these sizes (rows: 16-row groups, then 2, 4, 2; bytes: 32-byte groups,
-# then 4, 2, 4), then permuted; the 1s are that library's singleton axes, kept so the permutation reads as its own
-_HOPPER_VALUE_VIEW = (None, None, 1, 2, 4, 2, 1, None, 4, 2, 4, 1, 1)
-_HOPPER_VALUE_ORDER = (0, 1, 4, 7, 11, 5, 10, 8, 2, 9, 3, 6, 12)
-_HOPPER_SCALE_ORDER = (0, 1, 3, 6, 2, 5, 7, 4)
+_HOPPER_VALUE_ORDER = (0, 1, 4, 7, 11, 5, 10, 8, 2, 9, 3, 6, 12)  # the permutation of _hopper_views' values view
+_HOPPER_SCALE_ORDER = (0, 1, 3, 6, 2, 5, 7, 4)  # and of its scales view
+
+
+def _hopper_views(rows_pad: int, cols_pad: int, warps: int) -> tuple[list[int], list[int]]:
+    """The sizes one expert's padded bytes [1, rows_pad, cols_pad / 2] and scales [1, rows_pad, cols_pad / 32] are
+    viewed with before the layout's permutation, as OpenAI triton_kernels builds it (Triton 3.6: HopperMXValueLayout,
+    mma_version 3: rows in 16-row groups, then 2, 4, 2; bytes in 32-byte groups, then 4, 2, 4; the 1s are that
+    library's singleton axes, kept so the permutation reads as its own. HopperMXScaleLayout: rows in groups of
+    32 x warps, then 2, warps, 2, 8; scales in pairs of 32-column groups)."""
+    values = [1, rows_pad // 16, 1, 2, 4, 2, 1, cols_pad // 64, 4, 2, 4, 1, 1]
+    scales = [1, rows_pad // (32 * warps), 2, warps, 2, 8, cols_pad // 64, 2]
+    return values, scales
 
 
 def _unsigned_shift(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -310,15 +317,15 @@ def to_hopper_layout(tensor: torch.Tensor, part: str, tile: tuple[int, int] = TI
     rows_pad = -(-rows // tile[0]) * tile[0]
     cols_pad = -(-groups * BLOCK_SIZE // tile[1]) * tile[1]
     per_row = cols_pad // 2 if part == "blocks" else cols_pad // BLOCK_SIZE
+    values, scales = _hopper_views(rows_pad, cols_pad, warps)
     for e in range(experts):
         padded = tensor.new_full((1, rows_pad, per_row), TILE_FILL[part])
         padded[:, :rows, :groups * (BLOCK_SIZE // 2 if part == "blocks" else 1)] = tensor[e:e + 1].reshape(1, rows, -1)
         if part == "scales":
-            padded = padded.reshape(1, rows_pad // (32 * warps), 2, warps, 2, 8, cols_pad // 64, 2)
-            out[e] = padded.permute(*_HOPPER_SCALE_ORDER).reshape(rows_pad // 32, cols_pad)
+            out[e] = padded.view(scales).permute(*_HOPPER_SCALE_ORDER).reshape(rows_pad // 32, cols_pad)
         else:
-            view = [1, rows_pad // 16, *_HOPPER_VALUE_VIEW[2:7], cols_pad // 64, *_HOPPER_VALUE_VIEW[8:]]
-            out[e] = _hopper_bits(padded.view(view).permute(*_HOPPER_VALUE_ORDER).reshape(rows_pad // 4, 2 * cols_pad))
+            out[e] = _hopper_bits(padded.view(values).permute(*_HOPPER_VALUE_ORDER).reshape(rows_pad // 4,
+                                                                                           2 * cols_pad))
     return out
 
 
@@ -337,18 +344,17 @@ def from_hopper_layout(tensor: torch.Tensor, part: str, rows: int, cols: int,
         raise ValueError(f"Hopper layout: a [{rows}, {cols}] weight (columns a multiple of {BLOCK_SIZE}) is not what "
                          f"{part} of shape {tuple(tensor.shape)} hold")
     groups = cols // BLOCK_SIZE
+    values, scales = _hopper_views(rows_pad, cols_pad, warps)
     if part == "scales":
         out = tensor.new_empty(experts, rows, groups)
-        shape = (1, rows_pad // (32 * warps), 2, warps, 2, 8, cols_pad // 64, 2)
         for e in range(experts):
-            permuted = tensor[e:e + 1].reshape([shape[d] for d in _HOPPER_SCALE_ORDER])
+            permuted = tensor[e:e + 1].reshape([scales[d] for d in _HOPPER_SCALE_ORDER])
             flat = permuted.permute(*_inverse(_HOPPER_SCALE_ORDER)).reshape(rows_pad, cols_pad // BLOCK_SIZE)
             out[e] = flat[:rows, :groups]
         return out
     out = tensor.new_empty(experts, rows, groups, BLOCK_SIZE // 2)
-    view = [1, rows_pad // 16, *_HOPPER_VALUE_VIEW[2:7], cols_pad // 64, *_HOPPER_VALUE_VIEW[8:]]
     for e in range(experts):
-        permuted = _hopper_unbits(tensor[e:e + 1]).reshape([view[d] for d in _HOPPER_VALUE_ORDER])
+        permuted = _hopper_unbits(tensor[e:e + 1]).reshape([values[d] for d in _HOPPER_VALUE_ORDER])
         flat = permuted.permute(*_inverse(_HOPPER_VALUE_ORDER)).reshape(rows_pad, cols_pad // 2)
         out[e] = flat[:rows, :groups * (BLOCK_SIZE // 2)].reshape(rows, groups, BLOCK_SIZE // 2)
     return out

@@ -337,16 +337,13 @@ def pack_experts(experts) -> PackedExperts:
     if resident:  # the checkpoint's bytes in the Hopper layout (mxfp4_experts.py keeps them so), as they are
         tensors = (experts.gate_up_proj_blocks, experts.gate_up_proj_scales, experts.down_proj_blocks,
                    experts.down_proj_scales)
-        exact = None
     else:
-        checkpoint = (*_pack_param(experts.gate_up_proj, "gate_up_proj"), *_pack_param(experts.down_proj, "down_proj"))
-        exact = upcast_is_exact(*checkpoint[:2]) and upcast_is_exact(*checkpoint[2:])
-        tiles = TILES if exact else DOT_SCALED
-        tensors = (*_in_layout(*checkpoint[:2], tiles), *_in_layout(*checkpoint[2:], tiles))
+        tensors = (*_in_layout(*_pack_param(experts.gate_up_proj, "gate_up_proj"), TILES),
+                   *_in_layout(*_pack_param(experts.down_proj, "down_proj"), TILES))
     pack = PackedExperts(*tensors, sizes["gate_up_proj"], sizes["down_proj"], experts.gate_up_proj_bias,
                          experts.down_proj_bias, float(experts.alpha), float(experts.limit), _versions(experts),
-                         resident=resident, tiles=TILES if exact is not False else DOT_SCALED, exact=exact is not False)
-    if resident and not pack_is_exact(pack):
+                         resident=resident)
+    if not pack_is_exact(pack):
         return retiled(dataclasses.replace(pack, exact=False), DOT_SCALED)
     return pack
 

@@ -31,11 +31,11 @@ BACKENDS = ("graph_decode", "generate", "vllm")
 
 @dataclass(frozen=True)
 class SamplerSpec:
-    """What `install` builds: backend (one of BACKENDS); for graph_decode, its experts ("model" or "mxfp4"),
-    lora ("peft" or "merged"), glue ("eager" or "compiled": decode_glue) and max_batch (rows a
-    generate call takes at most; None = the whole batch); autocast: the dtype the trainer's forward runs under
-    autocast in (graph_decode decodes under it; None = none); synced: FSDP shards the weights over several
-    processes, which must step together."""
+    """What `install` builds: backend (one of BACKENDS); for graph_decode, its experts ("model" or "mxfp4"), lora
+    ("peft" or "merged"), glue ("eager" or "compiled": decode_glue) and max_batch (rows a generate call takes at
+    most; None = the whole batch); autocast: the dtype the trainer's forward runs under autocast in (graph_decode
+    decodes under it; None = none); synced: FSDP shards the weights over several processes, which must step
+    together."""
 
     backend: str
     experts: str = "model"
