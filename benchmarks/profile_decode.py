@@ -21,7 +21,7 @@ the defaults) is captured as a CUDA graph and:
 - profiled (torch.profiler, CUDA activity): PROFILE_STEPS replays, and the same loop with the step replaced by fixed
   logits (the sampling kernels alone: temperature, softmax over the vocabulary, the multinomial draw, the recorded
   log-probability). If the replays hide their kernels from the profiler, the eager step is profiled instead (said);
-- grouped: each call site of the step (attention projections with LoRA, flex decode attention with its sink step on
+- grouped: each call site of the step (attention projections with LoRA, the decode attention with its sink step on
   a full and a sliding layer, KV write, router + MXFP4 experts, LM head, a residual add with its norm and the rotary
   embedding) runs once more under the profiler on its own (`probe`),
   which says what kernels, for how long, each site launches; `allocate` shares each replayed kernel's time among
@@ -74,7 +74,7 @@ KERNELS_OUT = ""  # the full kernel list is written here (tab-separated); "" = n
 
 MOE = "MoE experts (MXFP4 kernel)"
 ROUTING = "router + top-k"
-ATTENTION = "attention (flex decode)"
+ATTENTION = "attention (decode kernel, sinks)"
 PROJECTIONS = "attention projections + LoRA"
 ELEMENTWISE = "norms, RoPE, elementwise"
 HEAD = "LM head"
@@ -87,7 +87,7 @@ GROUPS = (MOE, ROUTING, ATTENTION, PROJECTIONS, ELEMENTWISE, HEAD, SAMPLING, KV_
 # own glue (norms, RoPE, masks, residual adds, the embedding, the graph's input copies) and anything a probe missed.
 RULES = (
     (MOE, r"experts_kernel"),  # mxfp4_kernels.experts_kernel (named _experts_kernel in logs before 2026-11-27)
-    (ATTENTION, r"flex|triton_tem_"),  # flex attention's decoding template; its other kernels are claimed by probes
+    (ATTENTION, r"flex|triton_tem_|attention_kernel|combine_kernel"),  # decode_attention's kernels, flex attention's
     (ROUTING, r"[Tt]op[Kk]|[Ss]ort|searchsorted"),
     (KV_WRITES, r"index_copy|indexFunc|index_put"),
     (ELEMENTWISE, r"elementwise|reduce_kernel|Reduce|gather|index_select|indexSelect|CatArrayBatched|cat_|"
@@ -274,7 +274,8 @@ def site_probes(decode_math, lm, cache, weights, slot: int, length: int, autocas
         for t, dim in ((keys, 2), (values, 2), (mask, 1)):
             torch._dynamo.maybe_mark_dynamic(t, dim)  # as decode_step marks them: the compiled kernel is reused
         attn = layers[i].self_attn
-        return lambda: attend(query, keys, values, mask, attn.sinks, attn.scaling)
+        seen = None if cache.sliding[i] else slot_t + 1  # as decode_step passes it
+        return lambda: attend(query, keys, values, mask, attn.sinks, attn.scaling, seen)
 
     attn = layers[full].self_attn
     proj = projections[full] if projections is not None else None

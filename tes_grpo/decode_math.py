@@ -3,8 +3,8 @@
 `decode_step` mirrors GptOssModel's forward for one token per row over a static KV cache (decode_cache.StaticCache):
 the layers' own modules (router; the experts as the model has them, or mxfp4_decode's MXFP4 kernel), the
 attention projections as the base products with the LoRA adapter's output added in PEFT's order (`LowRank`: one
-low-rank product for q, k and v), one-query attention with gpt-oss's sinks (`attention_function`: flex attention's
-decoding kernel on CUDA, `one_query_attention` elsewhere) and the logits as TRL's fused LM head computes them
+low-rank product for q, k and v), one-query attention with gpt-oss's sinks (`attention_function`: decode_attention.py's
+Triton kernel on CUDA, `one_query_attention` elsewhere) and the logits as TRL's fused LM head computes them
 (`head_logits`). The small steps between the products (residual adds and norms, rotary embedding, the sink step,
 the LoRA adds) are decode_glue's functions, run eagerly or (DECODE_GLUE=compiled) compiled on CUDA with the
 trainer's roundings. `DecodeWeights` says what a step computes from besides the modules; `decode_weights` builds it
@@ -25,7 +25,7 @@ from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 from tes_grpo.decode_glue import EAGER, Glue, glue_for, with_sinks
 
 
-def one_query_attention(query, keys, values, mask, sinks, scaling: float) -> torch.Tensor:
+def one_query_attention(query, keys, values, mask, sinks, scaling: float, seen=None) -> torch.Tensor:
     """gpt-oss attention for one new token, step for step as transformers' eager attention computes it (the training
     forward's attention on CPUs): softmax over the keys plus each head's sink logit (which takes probability mass but
     has no value). query [B, H, 1, D]; keys/values [B, KV, L, D]; mask [B, L] additive (float32).
@@ -34,7 +34,9 @@ def one_query_attention(query, keys, values, mask, sinks, scaling: float) -> tor
     the model's dtype, as eager attention rounds it: the scores out of the matmul, x scaling, + the mask (clamped to
     the dtype's minimum, eager's masked value), the sink column, minus the row maximum, the softmax (float32 inside,
     rounded), x values. In float32 that is the plain arithmetic; in bf16 it gives the eager training forward's
-    roundings, not a more exact attention than the trainer computes. Returns [B, 1, H * D].
+    roundings, not a more exact attention than the trainer computes. Returns [B, 1, H * D]. seen: how many leading
+    slots any row may see (a 0-d tensor) or None; the mask already masks the rest, so it is not needed here (the
+    GPU's kernel uses it to skip reading them).
     """
     batch, heads, _, dim = query.shape
     kv_heads = keys.shape[1]
@@ -49,10 +51,12 @@ def one_query_attention(query, keys, values, mask, sinks, scaling: float) -> tor
     return out.reshape(batch, 1, heads * dim)
 
 
-def flex_decode_kernel(query, keys, values, mask, scaling: float, kernel_options: dict | None = None):
+def flex_decode_kernel(query, keys, values, mask, scaling: float, seen=None, kernel_options: dict | None = None):
     """flex attention for one query, without the sinks: (output [B, H, 1, D] in the query's dtype, float32 log-sum-exp
     [B, H, 1]). On CUDA, compiled, it is flex attention's split-KV decoding kernel, which reads each key and value once
-    and keeps the scores (float32) on chip. The mask [B, L] is added as a score_mod.
+    and keeps the scores (float32) on chip; what decoded before decode_attention.attention, kept to time against it
+    (benchmarks/bench_decode_attention.py). The mask [B, L] is added as a score_mod; it reads every slot (seen, the
+    slots any row may see, is not used: the mask masks the rest).
 
     kernel_options: flex attention's, passed on; among them SPLIT_KV, into how many parts the decoding kernel cuts each
     sequence's keys for each key-value head, the parts read in parallel and combined after (read by inductor's
@@ -67,13 +71,13 @@ def flex_decode_kernel(query, keys, values, mask, scaling: float, kernel_options
     return out, aux.lse
 
 
-def flex_one_query_attention(query, keys, values, mask, sinks, scaling: float, kernel=flex_decode_kernel,
-                             sink_step=with_sinks):
-    """one_query_attention through flex attention, as the GPU trains with it: `kernel` (flex_decode_kernel, compiled
-    on CUDA: see attention_function) then the sinks as the training forward applies them (`sink_step`:
-    decode_glue.with_sinks, eager or compiled with the trainer's roundings: see decode_glue). Same arguments and
-    result as one_query_attention."""
-    out, lse = kernel(query, keys, values, mask, scaling)
+def attention_with_sinks(query, keys, values, mask, sinks, scaling: float, seen=None, kernel=flex_decode_kernel,
+                         sink_step=with_sinks):
+    """one_query_attention as the GPU trains with it (flex attention's float32 scores): `kernel`'s attention without
+    the sinks (decode_attention.attention, or flex_decode_kernel compiled: see attention_function), then the sinks
+    as the training forward applies them (`sink_step`: decode_glue.with_sinks, eager or compiled with the trainer's
+    roundings: see decode_glue). Same arguments and result as one_query_attention."""
+    out, lse = kernel(query, keys, values, mask, scaling, seen)
     batch, heads, _, dim = query.shape
     return sink_step(out, lse, sinks).to(query.dtype).transpose(1, 2).reshape(batch, 1, heads * dim)
 
@@ -215,12 +219,14 @@ class DecodeWeights:
     autocast: the dtype the trainer's forward runs under autocast in (bf16 on GPUs; None: no autocast): the decode
     step runs under the same autocast, so every op the trainer's autocast casts is cast here too;
     glue: how the step's norms, residual adds, rotary embedding, sink step and LoRA adds run (decode_glue.Glue:
-    eager, or compiled on CUDA with DECODE_GLUE=compiled; see decode_glue.glue_for)."""
+    eager, or compiled on CUDA with DECODE_GLUE=compiled; see decode_glue.glue_for);
+    attention_kernel: the GPU's attention kernel (attention_function: "triton", or "flex" to time against it)."""
 
     experts: list | None = None
     attention: list | None = None
     autocast: torch.dtype | None = None
     glue: Glue = EAGER
+    attention_kernel: str = "triton"
 
 
 def _add_lora(outputs, lora: LowRank | None, x: torch.Tensor, glue: Glue):
@@ -271,26 +277,35 @@ def autocast_context(device: torch.device, dtype: torch.dtype | None):
     return torch.autocast(device.type, dtype=dtype, cache_enabled=False)
 
 
+ATTENTION_KERNELS = ("triton", "flex")  # the GPU's decode attention: decode_attention.py's kernel, or flex attention's
 _COMPILED_ATTENTION: list = []
 
 
-def attention_function(like: torch.Tensor, glue: Glue = EAGER):
-    """The one-query attention to use on like's device: on CUDA flex_one_query_attention, its flex kernel compiled
-    (once: the cache length is marked dynamic, so every bucket shares one kernel set) and its sink step glue's
-    (decode_glue.with_sinks, as the training forward applies the sinks); elsewhere one_query_attention, eagerly.
+def attention_function(like: torch.Tensor, glue: Glue = EAGER, kernel: str = "triton"):
+    """The one-query attention to use on like's device: on CUDA attention_with_sinks with its sink step glue's
+    (decode_glue.with_sinks, as the training forward applies the sinks) and, as kernel, decode_attention.attention
+    (kernel "triton") or flex_decode_kernel compiled (kernel "flex": once; the cache length is marked dynamic, so every
+    bucket shares one kernel set); elsewhere one_query_attention, eagerly, whatever `kernel` says.
 
     Why: one_query_attention's scores for 64 sequences x 64 heads x the cache length go through memory several times
-    (float32, + mask, the sink column, max, softmax, bf16), eagerly and still when compiled; flex attention's
-    decoding kernel reads the cache once and keeps the scores on chip (BENCHMARKS.md times both). CPUs run it eagerly:
-    torch 2.13's inductor compiles flex attention on CPUs for inference only, without the log-sum-exp the sink needs
-    (and the CPU trains with eager attention, which one_query_attention mirrors). Both follow the training forward's
-    attention of their device: flex attention's float32 scores on GPUs, eager attention on CPUs.
+    (float32, + mask, the sink column, max, softmax, bf16), eagerly and still when compiled; a decoding kernel reads
+    the cache once and keeps the scores on chip; decode_attention's reads only the slots the token may see, faster
+    than flex attention's (BENCHMARKS.md times them). CPUs run it eagerly: torch 2.13's inductor compiles flex
+    attention on CPUs for inference only, without the log-sum-exp the sink needs (and the CPU trains with eager
+    attention, which one_query_attention mirrors). Both follow the training forward's attention of their device:
+    flex attention's float32 scores on GPUs, eager attention on CPUs.
     """
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"graph_decode: the attention kernel must be one of {ATTENTION_KERNELS}, got {kernel!r}")
     if like.device.type != "cuda":
         return one_query_attention
+    if kernel == "triton":
+        from tes_grpo import decode_attention  # Triton: only where a GPU decodes
+
+        return functools.partial(attention_with_sinks, kernel=decode_attention.attention, sink_step=glue.with_sinks)
     if not _COMPILED_ATTENTION:
         _COMPILED_ATTENTION.append(torch.compile(flex_decode_kernel, fullgraph=True))
-    return functools.partial(flex_one_query_attention, kernel=_COMPILED_ATTENTION[0], sink_step=glue.with_sinks)
+    return functools.partial(attention_with_sinks, kernel=_COMPILED_ATTENTION[0], sink_step=glue.with_sinks)
 
 
 def decode_step(lm, cache, tokens: torch.Tensor, slot: torch.Tensor, length: int,
@@ -320,7 +335,8 @@ def _decode_hidden(lm, cache, tokens, slot, length: int, weights: DecodeWeights)
     batch = tokens.shape[0]
     if packs is not None:
         from tes_grpo.mxfp4_decode import moe_forward  # Triton: only where the MXFP4 experts decode
-    attend = attention_function(hidden, glue)
+    attend = attention_function(hidden, glue, weights.attention_kernel)
+    seen = slot + 1  # the full layers' slots this token may see: the kernel reads none past them
     # each residual add is fused with the norm that reads its sum: the post-attention norm, the next layer's input
     # norm, after the last layer the final norm
     x = glue.norm(hidden, layers[0].input_layernorm)
@@ -334,7 +350,8 @@ def _decode_hidden(lm, cache, tokens, slot, length: int, weights: DecodeWeights)
         mask = ring_mask if cache.sliding[i] else full_mask
         for t, dim in ((keys, 2), (values, 2), (mask, 1)):
             torch._dynamo.maybe_mark_dynamic(t, dim)  # the cache length: one compiled kernel set for all buckets
-        attended = attend(query, keys, values, mask, attn.sinks, attn.scaling)
+        attended = attend(query, keys, values, mask, attn.sinks, attn.scaling,
+                          None if cache.sliding[i] else seen)
         hidden, x = glue.add_norm(hidden, output_projection(attn, projections, attended, glue),
                                   layer.post_attention_layernorm)
         if packs is not None and packs[i] is not None:
@@ -359,9 +376,10 @@ def expert_packs(lm, experts: str, say=print) -> list | None:
 
 
 def decode_weights(lm, experts: str = "model", lora: str = "peft", autocast: torch.dtype | None = None,
-                   say=print, glue: str = "eager") -> DecodeWeights:
+                   say=print, glue: str = "eager", attention_kernel: str = "triton") -> DecodeWeights:
     """The DecodeWeights of one generate call: experts (expert_packs), attention projections (attention_projections:
-    lora "peft" or "merged"), the trainer's autocast dtype (None: the trainer runs without autocast) and the glue
-    (decode_glue.glue_for on the model's device: glue "eager" or "compiled"; said through `say` when first decided)."""
+    lora "peft" or "merged"), the trainer's autocast dtype (None: the trainer runs without autocast), the glue
+    (decode_glue.glue_for on the model's device: glue "eager" or "compiled"; said through `say` when first decided)
+    and the GPU's attention kernel (attention_function, which checks it)."""
     return DecodeWeights(expert_packs(lm, experts, say), attention_projections(lm, lora, autocast), autocast,
-                         glue_for(lm.device, glue, say))
+                         glue_for(lm.device, glue, say), attention_kernel)

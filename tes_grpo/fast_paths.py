@@ -24,7 +24,9 @@ has wrapped the model in LoRA, `choose(s, trainer, cuda)`, which returns the dec
   (BENCHMARKS.md compares the two's speed and sampler-trainer gap); auto = compiled on a GPU with Triton, else
   eager.
 
-Besides these, `install` writes flex attention's padded masks as each row's bounds, keeps transformers from
+graph_decode attends with decode_attention.py's Triton kernel on a GPU and eagerly elsewhere (said on the decoding
+line; no setting: both compute the training forward's attention). Besides these, `install` writes flex attention's
+padded masks as each row's bounds, keeps transformers from
 switching the experts for decoding, and on a CPU has TRL score completion positions only: library patches
 (tes_grpo/patches/) that only buy speed, so they are chosen here too.
 """
@@ -155,7 +157,8 @@ def choose(s, trainer, cuda: bool, generation_sequences: int | None = None) -> F
     label = {"graph_decode": "graph_decode.py, static KV cache", "generate": "transformers generate",
              "vllm": "vLLM, colocated"}[backend]
     reasons.append(f"decoding: {label} ({why}"
-                   + (f"; experts: {experts_why}; LoRA: DECODE_LORA={s.DECODE_LORA}; glue: {glue_why}"
+                   + (f"; experts: {experts_why}; LoRA: DECODE_LORA={s.DECODE_LORA}; glue: {glue_why}; attention: "
+                      + ("decode_attention.py's kernel (GPU)" if cuda else "eager (no GPU)")
                       if graphs else "; DECODE_GLUE=compiled unused: it is graph_decode's"
                       if s.DECODE_GLUE == "compiled" else "")
                    + (f"; {generation_sequences} of the {batch} sequences a call, as memory allows" if split else "")

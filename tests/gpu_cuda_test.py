@@ -188,6 +188,41 @@ def generation_config(**changes) -> GenerationConfig:
     return GenerationConfig(**{**settings, **changes})
 
 
+# (sequences, cache length, slots seen): the compiled kernel at gpt-oss's heads against float64 and flex attention
+@pytest.mark.parametrize("batch, length, seen", [
+    (64, 2048, 1500),  # the recipe's 64 sequences over a full layer's bucket: one part each
+    (2, 2048, 700),  # 2 sequences: each one's slots cut into parts and combined
+    (64, 128, None),  # a sliding layer's ring, every slot seen
+])
+def test_decode_attention_kernel_matches_float64_and_flex_on_cuda(batch, length, seen):
+    pytest.importorskip("triton", reason="requirements-gpu.txt installs triton")
+    from tes_grpo import decode_attention, decode_math
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    query = torch.randn(batch, 64, 1, 64, generator=g, device="cuda").to(torch.bfloat16)
+    keys, values = (torch.randn(batch, 8, length + 64, 64, generator=g, device="cuda").to(torch.bfloat16)[:, :, :length]
+                    for _ in range(2))
+    mask = torch.zeros(batch, length, device="cuda")
+    mask[1::2, :40] = torch.finfo(torch.float32).min  # left padding
+    if seen is not None:
+        mask[:, seen:] = torch.finfo(torch.float32).min
+    seen_t = None if seen is None else torch.tensor(seen, device="cuda")
+    out, lse = decode_attention.attention(query, keys, values, mask, 0.125, seen_t)
+    scores = (query.double() @ keys.double().repeat_interleave(8, 1).transpose(-1, -2)) * 0.125 \
+        + mask.double()[:, None, None, :]
+    exact = torch.softmax(scores, -1) @ values.double().repeat_interleave(8, 1)
+    assert (lse.double() - torch.logsumexp(scores, -1)).abs().max() < 1e-4
+    flex_out, _ = torch.compile(decode_math.flex_decode_kernel, fullgraph=True)(query, keys, values, mask, 0.125)
+    error, flex_error = ((o.double() - exact).abs() for o in (out, flex_out))
+    assert error.max() <= 2 * flex_error.max() and error.mean() <= 1.5 * flex_error.mean(), \
+        (error.max(), flex_error.max(), error.mean(), flex_error.mean())
+    if seen is not None:  # nothing past `seen` is read
+        keys[:, :, seen:] = float("nan")
+        values[:, :, seen:] = float("nan")
+        again = decode_attention.attention(query, keys, values, mask, 0.125, seen_t)
+        assert torch.equal(again[0], out) and torch.equal(again[1], lse)
+
+
 @pytest.mark.parametrize("experts", ["model", "mxfp4"])
 def test_graph_decode_replays_its_steps_as_cuda_graphs_from_the_models_best_first_token(experts):
     """The captured steps must give the tokens the same steps give eagerly for the first 10 tokens of every row (a

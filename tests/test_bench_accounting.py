@@ -169,3 +169,24 @@ def test_decode_attention_flex_entries(entry, options):
             flex_options(entry)
     else:
         assert flex_options(entry) == options
+
+
+# (TRITON entry of bench_decode_attention.py, the tiles it gives decode_attention.attention, or None where refused)
+TRITON_ENTRIES = [
+    ("64/4/3", (64, 4, 3)),  # the kernel's default
+    ("128/8/2", (128, 8, 2)),
+    ("64/4", None),  # two numbers
+    ("64/0/3", None),  # no warps
+    ("64/x/3", None),  # not a number
+]
+
+
+@pytest.mark.parametrize("entry, tiles", TRITON_ENTRIES)
+def test_decode_attention_triton_entries(entry, tiles):
+    from benchmarks.bench_decode_attention import triton_tiles
+
+    if tiles is None:
+        with pytest.raises(ValueError, match="TRITON"):
+            triton_tiles(entry)
+    else:
+        assert triton_tiles(entry) == tiles

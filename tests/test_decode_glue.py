@@ -166,10 +166,11 @@ def test_bench_generate_times_the_glue_eager_with_the_eagerglue_flag(monkeypatch
     calls = []
     monkeypatch.setattr(graph_decode, "generate", lambda *args, **kwargs: calls.append(kwargs))
     model = SimpleNamespace(config=SimpleNamespace(vocab_size=512, pad_token_id=5))
-    for variant in ("graphs_mxfp4", "graphs_mxfp4_eagerglue", "static_eagerglue_unshared"):
+    for variant in ("graphs_mxfp4", "graphs_mxfp4_eagerglue", "static_eagerglue_unshared", "graphs_mxfp4_flexattn"):
         bench.run_generate(model, None, None, 4, variant, 16)
-    assert [c["glue"] for c in calls] == ["compiled", "eager", "eager"]
-    assert [c["experts"] for c in calls] == ["mxfp4", "mxfp4", "model"]
+    assert [c["glue"] for c in calls] == ["compiled", "eager", "eager", "compiled"]
+    assert [c["experts"] for c in calls] == ["mxfp4", "mxfp4", "model", "mxfp4"]
+    assert [c["attention_kernel"] for c in calls] == ["triton", "triton", "triton", "flex"]
     assert calls[2]["share_prompts"] is False
     assert bench.variant_flags("graphs_eagerglue_eagerglue") is None  # a flag twice is refused, as before
     assert bench.variant_flags("graphs_mxfp4_tiled") is None  # the tiled copy is gone: the experts are kept tiled

@@ -174,16 +174,22 @@ def test_choose_gives_the_sampler_its_settings(monkeypatch, overrides, cuda, fsd
 
 
 @pytest.mark.parametrize("glue, cuda, triton, words", [
-    ("compiled", True, True, "glue: DECODE_GLUE=compiled)"),  # graph_decode takes it
+    ("compiled", True, True, "glue: DECODE_GLUE=compiled;"),  # graph_decode takes it
     ("compiled", False, True, "DECODE_GLUE=compiled unused: it is graph_decode's"),  # auto chose generate: said
     ("auto", True, True, "glue: DECODE_GLUE=auto: compiled (GPU with Triton)"),  # the GPU default
     ("auto", True, False, "glue: DECODE_GLUE=auto: eager (no triton"),  # nothing to compile with: said
-    ("eager", True, True, "glue: DECODE_GLUE=eager)"),  # asked for: kept
+    ("eager", True, True, "glue: DECODE_GLUE=eager; attention: decode_attention.py's kernel (GPU))"),  # kept
 ])
 def test_the_decoding_line_says_what_becomes_of_decode_glue(monkeypatch, glue, cuda, triton, words):
     monkeypatch.setattr(fast_paths, "_triton", lambda: triton)
     paths = fast_paths.choose(settings(DECODE_GLUE=glue), fake_trainer(small_model()), cuda)
     assert any(line.startswith("decoding: ") and words in line for line in paths.reasons), paths.reasons
+
+
+def test_the_decoding_line_says_a_cpu_attends_eagerly():
+    paths = fast_paths.choose(settings(DECODE_GRAPHS="on"), fake_trainer(small_model()), False)
+    assert any(line.startswith("decoding: graph_decode") and line.endswith("; attention: eager (no GPU))")
+               for line in paths.reasons), paths.reasons
 
 
 def test_a_split_batch_without_graph_decode_is_refused(monkeypatch):

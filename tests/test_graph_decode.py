@@ -740,8 +740,8 @@ def test_bench_generate_compares_shared_and_unshared_prefill(model, monkeypatch,
     assert mask[0].all() and (mask.sum(1) >= 14).all()  # the first is longest; the others left-padded by <= 6
 
 
-# (dtype, cache length, share of slots masked): flex_one_query_attention (what a GPU decodes with) against the
-# float64 one_query_attention
+# (dtype, cache length, share of slots masked): attention_with_sinks through flex attention against the float64
+# one_query_attention (decode_attention's kernel: tests/test_decode_attention.py)
 FLEX_CASES = [
     (torch.float32, 40, 0.2),  # float32: equal to rounding
     (torch.float32, 1, 0.0),  # a single key
@@ -762,10 +762,10 @@ def flex_inputs(dtype, length, masked):
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("dtype, length, masked", FLEX_CASES)
-def test_flex_one_query_attention_matches_the_reference(dtype, length, masked):
+def test_flex_attention_with_sinks_matches_the_reference(dtype, length, masked):
     query, keys, values, mask, sinks = flex_inputs(dtype, length, masked)
     exact = decode_math.one_query_attention(*(t.double() for t in (query, keys, values, mask, sinks)), 0.25)
-    flex = decode_math.flex_one_query_attention(query, keys, values, mask, sinks, 0.25)
+    flex = decode_math.attention_with_sinks(query, keys, values, mask, sinks, 0.25)
     assert flex.shape == exact.shape == (3, 1, 8 * 16) and flex.dtype == dtype
     error = (flex.double() - exact).abs()
     if dtype == torch.float32:
@@ -796,7 +796,7 @@ def test_flex_sinks_are_applied_as_the_training_forward_applies_them():
     combined = torch.logsumexp(torch.cat([lse, sinks.view(1, -1, 1, 1).expand(3, 8, 1, 1)], dim=-1), dim=-1,
                                keepdim=True)
     expected = (out * torch.exp(lse - combined)).to(query.dtype).transpose(1, 2).reshape(3, 1, -1)
-    ours = decode_math.flex_one_query_attention(query, keys, values, mask, sinks, 0.25)
+    ours = decode_math.attention_with_sinks(query, keys, values, mask, sinks, 0.25)
     assert torch.equal(ours, expected)
     float_sinks = (out.float() * torch.sigmoid(aux.lse - sinks.float().view(1, -1, 1)).unsqueeze(-1)).to(query.dtype)
     assert not torch.equal(ours, float_sinks.transpose(1, 2).reshape(3, 1, -1))  # float32 sinks would round elsewhere
