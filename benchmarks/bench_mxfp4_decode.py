@@ -12,7 +12,8 @@ loaded dequantized), then:
 - times one layer's MLP per token count, each replayed as a CUDA graph (as graph_decode replays a decode step):
   transformers' grouped_mm experts against the MXFP4 kernel, with the weight bytes each read per microsecond;
 - times the same with the routed rows sorted by expert in one Triton program (moe_routing.py) instead of torch's
-  sort, searchsorted and division (moe_forward's `routing`), and checks the output is the same;
+  sort, searchsorted and division (moe_forward's routing "triton"), and with the router's top-k taken in that
+  program too (routing "fused", what a decode step runs), and checks each output is the same;
 - SWEEP: the kernel's time for each tile configuration in SWEEP_CONFIGS at the first token count, fastest first,
   each with whether its output is bit-equal to the default tiles' and its largest difference to transformers' MLP.
   An entry is [VARIANT:]BLOCK_N/BLOCK_K/num_warps/num_stages[/BLOCK_M] (sweep_tiles); VARIANT is default
@@ -150,13 +151,15 @@ def main(argv: list[str] | None = None) -> int:
             if tokens * mlp.router.top_k <= route_limit:
                 routed = mxfp4_decode.moe_forward(mlp, packed, x, routing="triton")
                 t_routed = graph_time(lambda x=x: mxfp4_decode.moe_forward(mlp, packed, x, routing="triton"), s.REPS)
-                routed_same = torch.equal(routed, ours)
+                fused = mxfp4_decode.moe_forward(mlp, packed, x, routing="fused")
+                t_fused = graph_time(lambda x=x: mxfp4_decode.moe_forward(mlp, packed, x, routing="fused"), s.REPS)
+                routed_same = f"{torch.equal(routed, ours)}/{torch.equal(fused, ours)}"
             else:
-                t_routed, routed_same = float("nan"), "n/a (over MAX_ROWS)"
-        rows.append((tokens, equal, diff, t_ref, t_ours, t_routed, routed_same))
+                t_routed, t_fused, routed_same = float("nan"), float("nan"), "n/a (over MAX_ROWS)"
+        rows.append((tokens, equal, diff, t_ref, t_ours, t_routed, t_fused, routed_same))
         print(f"{tokens} tokens: bit-equal {100 * equal:.2f}%, max |diff| {diff:.2e}, grouped_mm {t_ref:.0f} us, "
-              f"mxfp4 {t_ours:.0f} us, with Triton routing {t_routed:.0f} us (same output: {routed_same})",
-              flush=True)
+              f"mxfp4 {t_ours:.0f} us, with Triton routing {t_routed:.0f} us, with the fused top-k and routing "
+              f"{t_fused:.0f} us (same output: {routed_same})", flush=True)
     sweep = []
     if s.SWEEP:
         x = torch.randn(s.TOKENS[0], 1, mlp.router.hidden_dim, device="cuda", dtype=torch.bfloat16)
@@ -181,10 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\none MoE layer (router + 32 experts, 20B shapes); expert weights read: bf16 {bf16_bytes / 1e6:.0f} MB, "
           f"MXFP4 {mxfp4_bytes / 1e6:.0f} MB; tiles {mxfp4_decode.TILES}")
     print(f"{'tokens':>7}{'bit-equal':>11}{'max diff':>10}{'grouped_mm us':>15}{'mxfp4 us':>10}{'speed-up':>9}"
-          f"{'bf16 GB/s':>11}{'mxfp4 GB/s':>12}{'Triton routing us':>19}  same output")
-    for tokens, equal, diff, t_ref, t_ours, t_routed, routed_same in rows:
+          f"{'bf16 GB/s':>11}{'mxfp4 GB/s':>12}{'Triton routing us':>19}{'fused routing us':>18}  same output "
+          f"(Triton/fused)")
+    for tokens, equal, diff, t_ref, t_ours, t_routed, t_fused, routed_same in rows:
         print(f"{tokens:>7}{100 * equal:>10.2f}%{diff:>10.1e}{t_ref:>15.0f}{t_ours:>10.0f}{t_ref / t_ours:>8.2f}x"
-              f"{bf16_bytes / t_ref / 1e3:>11.0f}{mxfp4_bytes / t_ours / 1e3:>12.0f}{t_routed:>19.0f}  {routed_same}")
+              f"{bf16_bytes / t_ref / 1e3:>11.0f}{mxfp4_bytes / t_ours / 1e3:>12.0f}{t_routed:>19.0f}{t_fused:>18.0f}"
+              f"  {routed_same}")
     for config, t, ok in sorted(sweep, key=lambda row: (row[1] != row[1], row[1])):  # fastest first, failures last
         print(f"tiles [variant:]N/K/warps/stages[/M] {config:>24}: {t:>5.0f} us, "
               f"{mxfp4_bytes / t / 1e3:>5.0f} GB/s ({ok})")

@@ -75,6 +75,55 @@ def _route_kernel(ids_ptr, order_ptr, offsets_ptr, token_rows_ptr, n, experts, t
     tl.store(offsets_ptr + bins, below.to(tl.int64), mask=bins <= experts)
 
 
+@triton.jit
+def _larger(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _smaller(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
+def _top_k_route_kernel(logits_ptr, values_ptr, indices_ptr, order_ptr, offsets_ptr, token_rows_ptr, tokens,
+                        experts, stride, TOKENS: tl.constexpr, EXPERTS_BLOCK: tl.constexpr, TOP_K: tl.constexpr,
+                        K_BLOCK: tl.constexpr):
+    """For the router's logits [tokens, experts]: values/indices [tokens, TOP_K] as torch.topk gives them (largest
+    first; of equal logits the lower expert id first), and the routing of the flattened ids (see top_k_route).
+
+    The k experts of a token are distinct, so the stable sort's place of row (t, j) with expert e is offsets[e] (the
+    rows of lower experts) plus the earlier tokens routed to e: an exclusive running sum down the tokens of the
+    [tokens, experts] matrix of picks, no [rows, rows] comparisons."""
+    t = tl.arange(0, TOKENS)
+    e = tl.arange(0, EXPERTS_BLOCK)
+    kk = tl.arange(0, K_BLOCK)
+    t_ok = t < tokens
+    v = tl.load(logits_ptr + t[:, None] * stride + e[None, :], mask=t_ok[:, None] & (e < experts)[None, :],
+                other=float("-inf")).to(tl.float32)
+    picks = tl.full([TOKENS, EXPERTS_BLOCK], 0, tl.int32)
+    chosen = tl.full([TOKENS, K_BLOCK], 0, tl.int32)
+    for j in range(TOP_K):
+        best = tl.reduce(v, 1, _larger)
+        index = tl.reduce(tl.where(v == best[:, None], e[None, :], EXPERTS_BLOCK), 1, _smaller)
+        tl.store(values_ptr + t * TOP_K + j, best.to(values_ptr.dtype.element_ty), mask=t_ok)
+        tl.store(indices_ptr + t * TOP_K + j, index.to(tl.int64), mask=t_ok)
+        hit = e[None, :] == index[:, None]
+        picks += (hit & t_ok[:, None]).to(tl.int32)
+        chosen = tl.where(kk[None, :] == j, index[:, None], chosen)
+        v = tl.where(hit, float("-inf"), v)
+    earlier = tl.associative_scan(picks, 0, tl.standard._sum_combine) - picks  # earlier tokens' rows, per expert
+    counts = tl.reduce(picks, 0, tl.standard._sum_combine)
+    offsets = tl.associative_scan(counts, 0, tl.standard._sum_combine) - counts
+    tl.store(offsets_ptr + e, offsets.to(tl.int64), mask=e <= experts)
+    starts = earlier + offsets[None, :]
+    for j in range(TOP_K):
+        index = tl.reduce(tl.where(kk[None, :] == j, chosen, 0), 1, tl.standard._sum_combine)
+        place = tl.reduce(tl.where(e[None, :] == index[:, None], starts, 0), 1, tl.standard._sum_combine)
+        tl.store(order_ptr + place, (t * TOP_K + j).to(tl.int64), mask=t_ok)
+        tl.store(token_rows_ptr + place, t.to(tl.int64), mask=t_ok)
+
+
 def route_with_torch(indices: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(order, offsets, token_rows) of the router's expert ids [T, k] over `experts` experts, from torch's sort,
     searchsorted and division (int64 each): the reference route_with_triton equals."""
@@ -108,6 +157,46 @@ def route_with_triton(indices: torch.Tensor, experts: int) -> tuple[torch.Tensor
                         BLOCK=block, EXPERTS_BLOCK=triton.next_power_of_2(experts + 1),
                         CHUNK=min(block, STEP_ELEMENTS // block), num_warps=NUM_WARPS)
     return order, offsets, token_rows
+
+
+def top_k_route_with_torch(logits: torch.Tensor, top_k: int):
+    """(values, indices, order, offsets, token_rows): torch.topk of the router's logits [T, E] (as gpt-oss's router
+    takes it) and route_with_torch of its indices: the reference top_k_route_with_triton equals."""
+    values, indices = torch.topk(logits, top_k, dim=-1)
+    return (values, indices, *route_with_torch(indices, logits.shape[-1]))
+
+
+def top_k_route_with_triton(logits: torch.Tensor, top_k: int):
+    """top_k_route_with_torch's five tensors from one launch of one program: the top-k of each token's logits and
+    the routing of its experts. The same as torch's where a token's logits have no ties among its k largest (values
+    and indices bit for bit; order, offsets and token_rows follow from the indices); of equal logits this takes the
+    lower expert id first, where torch.topk's order of equal values is its own (on the CPU, not the lower id first).
+    logits [T, E] float (finite), T x top_k <= MAX_ROWS (ValueError beyond: route with torch)."""
+    if logits.dim() != 2 or not logits.dtype.is_floating_point:
+        raise ValueError(f"top_k_route_with_triton: logits must be float [tokens, experts], got "
+                         f"{tuple(logits.shape)} {logits.dtype}")
+    tokens, experts = logits.shape
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"top_k_route_with_triton: top_k={top_k} must be between 1 and the {experts} experts")
+    rows = tokens * top_k
+    if rows > MAX_ROWS:
+        raise ValueError(f"top_k_route_with_triton: {tokens} tokens x {top_k} experts = {rows} routed rows, more "
+                         f"than its limit of MAX_ROWS = {MAX_ROWS}; route these with top_k_route_with_torch")
+    device = logits.device
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    values = torch.empty(tokens, top_k, dtype=logits.dtype, device=device)
+    indices = torch.empty(tokens, top_k, dtype=torch.int64, device=device)
+    order = torch.empty(rows, dtype=torch.int64, device=device)
+    token_rows = torch.empty(rows, dtype=torch.int64, device=device)
+    offsets = torch.empty(experts + 1, dtype=torch.int64, device=device)
+    if tokens:
+        _top_k_route_kernel[(1,)](logits, values, indices, order, offsets, token_rows, tokens, experts,
+                                  logits.stride(0), TOKENS=max(16, triton.next_power_of_2(tokens)),
+                                  EXPERTS_BLOCK=triton.next_power_of_2(experts + 1), TOP_K=top_k,
+                                  K_BLOCK=triton.next_power_of_2(top_k), num_warps=4)
+    else:
+        offsets.zero_()
+    return values, indices, order, offsets, token_rows
 
 
 def interpreted() -> bool:

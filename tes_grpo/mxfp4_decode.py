@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
 
 from tes_grpo import moe_routing, mxfp4_kernels
 from tes_grpo.mxfp4 import (
@@ -421,33 +422,57 @@ def pack_model(layers, say=print, tiles: Tiles = TILES) -> list[PackedExperts | 
     return ran
 
 
-ROUTE_IN_ONE_PROGRAM_UP_TO = 256  # routed rows (tokens x k) up to which a CUDA step sorts them with moe_routing
+ROUTE_IN_ONE_PROGRAM_UP_TO = 256  # routed rows (tokens x k) up to which a CUDA step routes them with moe_routing
+ROUTINGS = ("torch", "triton", "fused")  # moe_forward's routings besides "auto"
 
 
 def routing_for(device_type: str, rows: int) -> str:
-    """moe_forward's routing="auto": "triton" (moe_routing's one program) on CUDA for up to
-    ROUTE_IN_ONE_PROGRAM_UP_TO routed rows, where bench_mxfp4_decode.py measured it faster (its work grows with the
-    rows squared); "torch" otherwise."""
-    return "triton" if device_type == "cuda" and rows <= ROUTE_IN_ONE_PROGRAM_UP_TO else "torch"
+    """moe_forward's routing="auto": "fused" (the router's top-k and the routing in moe_routing's one program) on
+    CUDA for up to ROUTE_IN_ONE_PROGRAM_UP_TO routed rows, where bench_mxfp4_decode.py measured one program faster
+    than torch's kernels; "torch" otherwise. moe_forward takes "triton" instead of "fused" for a router that is not
+    plain_router."""
+    return "fused" if device_type == "cuda" and rows <= ROUTE_IN_ONE_PROGRAM_UP_TO else "torch"
+
+
+def plain_router(router) -> bool:
+    """Whether `router` is gpt-oss's GptOssTopKRouter running its class's forward with no hooks: what the fused
+    routing computes (its product, then the top-k and the softmax). Anything else (an adapter on the router, a
+    forward replaced on the instance, hooks) is called as a module."""
+    return (type(router) is GptOssTopKRouter and "forward" not in vars(router) and not router._forward_hooks
+            and not router._forward_pre_hooks)
 
 
 def moe_forward(mlp, packed: PackedExperts, hidden: torch.Tensor, tiles: Tiles | None = None,
                 routing: str = "auto") -> torch.Tensor:
     """gpt-oss's MLP (router, top-k experts, weighted sum) for hidden [..., H] with the experts read from `packed`,
     by the kernel with `tiles` (default: the pack's own, PackedExperts.tiles; its tile must be the pack's order).
-    routing: how the routed rows are sorted by expert, "torch" (sort, searchsorted, division) or "triton" (one
-    program, moe_routing.route_with_triton: the same tensors); "auto": routing_for's choice. A device and a shape
-    decide it, so a captured step reads nothing on the host."""
+    routing: how the router's top-k is taken and the routed rows sorted by expert: "torch" (the router module, then
+    sort, searchsorted, division), "triton" (the router module, then moe_routing.route_with_triton: the same tensors
+    from one program) or "fused" (the router's product, then moe_routing.top_k_route_with_triton: the top-k and the
+    routing from one program, the softmax as the router takes it; the same but for the order of equal logits, which
+    top_k_route_with_triton says); "auto": routing_for's choice. A device and a shape decide it, so a captured step
+    reads nothing on the host."""
     shape = hidden.shape
     x = hidden.reshape(-1, shape[-1])
-    _, scores, indices = mlp.router(x)  # transformers >= 5.17: logits, top-k weights [T, k], expert ids [T, k]
-    tokens, top_k = indices.shape
+    router = mlp.router
+    if routing not in ("auto", *ROUTINGS):
+        raise ValueError(f"moe_forward: routing={routing!r}; valid: 'auto', " + ", ".join(map(repr, ROUTINGS)))
+    chosen = routing_for(x.device.type, x.shape[0] * router.top_k) if routing == "auto" else routing
+    if chosen == "fused" and not plain_router(router):
+        if routing == "fused":
+            raise ValueError(f"moe_forward: routing='fused' computes GptOssTopKRouter's forward; this router is "
+                             f"{type(router).__name__} or has hooks")
+        chosen = "triton"
     experts = packed.experts
-    route = {"torch": moe_routing.route_with_torch, "triton": moe_routing.route_with_triton}  # as imported now
-    chosen = routing_for(x.device.type, tokens * top_k) if routing == "auto" else routing
-    if chosen not in route:
-        raise ValueError(f"moe_forward: routing={routing!r}; valid: 'auto', 'torch', 'triton'")
-    order, offsets, token_rows = route[chosen](indices, experts)
+    if chosen == "fused":
+        logits = torch.nn.functional.linear(x, router.weight, router.bias)  # the router's own product
+        values, indices, order, offsets, token_rows = moe_routing.top_k_route_with_triton(logits, router.top_k)
+        scores = torch.nn.functional.softmax(values, dim=1, dtype=values.dtype)  # as GptOssTopKRouter.forward
+    else:
+        _, scores, indices = router(x)  # transformers >= 5.17: logits, top-k weights [T, k], expert ids [T, k]
+        route = {"torch": moe_routing.route_with_torch, "triton": moe_routing.route_with_triton}  # as imported now
+        order, offsets, token_rows = route[chosen](indices, experts)
+    tokens, top_k = indices.shape
     tiles = tiles or packed.tiles
     gated = experts_matmul(x.contiguous(), token_rows, offsets, packed.gate_up_blocks, packed.gate_up_scales,
                            packed.gate_up_size, packed.gate_up_bias, swiglu=(packed.alpha, packed.limit), tiles=tiles)

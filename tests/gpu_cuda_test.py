@@ -98,7 +98,7 @@ def exact_mxfp4_mlp(hidden: int, intermediate: int, seed: int) -> GptOssMLP:
                                      {"upcast": "bits", "block_n": 64, "block_k": 64}],
                          ids=["hopper", "hopper-bitops", "hopper-256", "dot_scaled", "bits", "bits-swap-16",
                               "bits-swap-8", "tiles-128-64", "tiles-64-64"])
-@pytest.mark.parametrize("routing", ["torch", "triton"])
+@pytest.mark.parametrize("routing", ["torch", "triton", "fused"])
 @pytest.mark.parametrize("tokens", [1, 37])
 def test_mxfp4_decode_kernel_matches_the_mlp_on_cuda(tokens, routing, variant):
     """The compiled kernel (each variant of mxfp4_decode.Tiles), its rows routed by torch or by moe_routing's
@@ -146,6 +146,35 @@ def test_routing_kernel_equals_torch_on_cuda(tokens, top_k, experts):
     indices = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)]).cuda()
     for ours, theirs in zip(route_with_triton(indices, experts), route_with_torch(indices, experts), strict=True):
         assert ours.dtype == theirs.dtype and torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("tokens, experts", [
+    (64, 32),  # a 20B decode step at 64 sequences
+    (256, 32),  # MAX_ROWS routed rows
+    (64, 128),  # the 120B's experts
+    (1, 32),  # one sequence
+])
+def test_fused_top_k_and_routing_equal_torch_on_cuda(tokens, experts):
+    """moe_routing's one program against torch.topk on CUDA and route_with_torch, on bf16 logits as the router gives
+    them (ties among a token's largest happen there). Values always equal; a token whose top-k+1 logits are distinct
+    gets the same experts in the same order; a token with ties the same experts in some order, unless the tie is at
+    the k-th place (then which of the equal ones is picked is each implementation's own)."""
+    pytest.importorskip("triton", reason="requirements-gpu.txt installs triton")
+    from tes_grpo.moe_routing import route_with_torch, top_k_route_with_triton
+
+    generator = torch.Generator(device="cuda").manual_seed(tokens + experts)
+    logits = torch.randn(tokens, experts, generator=generator, device="cuda").to(torch.bfloat16)
+    values, indices, order, offsets, token_rows = top_k_route_with_triton(logits, 4)
+    torch_values, torch_indices = torch.topk(logits, 4)
+    assert torch.equal(values, torch_values)
+    top = logits.float().topk(5).values
+    distinct = (top[:, :-1] > top[:, 1:]).all(dim=1)
+    assert torch.equal(indices[distinct], torch_indices[distinct])
+    kth_tie = top[:, 3] == top[:, 4]
+    same_set = (indices.sort(dim=1).values == torch_indices.sort(dim=1).values).all(dim=1)
+    assert same_set[~kth_tie].all()
+    for ours, theirs in zip((order, offsets, token_rows), route_with_torch(indices, experts), strict=True):
+        assert torch.equal(ours, theirs)
 
 
 PAD = 5

@@ -6,6 +6,8 @@ The Triton kernel runs under Triton's interpreter on the CPU (TRITON_INTERPRET=1
 same kernel code the GPU compiles; the routing is integer counting, so there is no rounding that could differ there.
 """
 
+import re
+
 import pytest
 import torch
 from triton_interpreter import interpreted
@@ -84,3 +86,56 @@ def test_both_give_the_stable_order_worked_by_hand():
 def test_more_rows_than_the_limit_are_refused(tokens, k):
     with pytest.raises(ValueError, match=rf"{tokens * k} routed rows, more than its limit of MAX_ROWS = 1024"):
         mr.route_with_triton(torch.zeros(tokens, k, dtype=torch.int64), 32)
+
+
+def distinct_logits(tokens, experts, generator, dtype=torch.bfloat16):
+    """Router logits with no two equal in a row (a random permutation of spaced values): torch.topk's order is then
+    the only one."""
+    ranks = torch.stack([torch.randperm(experts, generator=generator) for _ in range(tokens)]) if tokens else \
+        torch.zeros(0, experts, dtype=torch.int64)
+    return ((ranks.float() - experts / 2) / 4).to(dtype)
+
+
+# (tokens, experts, top_k, dtype): the router's top-k and the routing from one program against torch.topk and
+# route_with_torch, logits without ties
+FUSED_CASES = [
+    (64, 32, 4, torch.bfloat16),  # gpt-oss-20b's decode step
+    (64, 128, 4, torch.bfloat16),  # gpt-oss-120b's 128 experts
+    (37, 32, 4, torch.bfloat16),  # tokens not a power of two
+    (1, 32, 4, torch.float32),  # one token, float32 logits (the CPU's dtype)
+    (5, 8, 8, torch.float32),  # every expert picked: k = experts
+    (200, 4, 1, torch.bfloat16),  # k = 1
+    (0, 32, 4, torch.bfloat16),  # no tokens
+]
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, dtype", FUSED_CASES)
+def test_fused_top_k_and_routing_equal_torch_bit_for_bit(tokens, experts, top_k, dtype):
+    logits = distinct_logits(tokens, experts, torch.Generator().manual_seed(0), dtype)
+    ours = mr.top_k_route_with_triton(logits, top_k)
+    reference = mr.top_k_route_with_torch(logits, top_k)
+    for name, got, expected in zip(("values", "indices", "order", "offsets", "token_rows"), ours, reference,
+                                   strict=True):
+        assert got.dtype == expected.dtype, name
+        assert torch.equal(got, expected), (name, got, expected)
+
+
+def test_fused_top_k_takes_the_lower_expert_first_among_equal_logits():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0, 0.0],  # three equal largest: experts 1, 2, then 4
+                           [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])  # all equal: experts 0, 1, 2, 3
+    values, indices, order, offsets, token_rows = mr.top_k_route_with_triton(logits, 4)
+    assert torch.equal(indices, torch.tensor([[1, 2, 4, 3], [0, 1, 2, 3]]))
+    assert torch.equal(values, torch.tensor([[3.0, 3.0, 3.0, 2.0], [0.0, 0.0, 0.0, 0.0]]))
+    # the routing of those ids is route_with_torch's
+    for got, expected in zip((order, offsets, token_rows), mr.route_with_torch(indices, 6), strict=True):
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("shape, top_k, message", [
+    ((257, 32), 4, "1028 routed rows, more than its limit"),  # past MAX_ROWS
+    ((4, 8), 9, "top_k=9 must be between 1 and the 8 experts"),  # more picks than experts
+    ((4, 8, 2), 2, "logits must be float [tokens, experts]"),  # not a matrix
+])
+def test_the_fused_routing_refuses_what_it_cannot_take(shape, top_k, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        mr.top_k_route_with_triton(torch.zeros(shape), top_k)

@@ -480,13 +480,39 @@ def test_graph_decode_samples_the_same_tokens_from_resident_experts(tiny_bf16):
 def test_an_unknown_routing_is_refused():
     mlp = random_mlp()
     x = torch.randn(3, mlp.router.hidden_dim).to(torch.bfloat16)
-    with pytest.raises(ValueError, match="routing='sorted'; valid: 'auto', 'torch', 'triton'"):
+    with pytest.raises(ValueError, match="routing='sorted'; valid: 'auto', 'torch', 'triton', 'fused'"):
         md.moe_forward(mlp, md.pack_experts(mlp.experts), x, routing="sorted")
 
 
+@runs_kernel
+def test_the_fused_routing_gives_the_routers_output_bit_for_bit():
+    # the router's product, top-k and softmax, and the routing, from moe_routing's one program: the same output as
+    # the router module and torch's routing (these logits have no ties among a token's largest)
+    mlp = random_mlp(seed=3)
+    x = torch.randn(16, mlp.router.hidden_dim, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    pack = md.pack_experts(mlp.experts)
+    logits = torch.nn.functional.linear(x, mlp.router.weight, mlp.router.bias)
+    top = logits.float().topk(mlp.router.top_k + 1).values
+    assert (top[:, :-1] > top[:, 1:]).all()  # no ties: torch.topk's order is the only one
+    with interpreted("tes_grpo.moe_routing"):
+        fused = md.moe_forward(mlp, pack, x, routing="fused")
+    assert torch.equal(fused, md.moe_forward(mlp, pack, x, routing="torch"))
+
+
+def test_a_router_with_hooks_is_called_as_a_module():
+    mlp = random_mlp()
+    calls = []
+    mlp.router.register_forward_hook(lambda module, args, out: calls.append(1))
+    assert not md.plain_router(mlp.router)
+    x = torch.randn(3, mlp.router.hidden_dim).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="routing='fused' computes GptOssTopKRouter's forward"):
+        md.moe_forward(mlp, md.pack_experts(mlp.experts), x, routing="fused")
+    assert md.plain_router(random_mlp().router)
+
+
 @pytest.mark.parametrize("device_type, rows, expected", [
-    ("cuda", 256, "triton"),  # 64 sequences x 4: a default GRPO step's decode
-    ("cuda", 1, "triton"),  # one sequence
+    ("cuda", 256, "fused"),  # 64 sequences x 4: a default GRPO step's decode
+    ("cuda", 1, "fused"),  # one sequence
     ("cuda", 257, "torch"),  # past the measured break-even: the program's work grows with the rows squared
     ("cuda", 512, "torch"),  # GENERATION_STEPS=2's 128 sequences
     ("cpu", 4, "torch"),  # no compiled Triton on the CPU
