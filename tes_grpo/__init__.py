@@ -37,7 +37,7 @@ Training on a GPU:
 - token_sampling: one sampling step as transformers' generate takes it, and the recorder of its log-probabilities
 - mxfp4_decode: the MoE experts read as MXFP4 while decoding (Triton)
 - mxfp4_kernels: the MXFP4 experts' Triton kernels: decoding's experts product, training's dequantization
-- moe_routing: the decode step's rows sorted by expert in one Triton program, as torch's sort would give them
+- moe_routing: the decode step's router top-k and its rows sorted by expert in one Triton program, as torch gives them
 - fused_experts: the MoE experts' elementwise work fused for the training forward and backward
 - lm_head: TRL's fused LM head, which never builds a micro-batch's logits
 - sampling_fidelity: the sampler-trainer gap measured every step, and IMPORTANCE_SAMPLING

@@ -1,4 +1,5 @@
-"""The MoE decode step's routing (which sorted rows go to which expert) in one Triton program. Library module, not a
+"""The MoE decode step's routing (which sorted rows go to which expert) in one Triton program, and the same with the
+router's top-k taken in it too (`top_k_route_with_triton`, what a decode step runs on CUDA). Library module, not a
 script.
 
 mxfp4_decode's experts kernel takes the T*k routed rows of a decode step sorted by expert: `order` (the stable sort
