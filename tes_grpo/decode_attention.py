@@ -12,8 +12,8 @@ Why not flex attention's decoding kernel: inside a decode step it read the cache
 (BENCHMARKS.md), and it reads every slot of the full layers' 512-slot bucket. Here one program takes one sequence's
 key-value head (its query heads are the rows of one product, so each key and value is read once), loops over the
 slots with the loads pipelined, and stops at `seen`: the slots the step's token may see (its own slot + 1), read
-from the device, so a captured step reads no slot past it. A slot block every row of whose mask is masked (left
-padding) still costs only its mask. When sequences x key-value heads leave the GPU's multiprocessors idle, each
+from the device, so a captured step reads no slot past it. Left padding before it is read like any slot (the mask
+gives it no weight; GRPO's prompts differ by a few dozen tokens). When sequences x key-value heads leave the GPU's multiprocessors idle, each
 sequence's slots are cut into parts read side by side and combined after (combine_kernel), as flex attention does.
 
 On the CPU the same kernels run under Triton's interpreter (TRITON_INTERPRET=1 when this module is imported), which
@@ -67,7 +67,7 @@ def attention_kernel(Q, K, V, Mask, Seen, Out, Lse, PartAcc, PartMax, PartSum, l
     and sum of exponentials (base 2) for combine_kernel."""
     pid = tl.program_id(0)
     part = tl.program_id(1)
-    b = pid // KV_HEADS
+    b = (pid // KV_HEADS).to(tl.int64)  # b x a sequence's stride passes int32 at B x KV x L x D >= 2^31
     kv = pid % KV_HEADS
     rows = tl.arange(0, ROWS)
     dims = tl.arange(0, DIM_PAD)

@@ -91,7 +91,7 @@ def _top_k_route_kernel(logits_ptr, values_ptr, indices_ptr, order_ptr, offsets_
                         experts, stride, TOKENS: tl.constexpr, EXPERTS_BLOCK: tl.constexpr, TOP_K: tl.constexpr,
                         K_BLOCK: tl.constexpr):
     """For the router's logits [tokens, experts]: values/indices [tokens, TOP_K] as torch.topk gives them (largest
-    first; of equal logits the lower expert id first), and the routing of the flattened ids (see top_k_route).
+    first; of equal logits the lower expert id first), and the routing of the flattened ids (route_with_torch's).
 
     The k experts of a token are distinct, so the stable sort's place of row (t, j) with expert e is offsets[e] (the
     rows of lower experts) plus the earlier tokens routed to e: an exclusive running sum down the tokens of the
@@ -104,19 +104,21 @@ def _top_k_route_kernel(logits_ptr, values_ptr, indices_ptr, order_ptr, offsets_
                 other=float("-inf")).to(tl.float32)
     picks = tl.full([TOKENS, EXPERTS_BLOCK], 0, tl.int32)
     chosen = tl.full([TOKENS, K_BLOCK], 0, tl.int32)
+    open_ = (e < experts)[None, :] & t_ok[:, None]  # experts not yet picked (a picked one never again, even at -inf)
     for j in range(TOP_K):
-        best = tl.reduce(v, 1, _larger)
-        index = tl.reduce(tl.where(v == best[:, None], e[None, :], EXPERTS_BLOCK), 1, _smaller)
+        best = tl.reduce(tl.where(open_, v, float("-inf")), 1, _larger)
+        index = tl.reduce(tl.where(open_ & (v == best[:, None]), e[None, :], EXPERTS_BLOCK), 1, _smaller)
         tl.store(values_ptr + t * TOP_K + j, best.to(values_ptr.dtype.element_ty), mask=t_ok)
         tl.store(indices_ptr + t * TOP_K + j, index.to(tl.int64), mask=t_ok)
         hit = e[None, :] == index[:, None]
         picks += (hit & t_ok[:, None]).to(tl.int32)
         chosen = tl.where(kk[None, :] == j, index[:, None], chosen)
-        v = tl.where(hit, float("-inf"), v)
+        open_ = open_ & ~hit
     earlier = tl.associative_scan(picks, 0, tl.standard._sum_combine) - picks  # earlier tokens' rows, per expert
     counts = tl.reduce(picks, 0, tl.standard._sum_combine)
     offsets = tl.associative_scan(counts, 0, tl.standard._sum_combine) - counts
-    tl.store(offsets_ptr + e, offsets.to(tl.int64), mask=e <= experts)
+    tl.store(offsets_ptr + e, offsets.to(tl.int64), mask=e < experts)
+    tl.store(offsets_ptr + experts, (tokens * TOP_K).to(tl.int64))  # past the last expert: every row
     starts = earlier + offsets[None, :]
     for j in range(TOP_K):
         index = tl.reduce(tl.where(kk[None, :] == j, chosen, 0), 1, tl.standard._sum_combine)
@@ -172,7 +174,8 @@ def top_k_route_with_triton(logits: torch.Tensor, top_k: int):
     the routing of its experts. The same as torch's where a token's logits have no ties among its k largest (values
     and indices bit for bit; order, offsets and token_rows follow from the indices); of equal logits this takes the
     lower expert id first, where torch.topk's order of equal values is its own (on the CPU, not the lower id first).
-    logits [T, E] float (finite), T x top_k <= MAX_ROWS (ValueError beyond: route with torch)."""
+    logits [T, E] float without NaN (torch.topk ranks NaN first; this kernel's maximum skips it), T x top_k <=
+    MAX_ROWS (ValueError beyond: route with torch)."""
     if logits.dim() != 2 or not logits.dtype.is_floating_point:
         raise ValueError(f"top_k_route_with_triton: logits must be float [tokens, experts], got "
                          f"{tuple(logits.shape)} {logits.dtype}")
@@ -193,7 +196,7 @@ def top_k_route_with_triton(logits: torch.Tensor, top_k: int):
     if tokens:
         _top_k_route_kernel[(1,)](logits, values, indices, order, offsets, token_rows, tokens, experts,
                                   logits.stride(0), TOKENS=max(16, triton.next_power_of_2(tokens)),
-                                  EXPERTS_BLOCK=triton.next_power_of_2(experts + 1), TOP_K=top_k,
+                                  EXPERTS_BLOCK=max(16, triton.next_power_of_2(experts)), TOP_K=top_k,
                                   K_BLOCK=triton.next_power_of_2(top_k), num_warps=4)
     else:
         offsets.zero_()

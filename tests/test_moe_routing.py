@@ -139,3 +139,12 @@ def test_fused_top_k_takes_the_lower_expert_first_among_equal_logits():
 def test_the_fused_routing_refuses_what_it_cannot_take(shape, top_k, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         mr.top_k_route_with_triton(torch.zeros(shape), top_k)
+
+
+def test_the_fused_top_k_picks_distinct_experts_past_minus_infinity():
+    # fewer finite logits than k: the rest are picked among the -inf ones, each expert once (a permutation follows)
+    logits = torch.tensor([[float("-inf"), 2.0, float("-inf"), float("-inf")]])
+    values, indices, order, offsets, token_rows = mr.top_k_route_with_triton(logits, 3)
+    assert torch.equal(indices, torch.tensor([[1, 0, 2]]))
+    assert torch.equal(order.sort().values, torch.arange(3))
+    assert torch.equal(offsets, torch.tensor([0, 1, 2, 3, 3]))
