@@ -118,7 +118,7 @@ def _top_k_route_kernel(logits_ptr, values_ptr, indices_ptr, order_ptr, offsets_
     counts = tl.reduce(picks, 0, tl.standard._sum_combine)
     offsets = tl.associative_scan(counts, 0, tl.standard._sum_combine) - counts
     tl.store(offsets_ptr + e, offsets.to(tl.int64), mask=e < experts)
-    tl.store(offsets_ptr + experts, (tokens * TOP_K).to(tl.int64))  # past the last expert: every row
+    tl.store(offsets_ptr + experts, tl.reduce(counts, 0, tl.standard._sum_combine).to(tl.int64))  # every row
     starts = earlier + offsets[None, :]
     for j in range(TOP_K):
         index = tl.reduce(tl.where(kk[None, :] == j, chosen, 0), 1, tl.standard._sum_combine)
