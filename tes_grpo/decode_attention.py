@@ -13,8 +13,9 @@ Why not flex attention's decoding kernel: inside a decode step it read the cache
 key-value head (its query heads are the rows of one product, so each key and value is read once), loops over the
 slots with the loads pipelined, and stops at `seen`: the slots the step's token may see (its own slot + 1), read
 from the device, so a captured step reads no slot past it. Left padding before it is read like any slot (the mask
-gives it no weight; GRPO's prompts differ by a few dozen tokens). When sequences x key-value heads leave the GPU's multiprocessors idle, each
-sequence's slots are cut into parts read side by side and combined after (combine_kernel), as flex attention does.
+gives it no weight; GRPO's prompts differ by a few dozen tokens). When sequences x key-value heads leave the GPU's
+multiprocessors idle, each sequence's slots are cut into parts read side by side and combined after
+(combine_kernel), as flex attention does.
 
 On the CPU the same kernels run under Triton's interpreter (TRITON_INTERPRET=1 when this module is imported), which
 is how the tests check them. The interpreter rounds float32 to bf16 by truncation (Triton 3.9) where a GPU rounds to
