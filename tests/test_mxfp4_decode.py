@@ -499,15 +499,24 @@ def test_the_fused_routing_gives_the_routers_output_bit_for_bit():
     assert torch.equal(fused, md.moe_forward(mlp, pack, x, routing="torch"))
 
 
-def test_a_router_with_hooks_is_called_as_a_module():
+@runs_kernel
+def test_a_router_with_hooks_is_called_as_a_module(monkeypatch):
+    # where auto would fuse the router's top-k (a CUDA step), a router with hooks is called as a module instead, its
+    # rows routed by the routing program; asked for by name, the fused routing refuses it
     mlp = random_mlp()
     calls = []
     mlp.router.register_forward_hook(lambda module, args, out: calls.append(1))
-    assert not md.plain_router(mlp.router)
-    x = torch.randn(3, mlp.router.hidden_dim).to(torch.bfloat16)
+    assert not md.plain_router(mlp.router) and md.plain_router(random_mlp().router)
+    pack = md.pack_experts(mlp.experts)
+    x = torch.randn(3, mlp.router.hidden_dim, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    reference = md.moe_forward(mlp, pack, x, routing="torch")
+    calls.clear()
+    monkeypatch.setattr(md, "routing_for", lambda device_type, rows: "fused")
+    with interpreted("tes_grpo.moe_routing"):
+        out = md.moe_forward(mlp, pack, x)
+    assert calls == [1] and torch.equal(out, reference)
     with pytest.raises(ValueError, match="routing='fused' computes GptOssTopKRouter's forward"):
-        md.moe_forward(mlp, md.pack_experts(mlp.experts), x, routing="fused")
-    assert md.plain_router(random_mlp().router)
+        md.moe_forward(mlp, pack, x, routing="fused")
 
 
 @pytest.mark.parametrize("device_type, rows, expected", [
