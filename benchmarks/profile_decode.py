@@ -89,6 +89,7 @@ RULES = (
     (MOE, r"experts_kernel"),  # mxfp4_kernels.experts_kernel (named _experts_kernel in logs before 2026-11-27)
     (ATTENTION, r"flex|triton_tem_|attention_kernel|combine_kernel"),  # decode_attention's kernels, flex attention's
     (ROUTING, r"[Tt]op[Kk]|[Ss]ort|searchsorted"),
+    (PROJECTIONS, r"linear_kernel"),  # decode_linear's kernel
     (KV_WRITES, r"index_copy|indexFunc|index_put"),
     (ELEMENTWISE, r"elementwise|reduce_kernel|Reduce|gather|index_select|indexSelect|CatArrayBatched|cat_|"
                   r"[Ff]ill|[Cc]opy|[Mm]emcpy|[Mm]emset|triton_(poi|per|red)_|^aten::"),  # + the compiled glue

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -175,21 +176,51 @@ def merged_linear(module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
 class Projections:
     """How decode_step computes one layer's attention projections. base: (weight, bias) of q_proj, k_proj, v_proj,
     o_proj for F.linear (merged copies under LORA="merged"), or None: call the four modules themselves (PEFT's
-    forward); qkv, o: their LoRA parts added after the base products (None: no adapter)."""
+    forward); qkv, o: their LoRA parts added after the base products (None: no adapter); linear: None (cuBLAS's
+    products: F.linear, then LowRank's and the add), or decode_linear.linear, which computes the same roundings with
+    the base products, their bias and the adapter's output in one kernel a call (q, k and v in one, qkv_bias their
+    biases one after another; see projection_linear)."""
 
     base: tuple | None
     qkv: LowRank | None = None
     o: LowRank | None = None
+    linear: Callable | None = None
+    qkv_bias: torch.Tensor | None = None
 
 
-def attention_projections(lm, lora: str = "peft", autocast: torch.dtype | None = None) -> list[Projections]:
+PROJECTION_KERNELS = ("triton", "cublas")  # the GPU's attention projections: decode_linear.py's kernel, or cuBLAS's
+
+
+def projection_linear(parts: list, autocast: torch.dtype | None, kernel: str = "triton") -> Callable | None:
+    """decode_linear.linear for one layer's (weight, bias, lora) parts (lora_parts' of q, k, v, o) when kernel is
+    "triton" and the products are bf16 on CUDA: the weights bf16 and contiguous, the biases bf16 or all absent, the
+    adapter computed in bf16 (under the trainer's bf16 autocast, or its factors bf16); None (cuBLAS's products)
+    otherwise."""
+    weights = [w for w, _, _ in parts]
+    biases = [b for _, b, _ in parts]
+    adapters = {autocast or lora[0].dtype for _, _, lora in parts if lora is not None}
+    if (kernel != "triton" or weights[0].device.type != "cuda" or not adapters <= {torch.bfloat16}
+            or any(w.dtype != torch.bfloat16 or not w.is_contiguous() for w in weights)
+            or any((b is None) != (biases[0] is None) or (b is not None and b.dtype != torch.bfloat16)
+                   for b in biases)):
+        return None
+    from tes_grpo import decode_linear  # Triton: only where a GPU decodes
+
+    return decode_linear.linear
+
+
+def attention_projections(lm, lora: str = "peft", autocast: torch.dtype | None = None,
+                          kernel: str = "triton") -> list[Projections]:
     """Per layer, how decode_step computes the attention projections (taken anew each generate call: the adapter
     trains between calls). lora="peft": the base products then the adapter's output added as PEFT's forward does in
-    the trainer (LowRank; computed in `autocast`'s dtype when the trainer trains under autocast); "merged": the
-    adapter merged into bf16 copies of the weights (merged_linear). A layer whose projections lora_parts cannot
-    take (or whose q, k, v scalings differ) calls the modules."""
+    the trainer (LowRank; computed in `autocast`'s dtype when the trainer trains under autocast), on CUDA by
+    decode_linear.py's kernel unless kernel="cublas" (projection_linear); "merged": the adapter merged into bf16
+    copies of the weights (merged_linear). A layer whose projections lora_parts cannot take (or whose q, k, v
+    scalings differ) calls the modules."""
     if lora not in ("peft", "merged"):
         raise ValueError(f"graph_decode: lora must be 'peft' or 'merged', got {lora!r}")
+    if kernel not in PROJECTION_KERNELS:
+        raise ValueError(f"graph_decode: the projection kernel must be one of {PROJECTION_KERNELS}, got {kernel!r}")
     names = ("q_proj", "k_proj", "v_proj", "o_proj")
     layers = []
     for layer in lm.model.layers:
@@ -205,9 +236,13 @@ def attention_projections(lm, lora: str = "peft", autocast: torch.dtype | None =
             continue
         dtype = autocast or (qkv[0][0].dtype if qkv else None)
         o = parts[3][2]
+        linear = projection_linear(parts, autocast, kernel)
+        biases = [b for _, b, _ in parts[:3]]
         layers.append(Projections(base=tuple((w, b) for w, b, _ in parts),
                                   qkv=low_rank(qkv, dtype) if qkv else None,
-                                  o=low_rank([o], autocast or o[0].dtype) if o is not None else None))
+                                  o=low_rank([o], autocast or o[0].dtype) if o is not None else None,
+                                  linear=linear,
+                                  qkv_bias=torch.cat(biases) if linear is not None and biases[0] is not None else None))
     return layers
 
 
@@ -236,10 +271,18 @@ def _add_lora(outputs, lora: LowRank | None, x: torch.Tensor, glue: Glue):
     return glue.add_lora(outputs, list(lora(x)))
 
 
+def _factors(lora: LowRank | None):
+    return None if lora is None else (lora.a, lora.b, lora.scale)
+
+
 def qkv_projections(attn, projections: Projections | None, x: torch.Tensor, glue: Glue = EAGER):
     """q_proj, k_proj, v_proj of x as decode_step computes them (see Projections)."""
     if projections is None or projections.base is None:
         return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    if projections.linear is not None:
+        weights = [w for w, _ in projections.base[:3]]
+        out = projections.linear(x, weights, projections.qkv_bias, _factors(projections.qkv))
+        return out.split([w.shape[0] for w in weights], dim=-1)
     linear = torch.nn.functional.linear
     return _add_lora([linear(x, *projections.base[i]) for i in range(3)], projections.qkv, x, glue)
 
@@ -248,6 +291,9 @@ def output_projection(attn, projections: Projections | None, x: torch.Tensor, gl
     """o_proj of x as decode_step computes it (see Projections)."""
     if projections is None or projections.base is None:
         return attn.o_proj(x)
+    if projections.linear is not None:
+        weight, bias = projections.base[3]
+        return projections.linear(x, [weight], bias, _factors(projections.o))
     return _add_lora([torch.nn.functional.linear(x, *projections.base[3])], projections.o, x, glue)[0]
 
 
@@ -376,10 +422,12 @@ def expert_packs(lm, experts: str, say=print) -> list | None:
 
 
 def decode_weights(lm, experts: str = "model", lora: str = "peft", autocast: torch.dtype | None = None,
-                   say=print, glue: str = "eager", attention_kernel: str = "triton") -> DecodeWeights:
+                   say=print, glue: str = "eager", attention_kernel: str = "triton",
+                   projection_kernel: str = "triton") -> DecodeWeights:
     """The DecodeWeights of one generate call: experts (expert_packs), attention projections (attention_projections:
-    lora "peft" or "merged"), the trainer's autocast dtype (None: the trainer runs without autocast), the glue
-    (decode_glue.glue_for on the model's device: glue "eager" or "compiled"; said through `say` when first decided)
-    and the GPU's attention kernel (attention_function, which checks it)."""
-    return DecodeWeights(expert_packs(lm, experts, say), attention_projections(lm, lora, autocast), autocast,
-                         glue_for(lm.device, glue, say), attention_kernel)
+    lora "peft" or "merged", the GPU's projection kernel "triton" or "cublas"), the trainer's autocast dtype (None:
+    the trainer runs without autocast), the glue (decode_glue.glue_for on the model's device: glue "eager" or
+    "compiled"; said through `say` when first decided) and the GPU's attention kernel (attention_function, which
+    checks it)."""
+    return DecodeWeights(expert_packs(lm, experts, say), attention_projections(lm, lora, autocast, projection_kernel),
+                         autocast, glue_for(lm.device, glue, say), attention_kernel)

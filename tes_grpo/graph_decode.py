@@ -67,7 +67,8 @@ def unsupported_options(generation_config, kwargs: dict) -> list[str]:
 def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, generation_config,
              graphs: bool | None = None, share_prompts: bool | None = None, prefill_bucket: int | None = None,
              experts: str = "model", say=print, lora: str = "peft", autocast: torch.dtype | None = None,
-             logprobs: bool = False, glue: str = "eager", attention_kernel: str = "triton"):
+             logprobs: bool = False, glue: str = "eager", attention_kernel: str = "triton",
+             projection_kernel: str = "triton"):
     """Prompt + sampled completion ids [B, prompt + n], as transformers' generate() returns them (n <= max_new_tokens;
     finished rows padded with pad_token_id; stops when every row has emitted an end token). logprobs=True: also the
     log-probability [B, n] (float32) of each sampled token under the distribution it was drawn from (log_softmax of
@@ -81,6 +82,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     forward runs under autocast in (decode_step). glue: "eager" or "compiled" (the decode step's glue compiled on
     CUDA: decode_glue.glue_for; how it runs is said once through `say`). attention_kernel: the GPU's attention kernel,
     "triton" (decode_attention.py) or "flex" (flex attention's, to time against it; decode_math.attention_function).
+    projection_kernel: the GPU's attention projections, "triton" (decode_linear.py) or "cublas" (cuBLAS's products,
+    to time against it; decode_math.projection_linear).
     The random numbers drawn are generate()'s: one torch.multinomial over all rows per step, nothing in the prefill.
     """
     lm = causal_lm(model)
@@ -94,7 +97,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     eos = torch.tensor([e for e in eos if e is not None], dtype=torch.long, device=device)
     pad = g.pad_token_id if g.pad_token_id is not None else int(eos[0])
     warpers = logits_warpers(g)
-    weights = decode_weights(lm, experts, lora, autocast, say, glue, attention_kernel)
+    weights = decode_weights(lm, experts, lora, autocast, say, glue, attention_kernel, projection_kernel)
     logits, cache = prefill(lm, input_ids, attention_mask, max_new, pad, share_prompts, prefill_bucket, autocast)
     step = decode_steps(lm, cache, batch, device, graphs, weights)
     unfinished = torch.ones(batch, dtype=torch.long, device=device)

@@ -252,6 +252,45 @@ def test_decode_attention_kernel_matches_float64_and_flex_on_cuda(batch, length,
         assert torch.equal(again[0], out) and torch.equal(again[1], lse)
 
 
+# (rows, which product): gpt-oss-20b's q, k, v with LoRA, its o_proj with LoRA, a product without an adapter
+@pytest.mark.parametrize("rows, product", [(64, "qkv"), (1, "qkv"), (37, "o"), (64, "router")])
+def test_decode_linear_rounds_as_peft_and_no_further_from_exact_than_cublas_on_cuda(rows, product):
+    """decode_linear's kernel against the float64 sums rounded where PEFT's forward under the trainer's bf16
+    autocast rounds (the bias added before the base product's rounding, as cuBLAS's bias epilogue adds it): only
+    float32 sums in another order may move a bf16 rounding, by one unit in the last place of the result's largest
+    element, on a few elements (a skipped rounding or the bias added after it moves a quarter of them); and no more
+    elements off than what decode_math computed before with cuBLAS (F.linear with the bias, LowRank, the LoRA add),
+    which at o_proj's shape sums less exactly."""
+    pytest.importorskip("triton", reason="requirements-gpu.txt installs triton")
+    from tes_grpo import decode_glue, decode_linear, decode_math
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sizes, k = {"qkv": ((4096, 512, 512), 2880), "o": ((2880,), 4096), "router": ((32,), 2880)}[product]
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
+
+    x = randn(rows, 1, k)
+    weights = [randn(n, k, scale=k ** -0.5) for n in sizes]
+    biases = [randn(n, scale=0.1) for n in sizes]
+    low = None if product == "router" else decode_math.low_rank(
+        [(randn(4, k, scale=k ** -0.5), randn(n, 4, scale=0.05), 2.0) for n in sizes], torch.bfloat16)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+        outs = [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
+        cublas = torch.cat(outs if low is None else decode_glue.EAGER.add_lora(outs, list(low(x))), dim=-1)
+        ours = decode_linear.linear(x, weights, torch.cat(biases), None if low is None else (low.a, low.b, low.scale))
+    exact = (x.double() @ torch.cat(weights).double().T + torch.cat(biases).double()).to(torch.bfloat16).double()
+    if low is not None:  # the scaling 2 is folded into low.b (a power of two: the same numbers)
+        exact = exact + ((x.double() @ low.a.double().T).to(torch.bfloat16).double() @ low.b.double().T
+                         ).to(torch.bfloat16).double()
+    exact = exact.to(torch.bfloat16)
+    unit = exact.float().abs().max() * torch.finfo(torch.bfloat16).eps
+    assert ours.shape == exact.shape and ours.dtype == torch.bfloat16
+    assert float((ours.float() - exact.float()).abs().max()) <= unit
+    off, cublas_off = (float((t != exact).float().mean()) for t in (ours, cublas))
+    assert off <= 0.005 and off <= cublas_off + 0.002, (off, cublas_off)
+
+
 @pytest.mark.parametrize("experts", ["model", "mxfp4"])
 def test_graph_decode_replays_its_steps_as_cuda_graphs_from_the_models_best_first_token(experts):
     """The captured steps must give the tokens the same steps give eagerly for the first 10 tokens of every row (a

@@ -415,6 +415,46 @@ def test_decode_projections_are_the_trainers(rho):
     assert not all(torch.equal(ours, theirs) for ours, theirs in zip(outputs["merged"], expected, strict=True))
 
 
+def test_the_gpus_projection_kernel_gives_the_trainers_projections(monkeypatch):
+    # decode_linear's kernel (interpreted) where a GPU runs it, handed the layer's weights, biases and LoRA factors
+    # by attention_projections: PEFT's numbers but where its float32 sums, in another order, move a bf16 rounding
+    # (a weight, bias or adapter missed or misplaced would change most elements)
+    pytest.importorskip("triton", reason="requirements-test.txt installs triton (its interpreter runs it on CPU)")
+    from triton_interpreter import interpreted
+
+    peft_model = rho_lora_model(1e-2)
+    lm = lm_head.causal_lm(peft_model)
+    attn = lm.model.layers[1].self_attn
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():  # the model's biases start at zero
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            bias = getattr(attn, name).base_layer.bias
+            bias.copy_(torch.randn(bias.shape, generator=g))
+    x, attended = (torch.randn(6, 1, 64, generator=g).to(BF16) for _ in range(2))
+    with interpreted("tes_grpo.decode_linear") as decode_linear, torch.no_grad(), torch.autocast("cpu", dtype=BF16):
+        expected = [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), attn.o_proj(attended)]
+        chosen = []
+        monkeypatch.setattr(decode_math, "projection_linear",
+                            lambda parts, autocast, kernel: chosen.append(kernel) or decode_linear.linear)
+        projections = decode_math.attention_projections(lm, "peft", BF16)[1]
+        got = [*decode_math.qkv_projections(attn, projections, x),
+               decode_math.output_projection(attn, projections, attended)]
+        assert projections.linear is decode_linear.linear and set(chosen) == {"triton"}
+    for ours, theirs in zip(got, expected, strict=True):
+        assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
+        unit = theirs.float().abs().max() * torch.finfo(BF16).eps
+        assert float((ours.float() - theirs.float()).abs().max()) <= unit
+        assert float((ours != theirs).float().mean()) < 0.05
+
+
+def test_the_projection_kernel_is_the_gpus_only():
+    # on the CPU, or for cuBLAS's products, decode_step keeps F.linear and LowRank; a kernel name not known is refused
+    lm = lm_head.causal_lm(rho_lora_model(1e-3))
+    assert all(p.linear is None for p in decode_math.attention_projections(lm, "peft", BF16, kernel="triton"))
+    with pytest.raises(ValueError, match="projection kernel must be one of"):
+        decode_math.attention_projections(lm, "peft", BF16, kernel="cutlass")
+
+
 @pytest.mark.parametrize("rho", RHOS)
 def test_decode_samples_the_policy_being_trained(rho):
     # log-probabilities of the same sampled tokens, left-padded prompts, bf16 weights as on the GPU: graph_decode's

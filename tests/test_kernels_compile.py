@@ -14,6 +14,11 @@ ATTENTION = dict(Q="*bf16", K="*bf16", V="*bf16", Mask="*fp32", Seen="*i64", Out
 ROUTE = dict(logits_ptr="*bf16", values_ptr="*bf16", indices_ptr="*i64", order_ptr="*i64", offsets_ptr="*i64",
              token_rows_ptr="*i64", tokens="i32", experts="i32", stride="i32")
 COMBINE = dict(PartAcc="*fp32", PartMax="*fp32", PartSum="*fp32", Out="*bf16", Lse="*fp32", parts="i32")
+LINEAR = dict(X="*bf16", W0="*bf16", W1="*bf16", W2="*bf16", A="*bf16", Out="*bf16", Bias="*bf16", B="*bf16",
+              M="i32", K="i32", N="i32", N0="i32", N1="i32", N2="i32", tiles0="i32", tiles1="i32", scale="fp32",
+              stride_x="i32")
+QKV = dict(RANK=12, RANK_PAD=16, HAS_BIAS=True, HAS_LORA=True, HAS_SCALE=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128,
+           INTERPRETED=False)
 GPT_OSS_ATTENTION = dict(KV_HEADS=8, GROUP=8, ROWS=16, DIM=64, DIM_PAD=64, BLOCK_N=64, INTERPRETED=False)
 
 # (module, kernel, its arguments' types, constants: compile-time values and arguments Triton made constants of)
@@ -23,6 +28,10 @@ CASES = [
     ("decode_attention", "attention_kernel", ATTENTION,  # one slot, one part's worth: counts of 1 made constants
      {**GPT_OSS_ATTENTION, "HAS_SEEN": False, "FINAL": True, "length": 1, "per_split": 1}),
     ("decode_attention", "combine_kernel", COMBINE, {"DIM": 64, "DIM_PAD": 64}),
+    ("decode_linear", "linear_kernel", LINEAR, QKV),  # gpt-oss's q, k, v with LoRA, its scaling folded
+    ("decode_linear", "linear_kernel", LINEAR, {**QKV, "RANK": 4, "HAS_SCALE": True, "BLOCK_N": 32}),  # o_proj
+    ("decode_linear", "linear_kernel", LINEAR,  # one row, one tile, no adapter: counts of 1 made constants
+     {**QKV, "HAS_LORA": False, "RANK": 0, "BLOCK_M": 16, "M": 1, "tiles0": 1}),
     ("moe_routing", "_top_k_route_kernel", ROUTE,  # gpt-oss-20b's decode step: 64 tokens, top-4 of 32
      {"TOKENS": 64, "EXPERTS_BLOCK": 32, "TOP_K": 4, "K_BLOCK": 4}),
     ("moe_routing", "_top_k_route_kernel", ROUTE,  # gpt-oss-120b's 128 experts
@@ -42,8 +51,9 @@ def test_the_kernel_compiles_for_sm90(module, kernel, arguments, constants):
     fn = getattr(importlib.import_module(f"tes_grpo.{module}"), kernel)
     if type(fn).__name__ == "InterpretedFunction":
         pytest.skip("TRITON_INTERPRET=1 for this module: nothing to compile")
-    signature = {**arguments, **{name: "constexpr" for name in constants}}
-    names = list(signature)
+    types = {**arguments, **{name: "constexpr" for name in constants}}
+    names = list(fn.arg_names)  # the kernel's order, whatever order the case lists them in
+    signature = {name: types[name] for name in names}
     source = ASTSource(fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in constants.items()})
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 64), options={"num_warps": 4})
     assert compiled.asm["cubin"]
