@@ -34,6 +34,7 @@ Training on a GPU:
 - decode_glue: the decode step's norms, residual adds, rotary embedding, sink step and LoRA adds (DECODE_GLUE)
 - decode_math: graph_decode's decode step: attention with sinks, LoRA in PEFT's order, MXFP4 experts, the LM head
 - decode_attention: the decode step's one-query attention over the KV cache as one Triton kernel
+- decode_linear: the decode step's attention projections, the adapter's output added in PEFT's order (Triton)
 - token_sampling: one sampling step as transformers' generate takes it, and the recorder of its log-probabilities
 - mxfp4_decode: the MoE experts read as MXFP4 while decoding (Triton)
 - mxfp4_kernels: the MXFP4 experts' Triton kernels: decoding's experts product, training's dequantization

@@ -178,7 +178,7 @@ def test_choose_gives_the_sampler_its_settings(monkeypatch, overrides, cuda, fsd
     ("compiled", False, True, "DECODE_GLUE=compiled unused: it is graph_decode's"),  # auto chose generate: said
     ("auto", True, True, "glue: DECODE_GLUE=auto: compiled (GPU with Triton)"),  # the GPU default
     ("auto", True, False, "glue: DECODE_GLUE=auto: eager (no triton"),  # nothing to compile with: said
-    ("eager", True, True, "glue: DECODE_GLUE=eager; attention: decode_attention.py's kernel (GPU))"),  # kept
+    ("eager", True, True, "glue: DECODE_GLUE=eager; attention: decode_attention.py's kernel (GPU);"),  # kept
 ])
 def test_the_decoding_line_says_what_becomes_of_decode_glue(monkeypatch, glue, cuda, triton, words):
     monkeypatch.setattr(fast_paths, "_triton", lambda: triton)
@@ -188,8 +188,21 @@ def test_the_decoding_line_says_what_becomes_of_decode_glue(monkeypatch, glue, c
 
 def test_the_decoding_line_says_a_cpu_attends_eagerly():
     paths = fast_paths.choose(settings(DECODE_GRAPHS="on"), fake_trainer(small_model()), False)
-    assert any(line.startswith("decoding: graph_decode") and line.endswith("; attention: eager (no GPU))")
+    assert any(line.startswith("decoding: graph_decode")
+               and line.endswith("; attention: eager (no GPU); projections: F.linear (no GPU))")
                for line in paths.reasons), paths.reasons
+
+
+@pytest.mark.parametrize("lora, precision, words", [
+    ("peft", "bf16", "projections: decode_linear.py's kernel (GPU, bf16 autocast))"),  # the GPU default
+    ("peft", "fp16", "projections: F.linear (autocast torch.float16, not bf16))"),  # the kernel is bf16's: said
+    ("merged", "bf16", "projections: F.linear (merged weights))"),
+])
+def test_the_decoding_line_says_how_a_gpu_computes_the_projections(monkeypatch, lora, precision, words):
+    monkeypatch.setattr(fast_paths, "_triton", lambda: True)
+    paths = fast_paths.choose(settings(DECODE_LORA=lora), fake_trainer(small_model(), precision=precision), True)
+    assert any(line.startswith("decoding: graph_decode") and line.endswith(words) for line in paths.reasons), \
+        paths.reasons
 
 
 def test_a_split_batch_without_graph_decode_is_refused(monkeypatch):
