@@ -18,8 +18,9 @@ Why: a decode step multiplies 64 rows by each weight, so the time is reading the
 as three products (k and v split along K with a reduction kernel each), and the adapter adds two products, a scaling
 and an add, each a kernel of a few microseconds that reads next to nothing (BENCHMARKS.md counts them). Here one
 program set reads each weight tile once for all rows, keeps float32 sums along the whole of K (no partial sums to
-write and add: cutting K into shares read side by side, with a second kernel to add them, measured slower at these
-shapes), takes x @ A^T along the way, and finishes its tile: bias, roundings, the adapter's second product, the add.
+write and add: cutting K into shares read side by side, with a second kernel to add them, did not pay at gpt-oss's
+shapes; BENCHMARKS.md), takes x @ A^T along the way, and finishes its tile: bias, roundings, the adapter's second
+product, the add.
 The tile width is chosen so that the programs come near the GPU's multiprocessors (block_n_for).
 
 On the CPU the same kernels run under Triton's interpreter (TRITON_INTERPRET=1 when this module is imported), which
@@ -45,10 +46,10 @@ MAX_WEIGHTS = 3  # weights one call reads the same rows for (q, k, v)
 @triton.jit
 def _bf16(x):
     """float32 -> the nearest bf16 (ties to even), kept in float32; on the bits, because Triton's interpreter (3.9)
-    truncates in `.to(tl.bfloat16)`. Finite values only."""
+    truncates in `.to(tl.bfloat16)`. NaN stays NaN (rounding its bits could carry it into inf)."""
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
 
 
 @triton.jit
@@ -179,15 +180,17 @@ def linear(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | No
                       if x.device.type == "cuda" else 1)
         tiles = (block_n_for(sizes, processors), BLOCK_K, NUM_WARPS, NUM_STAGES)
     block_n, block_k, warps, stages = tiles
+    if any(v < 16 or v & (v - 1) for v in (block_n, block_k)):
+        raise ValueError(f"decode_linear: tiles {tiles}: BLOCK_N and BLOCK_K must be powers of two of at least 16")
     block_m = block_m_for(m)
     tile_counts = [-(-size // block_n) for size in sizes]
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     linear_kernel[(-(-m // block_m), sum(tile_counts))](
         rows, *(weights + [weights[0]] * (MAX_WEIGHTS - len(weights))), a, out, bias if bias is not None else out, b,
-        m, k, n, *sizes, tile_counts[0], tile_counts[1], float(scale or 1.0), rows.stride(0), RANK=rank,
-        RANK_PAD=max(16, triton.next_power_of_2(max(rank, 1))), HAS_BIAS=bias is not None, HAS_LORA=lora is not None,
-        HAS_SCALE=scale is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, INTERPRETED=interpreted(),
-        num_warps=warps, num_stages=stages)
+        m, k, n, *sizes, tile_counts[0], tile_counts[1], 1.0 if scale is None else float(scale), rows.stride(0),
+        RANK=rank, RANK_PAD=max(16, triton.next_power_of_2(max(rank, 1))), HAS_BIAS=bias is not None,
+        HAS_LORA=lora is not None, HAS_SCALE=scale is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        INTERPRETED=interpreted(), num_warps=warps, num_stages=stages)
     return out.view(*x.shape[:-1], n)
 
 

@@ -191,18 +191,36 @@ class Projections:
 PROJECTION_KERNELS = ("triton", "cublas")  # the GPU's attention projections: decode_linear.py's kernel, or cuBLAS's
 
 
-def projection_linear(parts: list, autocast: torch.dtype | None, kernel: str = "triton") -> Callable | None:
-    """decode_linear.linear for one layer's (weight, bias, lora) parts (lora_parts' of q, k, v, o) when kernel is
-    "triton" and the products are bf16 on CUDA: the weights bf16 and contiguous, the biases bf16 or all absent, the
-    adapter computed in bf16 (under the trainer's bf16 autocast, or its factors bf16); None (cuBLAS's products)
-    otherwise."""
+def projection_kernel_blocker(device_type: str, autocast: torch.dtype | None, kernel: str = "triton") -> str | None:
+    """Why decode_linear's kernel cannot compute a run's attention projections, or None: it computes those of every
+    layer whose weights, biases and adapter are bf16 (projection_parts_fit). It takes bf16 products on CUDA, so the
+    trainer's autocast, if any, must be bf16 (under fp16 autocast the trainer's products are fp16)."""
+    if kernel != "triton":
+        return f"the projection kernel {kernel!r} chosen"
+    if device_type != "cuda":
+        return "no GPU"
+    if autocast not in (None, torch.bfloat16):
+        return f"autocast {autocast}, not bf16"
+    return None
+
+
+def projection_parts_fit(parts: list, autocast: torch.dtype | None) -> bool:
+    """Whether one layer's (weight, bias, lora) parts (lora_parts' of q, k, v, o) are what decode_linear takes: the
+    weights bf16 and contiguous, the biases all bf16 or all absent, each adapter computed in bf16 (under the trainer's
+    bf16 autocast, or its factors bf16 without autocast)."""
     weights = [w for w, _, _ in parts]
     biases = [b for _, b, _ in parts]
     adapters = {autocast or lora[0].dtype for _, _, lora in parts if lora is not None}
-    if (kernel != "triton" or weights[0].device.type != "cuda" or not adapters <= {torch.bfloat16}
-            or any(w.dtype != torch.bfloat16 or not w.is_contiguous() for w in weights)
-            or any((b is None) != (biases[0] is None) or (b is not None and b.dtype != torch.bfloat16)
-                   for b in biases)):
+    return (adapters <= {torch.bfloat16}
+            and all(w.dtype == torch.bfloat16 and w.is_contiguous() for w in weights)
+            and all((b is None) == (biases[0] is None) and (b is None or b.dtype == torch.bfloat16) for b in biases))
+
+
+def projection_linear(parts: list, autocast: torch.dtype | None, kernel: str = "triton") -> Callable | None:
+    """decode_linear.linear for one layer's parts when projection_kernel_blocker has nothing against the run and
+    projection_parts_fit; None (F.linear, LowRank and the add: cuBLAS's products on a GPU) otherwise."""
+    if (projection_kernel_blocker(parts[0][0].device.type, autocast, kernel) is not None
+            or not projection_parts_fit(parts, autocast)):
         return None
     from tes_grpo import decode_linear  # Triton: only where a GPU decodes
 

@@ -26,11 +26,10 @@ has wrapped the model in LoRA, `choose(s, trainer, cuda)`, which returns the dec
 
 graph_decode attends with decode_attention.py's Triton kernel on a GPU and eagerly elsewhere, and computes the
 attention projections (with the adapter's output in PEFT's order) with decode_linear.py's Triton kernel on a GPU
-under bf16 autocast and with F.linear elsewhere (both said on the decoding line; no setting: each computes the
-training forward's arithmetic). Besides these, `install` writes flex attention's
-padded masks as each row's bounds, keeps transformers from
-switching the experts for decoding, and on a CPU has TRL score completion positions only: library patches
-(tes_grpo/patches/) that only buy speed, so they are chosen here too.
+where they are bf16 and with F.linear elsewhere (both said on the decoding line; no setting: each computes the
+training forward's arithmetic). Besides these, `install` writes flex attention's padded masks as each row's bounds,
+keeps transformers from switching the experts for decoding, and on a CPU has TRL score completion positions only:
+library patches (tes_grpo/patches/) that only buy speed, so they are chosen here too.
 """
 
 from __future__ import annotations
@@ -38,9 +37,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-import torch
-
-from tes_grpo import graph_decode
+from tes_grpo import decode_math, graph_decode
 from tes_grpo.fused_experts import use_fused_experts
 from tes_grpo.lm_head import causal_lm
 from tes_grpo.patches import transformers_patches, trl_patches
@@ -156,6 +153,7 @@ def choose(s, trainer, cuda: bool, generation_sequences: int | None = None) -> F
                             "or lower MAX_COMPLETION_LEN")
     backend = "vllm" if s.USE_VLLM else "graph_decode" if graphs else "generate"
     autocast = training_autocast(trainer)
+    blocker = decode_math.projection_kernel_blocker("cuda" if cuda else "cpu", autocast)
     spec = SamplerSpec(backend, experts=experts, lora=s.DECODE_LORA, glue=glue,
                        max_batch=generation_sequences if split else None,
                        autocast=autocast, synced=sharded and process_count() > 1)
@@ -165,8 +163,8 @@ def choose(s, trainer, cuda: bool, generation_sequences: int | None = None) -> F
                    + (f"; experts: {experts_why}; LoRA: DECODE_LORA={s.DECODE_LORA}; glue: {glue_why}; attention: "
                       + ("decode_attention.py's kernel (GPU)" if cuda else "eager (no GPU)") + "; projections: "
                       + ("F.linear (merged weights)" if s.DECODE_LORA == "merged"
-                         else "decode_linear.py's kernel (GPU, bf16 autocast)" if cuda and autocast == torch.bfloat16
-                         else "F.linear (" + ("no GPU" if not cuda else f"autocast {autocast}, not bf16") + ")")
+                         else f"F.linear ({blocker})" if blocker is not None
+                         else "decode_linear.py's kernel (GPU; each layer whose weights and adapter are bf16)")
                       if graphs else "; DECODE_GLUE=compiled unused: it is graph_decode's"
                       if s.DECODE_GLUE == "compiled" else "")
                    + (f"; {generation_sequences} of the {batch} sequences a call, as memory allows" if split else "")

@@ -66,6 +66,8 @@ def case(seed, rows, sizes, k, rank, scale, with_bias=True, values=integers):
     (20, (48,), 130, 4, None, True),         # o_proj: one weight; rows past one 16-row block
     (3, (32,), 200, 0, None, True),          # no adapter
     (5, (24, 8), 64, 2, 0.5, False),         # no bias; K in one block
+    (70, (24, 16), 64, 2, None, True),       # more rows than a program's 64: a second row block
+    (4, (24,), 64, 2, 0.0, True),            # a scaling of 0 (lora_alpha 0): the adapter adds nothing
 ])
 def test_kernel_rounds_as_peft_bit_for_bit(rows, sizes, k, rank, scale, with_bias):
     x, weights, bias, lora = case(0, rows, sizes, k, rank, scale, with_bias)
@@ -73,6 +75,16 @@ def test_kernel_rounds_as_peft_bit_for_bit(rows, sizes, k, rank, scale, with_bia
     expected = reference(x.reshape(rows, k), weights, bias, lora).view(rows, 1, -1)
     assert got.shape == expected.shape and got.dtype == BF16
     assert torch.equal(got, expected), (got != expected).sum()
+
+
+def test_rows_read_through_their_stride():
+    # x as a view whose rows are further apart than K (a slice of a wider buffer): each row read at its own start
+    x, weights, bias, lora = case(2, 6, (40, 24, 24), 200, 4, None)
+    wide = torch.cat([x, integers(torch.Generator().manual_seed(3), 6, 1, 56)], dim=-1)[..., :200]
+    assert not wide.is_contiguous() and torch.equal(wide, x)
+    got = dl.linear(wide, weights, bias, lora, tiles=SMALL_TILES)
+    assert torch.equal(got, dl.linear(x, weights, bias, lora, tiles=SMALL_TILES))
+    assert torch.equal(got.view(6, -1), reference(x.reshape(6, 200), weights, bias, lora))
 
 
 def test_every_rounding_is_needed_for_the_reference():
@@ -129,9 +141,11 @@ def test_block_m_for(rows, expected):
     (dict(weights=[torch.zeros(4, 8, dtype=BF16)] * 4), "1 to 3"),             # four weights
     (dict(bias=torch.zeros(5, dtype=BF16)), "bias (5,), expected (4,)"),        # bias of the wrong length
     (dict(lora=(torch.zeros(2, 8, dtype=BF16), torch.zeros(4, 3, dtype=BF16), None)), "LoRA A (2, 8), B (4, 3)"),
+    (dict(tiles=(24, 64, 4, 1)), "powers of two of at least 16"),             # a tile Triton cannot take
 ])
 def test_bad_arguments_are_refused(change, words):
-    args = dict(x=torch.zeros(2, 8, dtype=BF16), weights=[torch.zeros(4, 8, dtype=BF16)], bias=None, lora=None)
+    args = dict(x=torch.zeros(2, 8, dtype=BF16), weights=[torch.zeros(4, 8, dtype=BF16)], bias=None, lora=None,
+                tiles=None)
     args.update(change)
     with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
-        dl.linear(args["x"], args["weights"], args["bias"], args["lora"])
+        dl.linear(args["x"], args["weights"], args["bias"], args["lora"], tiles=args["tiles"])

@@ -194,7 +194,8 @@ def test_the_decoding_line_says_a_cpu_attends_eagerly():
 
 
 @pytest.mark.parametrize("lora, precision, words", [
-    ("peft", "bf16", "projections: decode_linear.py's kernel (GPU, bf16 autocast))"),  # the GPU default
+    ("peft", "bf16", "projections: decode_linear.py's kernel (GPU; each layer whose weights and adapter are bf16))"),
+    ("peft", "no", "projections: decode_linear.py's kernel (GPU; each layer whose weights and adapter are bf16))"),
     ("peft", "fp16", "projections: F.linear (autocast torch.float16, not bf16))"),  # the kernel is bf16's: said
     ("merged", "bf16", "projections: F.linear (merged weights))"),
 ])

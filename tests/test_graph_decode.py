@@ -455,6 +455,40 @@ def test_the_projection_kernel_is_the_gpus_only():
         decode_math.attention_projections(lm, "peft", BF16, kernel="cutlass")
 
 
+@pytest.mark.parametrize("device, autocast, kernel, expected", [
+    ("cuda", BF16, "triton", None),                                  # the GPU under the trainer's bf16 autocast
+    ("cuda", None, "triton", None),                                  # no autocast: the layers' own dtypes decide
+    ("cuda", torch.float16, "triton", "autocast torch.float16, not bf16"),  # the trainer's products are fp16
+    ("cpu", BF16, "triton", "no GPU"),
+    ("cuda", BF16, "cublas", "the projection kernel 'cublas' chosen"),
+])
+def test_projection_kernel_blocker(device, autocast, kernel, expected):
+    assert decode_math.projection_kernel_blocker(device, autocast, kernel) == expected
+
+
+def _parts(weight=BF16, biases=(BF16,) * 4, factors=BF16, contiguous=True, adapters=(True,) * 4):
+    weight_t = torch.zeros(8, 8, dtype=weight) if contiguous else torch.zeros(8, 8, dtype=weight).T
+    return [(weight_t, None if b is None else torch.zeros(8, dtype=b),
+             (torch.zeros(4, 8, dtype=factors), torch.zeros(8, 4, dtype=factors), 2.0) if a else None)
+            for b, a in zip(biases, adapters, strict=True)]
+
+
+@pytest.mark.parametrize("parts, autocast, expected", [
+    (_parts(), BF16, True),                                            # bf16 weights, biases, adapter under autocast
+    (_parts(factors=torch.float32), BF16, True),                       # PEFT's float32 factors: autocast makes bf16
+    (_parts(factors=torch.float32), None, False),                      # no autocast: the adapter computes in float32
+    (_parts(factors=BF16), None, True),                                # no autocast, bf16 factors
+    (_parts(adapters=(False,) * 4, factors=torch.float32), None, True),  # no adapter at all
+    (_parts(weight=torch.float32), BF16, False),                       # float32 weights
+    (_parts(contiguous=False), BF16, False),                           # a transposed weight
+    (_parts(biases=(BF16, None, BF16, BF16)), BF16, False),            # one bias missing
+    (_parts(biases=(None,) * 4), BF16, True),                          # no biases
+    (_parts(biases=(torch.float32,) * 4), BF16, False),                # float32 biases
+])
+def test_projection_parts_fit(parts, autocast, expected):
+    assert decode_math.projection_parts_fit(parts, autocast) is expected
+
+
 @pytest.mark.parametrize("rho", RHOS)
 def test_decode_samples_the_policy_being_trained(rho):
     # log-probabilities of the same sampled tokens, left-padded prompts, bf16 weights as on the GPU: graph_decode's
