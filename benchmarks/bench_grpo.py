@@ -26,7 +26,8 @@ measured on this GPU at the start; training: ~22 GFLOP a token against ~800 TFLO
 "+attn" with attention's own matmuls counted too, grpo_timers.attention_gflop_per_row). GENERATION_STEPS=k
 (train_grpo's) samples k steps' completions in one generation batch: the first step of each k generates (its row says
 "new"), the others train on that batch ("reused", generation 0 s), and the mean step time over each k steps is
-printed after the table, the figure to compare with GENERATION_STEPS=1. Under accelerate launch every
+printed after the table, the figure to compare with GENERATION_STEPS=1; last, what torch.compile spent (the first
+step's compilation, by function: timing.compilation_lines). Under accelerate launch every
 process builds the model on its own GPU (FSDP then shards it) and runs train_grpo's per-process batch; rank 0
 prints each step with the peak memory of every GPU and the completions per second of all of them together.
 """
@@ -277,6 +278,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"mean step time over steps {steady[0]['step']}-{steady[-1]['step']}: "
           f"{sum(r['step_s'] for r in steady) / len(steady):.1f} s"
           + ("" if len(cycles) > 1 else " (one generation batch only: warm-up included)"))
+    from torch._dynamo.utils import get_compilation_metrics
+
+    from benchmarks.timing import compilation_lines
+    for line in compilation_lines(get_compilation_metrics()):
+        print(line)
 
 
 if __name__ == "__main__":

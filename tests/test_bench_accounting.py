@@ -1,4 +1,5 @@
-"""The benchmarks' FLOP accounting, against a count of the attention masks themselves (CPU, no model)."""
+"""The benchmarks' FLOP accounting, against a count of the attention masks themselves, and their report of what
+torch.compile spent (CPU, no model)."""
 
 from types import SimpleNamespace
 
@@ -190,3 +191,38 @@ def test_decode_attention_triton_entries(entry, tiles):
             triton_tiles(entry)
     else:
         assert triton_tiles(entry) == tiles
+
+
+def _compiled(name, seconds, file="/x/decode_glue.py", line=38):
+    return SimpleNamespace(co_name=name, co_filename=file, co_firstlineno=line, entire_frame_compile_time_s=seconds,
+                           start_time_us=None, end_time_us=None, backward_cumulative_compile_time_us=None)
+
+
+def _backward(start_us, end_us):
+    return SimpleNamespace(co_name=None, co_filename=None, co_firstlineno=None, entire_frame_compile_time_s=None,
+                           start_time_us=start_us, end_time_us=end_us, backward_cumulative_compile_time_us=1)
+
+
+@pytest.mark.parametrize("records, expected", [
+    ([], ["torch.compile in this process: nothing compiled"]),
+    # two graphs of one function (two shapes) add up, the longest function first; a backward graph has no code
+    # object and is timed from its start and end
+    ([_compiled("rms_norm", 2.0), _compiled("flex_attention", 9.5, "/t/flex_attention.py", 1290),
+      _compiled("rms_norm", 1.5), _backward(1_000_000, 4_250_000)],
+     ["torch.compile in this process: 4 graphs, 16.2 s (dynamo, AOT autograd, inductor and the Triton compiles it "
+      "waited for); the longest:",
+      "      9.5 s    1 x  flex_attention (flex_attention.py:1290)",
+      "      3.5 s    2 x  rms_norm (decode_glue.py:38)",
+      "      3.2 s    1 x  (backward graphs, each compiled at its first backward)"]),
+])
+def test_compilation_lines(records, expected):
+    from benchmarks.timing import compilation_lines
+
+    assert compilation_lines(records) == expected
+
+
+def test_compilation_lines_keep_the_longest():
+    from benchmarks.timing import compilation_lines
+
+    lines = compilation_lines([_compiled(f"f{i}", float(i), line=i) for i in range(12)], top=3)
+    assert len(lines) == 4 and [line.split()[-2] for line in lines[1:]] == ["f11", "f10", "f9"]
