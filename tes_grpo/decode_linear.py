@@ -1,6 +1,6 @@
-"""The attention projections of a decode step, with the LoRA adapter's output added in PEFT's order, as Triton kernels:
-what graph_decode's decode steps compute q, k, v and o with on CUDA (decode_math.Projections). Library module, not a
-script; imported only where Triton is installed.
+"""The attention projections of a decode step, with the LoRA adapter's output added in PEFT's order, as one Triton
+kernel: what graph_decode's decode steps compute q, k, v and o with on CUDA (decode_math.Projections). Library
+module, not a script; imported only where Triton is installed.
 
 `linear` computes, for a few rows x and one or more weights W_j that read the same x (q_proj, k_proj and v_proj):
 
@@ -23,9 +23,9 @@ shapes; BENCHMARKS.md), takes x @ A^T along the way, and finishes its tile: bias
 product, the add.
 The tile width is chosen so that the programs come near the GPU's multiprocessors (block_n_for).
 
-On the CPU the same kernels run under Triton's interpreter (TRITON_INTERPRET=1 when this module is imported), which
+On the CPU the same kernel runs under Triton's interpreter (TRITON_INTERPRET=1 when this module is imported), which
 is how the tests check them. Roundings to bf16 are done on the bits (_bf16), the same on both, so a CPU test with
-sums that are exact in float32 checks every rounding bit for bit. The kernels call only triton.language's builtins:
+sums that are exact in float32 checks every rounding bit for bit. The kernel calls only triton.language's builtins:
 its standard library was compiled when triton was first imported, without the interpreter.
 """
 
