@@ -68,6 +68,16 @@ def graph_us(fn, reps: int) -> float:
     return 1000 * start.elapsed_time(end) / (5 * reps)
 
 
+def distance(result, reference, reference_after) -> tuple[float, float, float]:
+    """(share of result's elements that differ from reference, share that differ from reference_after, largest
+    difference from reference in ulps of its largest |element|), all bf16 tensors of one shape."""
+    import torch
+
+    unit = reference.float().abs().max() * torch.finfo(torch.bfloat16).eps
+    return (float((result != reference).float().mean()), float((result != reference_after).float().mean()),
+            float((result.float() - reference.float()).abs().max() / unit))
+
+
 def main(argv: list[str] | None = None) -> int:
     s = resolve(globals(), argv)
     try:
@@ -93,21 +103,6 @@ def main(argv: list[str] | None = None) -> int:
                     torch.randn(n, s.LORA_R, device="cuda") * 1e-2, s.LORA_SCALE) for n in sizes]
         return decode_math.low_rank(factors, bf16)
 
-    def exact(x, ws, bias, low, bias_after=False):
-        y = x.double() @ torch.cat(ws).double().T
-        y = (y.to(bf16).double() + bias.double() if bias_after else y + bias.double()).to(bf16).double()
-        if low is not None:
-            extra = ((x.double() @ low.a.double().T).to(bf16).double() @ low.b.double().T).to(bf16).double()
-            y = y + (extra if low.scale is None else (extra * low.scale).to(bf16).double())
-        return y.to(bf16)
-
-    def distance(result, reference, reference_after):
-        """(share of elements that differ from reference, from reference_after, largest difference from reference in
-        ulps of its largest |element|)"""
-        unit = reference.float().abs().max() * torch.finfo(bf16).eps
-        return (float((result != reference).float().mean()), float((result != reference_after).float().mean()),
-                float((result.float() - reference.float()).abs().max() / unit))
-
     shapes = {  # name: (x, weights, bias, LowRank or None)
         "qkv": (hidden, weights(q, kv, kv, k=hidden), lora((q, kv, kv), hidden)),
         "o": (q, weights(hidden, k=q), lora((hidden,), q)),
@@ -128,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
 
         bias = torch.cat(biases)
         factors = None if low is None else (low.a, low.b, low.scale)
-        expected = exact(x, ws, bias, low), exact(x, ws, bias, low, bias_after=True)
+        expected = (decode_linear.reference(x, ws, bias, factors),
+                    decode_linear.reference(x, ws, bias, factors, bias_after_rounding=True))
         gb = sum(w.numel() for w in ws) * 2 / 1e9
         us = graph_us(cublas, s.REPS)
         rows.append((name, "cublas", us, gb / us * 1e6, *distance(torch.cat(cublas(), dim=-1), *expected)))

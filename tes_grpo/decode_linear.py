@@ -194,6 +194,30 @@ def linear(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | No
     return out.view(*x.shape[:-1], n)
 
 
+def _rounded(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).double()
+
+
+def reference(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | None = None,
+              lora: tuple[torch.Tensor, torch.Tensor, float | None] | None = None,
+              bias_after_rounding: bool = False) -> torch.Tensor:
+    """What `linear` computes, in float64 with torch (the sums exact, each rounding of the module docstring's formula
+    a bf16 round to nearest): the tests' and the benchmark's yardstick, on any device. bias_after_rounding: the bias
+    added after the base product's rounding instead (the rounding cuBLAS's bias epilogue does not do), to show which
+    of the two a result follows."""
+    y = x.double() @ torch.cat(weights).double().T
+    if bias is not None:
+        y = _rounded(y) + bias.double() if bias_after_rounding else y + bias.double()
+    y = _rounded(y)
+    if lora is not None:
+        a, b, scale = lora
+        extra = _rounded(_rounded(x.double() @ a.double().T) @ b.double().T)
+        if scale is not None:
+            extra = _rounded(extra * scale)
+        y = _rounded(y + extra)
+    return y.to(torch.bfloat16)
+
+
 def interpreted() -> bool:
     """Whether the kernels run under Triton's interpreter (TRITON_INTERPRET=1 when this module was imported)."""
     return type(linear_kernel).__name__ == "InterpretedFunction"

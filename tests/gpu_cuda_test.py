@@ -279,11 +279,7 @@ def test_decode_linear_rounds_as_peft_and_no_further_from_exact_than_cublas_on_c
         outs = [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
         cublas = torch.cat(outs if low is None else decode_glue.EAGER.add_lora(outs, list(low(x))), dim=-1)
         ours = decode_linear.linear(x, weights, torch.cat(biases), None if low is None else (low.a, low.b, low.scale))
-    exact = (x.double() @ torch.cat(weights).double().T + torch.cat(biases).double()).to(torch.bfloat16).double()
-    if low is not None:  # the scaling 2 is folded into low.b (a power of two: the same numbers)
-        exact = exact + ((x.double() @ low.a.double().T).to(torch.bfloat16).double() @ low.b.double().T
-                         ).to(torch.bfloat16).double()
-    exact = exact.to(torch.bfloat16)
+    exact = decode_linear.reference(x, weights, torch.cat(biases), None if low is None else (low.a, low.b, low.scale))
     unit = exact.float().abs().max() * torch.finfo(torch.bfloat16).eps
     assert ours.shape == exact.shape and ours.dtype == torch.bfloat16
     assert float((ours.float() - exact.float()).abs().max()) <= unit

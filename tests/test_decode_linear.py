@@ -30,23 +30,6 @@ def integers(g, *shape, low=-8, high=8):
     return torch.randint(low, high + 1, shape, generator=g).to(BF16)
 
 
-def reference(x, weights, bias, lora):
-    """The module docstring's formula in float64 (exact sums), each named rounding a bf16 round to nearest."""
-    def bf16(t):
-        return t.to(BF16).double()
-
-    w = torch.cat(weights).double()
-    y = x.double() @ w.T
-    y = bf16(y + bias.double() if bias is not None else y)
-    if lora is not None:
-        a, b, scale = lora
-        extra = bf16(bf16(x.double() @ a.double().T) @ b.double().T)
-        if scale is not None:
-            extra = bf16(extra * scale)
-        y = bf16(y + extra)
-    return y.to(BF16)
-
-
 def case(seed, rows, sizes, k, rank, scale, with_bias=True, values=integers):
     g = torch.Generator().manual_seed(seed)
     x = values(g, rows, 1, k)
@@ -72,7 +55,7 @@ def case(seed, rows, sizes, k, rank, scale, with_bias=True, values=integers):
 def test_kernel_rounds_as_peft_bit_for_bit(rows, sizes, k, rank, scale, with_bias):
     x, weights, bias, lora = case(0, rows, sizes, k, rank, scale, with_bias)
     got = dl.linear(x, weights, bias, lora, tiles=SMALL_TILES)
-    expected = reference(x.reshape(rows, k), weights, bias, lora).view(rows, 1, -1)
+    expected = dl.reference(x.reshape(rows, k), weights, bias, lora).view(rows, 1, -1)
     assert got.shape == expected.shape and got.dtype == BF16
     assert torch.equal(got, expected), (got != expected).sum()
 
@@ -84,7 +67,7 @@ def test_rows_read_through_their_stride():
     assert not wide.is_contiguous() and torch.equal(wide, x)
     got = dl.linear(wide, weights, bias, lora, tiles=SMALL_TILES)
     assert torch.equal(got, dl.linear(x, weights, bias, lora, tiles=SMALL_TILES))
-    assert torch.equal(got.view(6, -1), reference(x.reshape(6, 200), weights, bias, lora))
+    assert torch.equal(got.view(6, -1), dl.reference(x.reshape(6, 200), weights, bias, lora))
 
 
 def test_every_rounding_is_needed_for_the_reference():
@@ -113,7 +96,7 @@ def test_float_inputs_within_one_rounding_of_the_exact_sums():
     # a value near a rounding boundary, and no further
     x, weights, bias, lora = case(1, 6, (40, 24, 24), 256, 4, 2.0, values=gaussian)
     got = dl.linear(x, weights, bias, lora, tiles=SMALL_TILES).reshape(6, -1).float()
-    expected = reference(x.reshape(6, 256), weights, bias, lora).float()
+    expected = dl.reference(x.reshape(6, 256), weights, bias, lora).float()
     ulp = torch.finfo(BF16).eps * expected.abs().clamp(min=1e-3)
     assert bool(((got - expected).abs() <= 2 * ulp).all())
     assert float((got != expected).float().mean()) < 0.02
@@ -149,3 +132,12 @@ def test_bad_arguments_are_refused(change, words):
     args.update(change)
     with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
         dl.linear(args["x"], args["weights"], args["bias"], args["lora"], tiles=args["tiles"])
+
+
+def test_the_reference_can_add_the_bias_after_the_rounding():
+    # the benchmark's second yardstick: bf16(bf16(x @ W^T) + bias), which the integer case tells from one rounding
+    x, weights, bias, _ = case(4, 6, (40,), 200, 0, None)
+    rows = x.reshape(6, 200)
+    after = (rows.double() @ weights[0].double().T).to(BF16).double() + bias.double()
+    assert torch.equal(dl.reference(rows, weights, bias, bias_after_rounding=True), after.to(BF16))
+    assert not torch.equal(dl.reference(rows, weights, bias), after.to(BF16))
