@@ -117,9 +117,30 @@ def keep_last_loss_inputs(trainer) -> list:
     return kept
 
 
+# the first pattern a kernel's name contains names its group (profile_micro_batch's table by group)
+KERNEL_GROUPS = (
+    ("attention backward", ("flex_attention_backward",)),
+    ("attention forward", ("flex_attention",)),
+    ("matrix products", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "matmul")),
+    ("copies and casts", ("copy", "memcpy", "catarray", "fill")),
+    ("compiled or Triton kernels", ("triton_",)),
+    ("eager elementwise and reductions", ("at::native", "elementwise", "reduce_kernel")),
+)
+
+
+def kernel_group(name: str) -> str:
+    """The group of a profiled kernel, by the first KERNEL_GROUPS pattern its (lower-cased) name contains."""
+    lowered = name.lower()
+    for group, patterns in KERNEL_GROUPS:
+        if any(p in lowered for p in patterns):
+            return group
+    return "other"
+
+
 def profile_micro_batch(trainer, inputs) -> None:
-    """One forward/backward of a kept micro-batch under torch.profiler: wall and GPU-busy time, then the kernels by
-    GPU time (what the training part of a step is made of). Gradients are zeroed after."""
+    """One forward/backward of a kept micro-batch under torch.profiler: the forward's and the backward's wall time,
+    GPU-busy time, the kernels' time by group (KERNEL_GROUPS), then the kernels by GPU time (what the training part of
+    a step is made of). Gradients are zeroed after."""
     import time
 
     import torch
@@ -134,6 +155,8 @@ def profile_micro_batch(trainer, inputs) -> None:
             torch.cuda.synchronize()
             start = time.perf_counter()
             loss = trainer.compute_loss(model, inputs)
+            torch.cuda.synchronize()
+            forward = time.perf_counter() - start
             trainer.accelerator.backward(loss)
             torch.cuda.synchronize()
             wall = time.perf_counter() - start
@@ -143,10 +166,19 @@ def profile_micro_batch(trainer, inputs) -> None:
     gpu_us = sum(e.self_device_time_total for e in kernels)
     rows = int(inputs["completion_ids"].shape[0])
     tokens = int(inputs["completion_ids"].numel() + inputs["prompt_ids"].numel())
-    print(f"\nprofile of one micro-batch ({rows} rows, {tokens} tokens incl. padding): wall {wall:.2f} s, GPU busy "
-          f"{gpu_us / 1e6:.2f} s ({100 * gpu_us / 1e6 / wall:.0f}%)")
+    print(f"\nprofile of one micro-batch ({rows} rows, {tokens} tokens incl. padding): wall {wall:.2f} s (forward "
+          f"{forward:.2f} s, backward with recomputation {wall - forward:.2f} s), GPU busy {gpu_us / 1e6:.2f} s "
+          f"({100 * gpu_us / 1e6 / wall:.0f}%)")
+    groups: dict[str, list[float]] = {}
+    for e in kernels:
+        group = groups.setdefault(kernel_group(e.key), [0.0, 0])
+        group[0] += e.self_device_time_total
+        group[1] += e.count
+    print(f"{'GPU ms':>9}{'share':>7}{'calls':>7}  group")
+    for name, (us, calls) in sorted(groups.items(), key=lambda g: -g[1][0]):
+        print(f"{us / 1e3:>9.1f}{100 * us / gpu_us:>6.1f}%{calls:>7}  {name}")
     print(f"{'GPU ms':>9}{'share':>7}{'calls':>7}  kernel")
-    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:30]:
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:40]:
         print(f"{e.self_device_time_total / 1e3:>9.1f}{100 * e.self_device_time_total / gpu_us:>6.1f}%{e.count:>7}  "
               f"{e.key[:110]}")
 

@@ -226,3 +226,21 @@ def test_compilation_lines_keep_the_longest():
 
     lines = compilation_lines([_compiled(f"f{i}", float(i), line=i) for i in range(12)], top=3)
     assert len(lines) == 4 and [line.split()[-2] for line in lines[1:]] == ["f11", "f10", "f9"]
+
+
+@pytest.mark.parametrize("kernel, group", [
+    ("triton_tem_fused_flex_attention_backward_mul_1", "attention backward"),  # flex's backward before its forward
+    ("triton_tem_fused_flex_attention_0", "attention forward"),
+    ("_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel", "matrix products"),
+    ("nvjet_sm90_tst_256x144_64x4_1x2_h_bz_coopA_bias_TNT", "matrix products"),  # cuBLAS's Hopper kernels
+    ("Memcpy DtoD (Device -> Device)", "copies and casts"),  # matched without case
+    ("void at::native::vectorized_elementwise_kernel<8, at::native::bfloat16_copy_kernel_cuda", "copies and casts"),
+    ("triton_poi_fused_add_mul_0", "compiled or Triton kernels"),
+    ("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>",
+     "eager elementwise and reductions"),
+    ("ncclDevKernel_AllReduce", "other"),
+])
+def test_kernel_group(kernel, group):
+    from benchmarks.bench_grpo import kernel_group
+
+    assert kernel_group(kernel) == group
