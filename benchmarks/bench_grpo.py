@@ -60,6 +60,7 @@ MAX_COMPLETION_LEN = 512  # tokens per completion (random weights always reach i
 DECODE_EXPERTS = "auto"  # train_grpo's DECODE_EXPERTS: auto | mxfp4 | grouped_mm | transformers
 DECODE_GRAPHS = "auto"  # train_grpo's DECODE_GRAPHS: auto (on, on a GPU), on, off (transformers' generate)
 TRAIN_EXPERTS = "auto"  # train_grpo's TRAIN_EXPERTS: auto (fused on a GPU), fused, transformers
+TRAIN_GLUE = "auto"  # train_grpo's TRAIN_GLUE: auto (compiled on a GPU), compiled, eager (the libraries' forward)
 MODEL_SIZE = "20b"  # gpt-oss shapes: 20b, or 120b (resident MXFP4 experts: ~61 GiB on the GPU; an H200)
 EXPERTS = "bf16"  # the experts: bf16 parameters (as loaded with EXPERTS=bf16) or mxfp4 (resident, mxfp4_experts.py)
 TRAIN_BATCH_SIZE = "auto"  # train_grpo's TRAIN_BATCH_SIZE: auto (from TRAIN_TOKENS_PER_PASS) or a number
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
         OUT_DIR=bench.OUT_DIR, TOTAL_STEPS=bench.STEPS, MAX_COMPLETION_LEN=bench.MAX_COMPLETION_LEN,
         SAVE_STEPS=10_000 * bench.GENERATION_STEPS, GENERATION_STEPS=bench.GENERATION_STEPS,  # no checkpoint
         DECODE_EXPERTS=bench.DECODE_EXPERTS, DECODE_GRAPHS=bench.DECODE_GRAPHS, TRAIN_EXPERTS=bench.TRAIN_EXPERTS,
-        TRAIN_BATCH_SIZE=bench.TRAIN_BATCH_SIZE,
+        TRAIN_GLUE=bench.TRAIN_GLUE, TRAIN_BATCH_SIZE=bench.TRAIN_BATCH_SIZE,
         TRAIN_TOKENS_PER_PASS=bench.TRAIN_TOKENS_PER_PASS, IMPORTANCE_SAMPLING=bench.IMPORTANCE_SAMPLING,
         MEMORY_BUDGET_GB=bench.MEMORY_BUDGET_GB, DECODE_LORA=bench.DECODE_LORA, DECODE_GLUE=bench.DECODE_GLUE)
     if not bench.SAMPLING_METRICS and bench.IMPORTANCE_SAMPLING != "off":
@@ -277,7 +278,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     print(f"\n{stack_versions()}, {process_count()} process(es), sharding {step_timer.rows[0]['sharding']}")
     print(f"gpt-oss-{bench.MODEL_SIZE} shapes, EXPERTS={bench.EXPERTS}, DECODE_EXPERTS={bench.DECODE_EXPERTS}, "
-          f"DECODE_GRAPHS={bench.DECODE_GRAPHS}, TRAIN_EXPERTS={bench.TRAIN_EXPERTS}, LORA_RHO={bench.LORA_RHO}, "
+          f"DECODE_GRAPHS={bench.DECODE_GRAPHS}, TRAIN_EXPERTS={bench.TRAIN_EXPERTS}, TRAIN_GLUE={bench.TRAIN_GLUE}, "
+          f"LORA_RHO={bench.LORA_RHO}, "
           f"IMPORTANCE_SAMPLING={bench.IMPORTANCE_SAMPLING}, DECODE_LORA={bench.DECODE_LORA}, "
           f"DECODE_GLUE={bench.DECODE_GLUE}, "
           f"SAMPLING_METRICS={bench.SAMPLING_METRICS}, MAX_COMPLETION_LEN="

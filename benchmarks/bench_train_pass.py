@@ -31,8 +31,8 @@ ROWS = 16  # sequences in the micro-batch (TRAIN_BATCH_SIZE=auto picks 16 at 1,0
 LENGTH = 2335  # tokens per sequence (1,311-token prompt + 1,024 completion)
 LEFT_PAD = 40  # every other row's prompt is this many tokens shorter (left padding, masked)
 # what to time: TRAIN_EXPERTS (transformers | fused), "+bounds" = flex masks from padding bounds
-# (patches/transformers_patches.py)
-VARIANTS = ("transformers", "fused", "fused+bounds")
+# (patches/transformers_patches.py), "+glue" = TRAIN_GLUE=compiled (train_glue.py)
+VARIANTS = ("transformers", "fused", "fused+bounds", "fused+bounds+glue")
 REPS = 3  # timed forward + backward passes per variant, after one untimed (compilation)
 CHECKPOINTING = True  # gradient checkpointing, as train_grpo's GRADIENT_CHECKPOINTING default
 AUTOCAST = True  # bf16 autocast around the forward, as accelerate runs it with bf16=True
@@ -66,10 +66,15 @@ def build(s):
 def set_variant(model, variant: str) -> None:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
+    from tes_grpo import train_glue
     from tes_grpo.fused_experts import use_fused_experts, uses_fused_experts
-    from tes_grpo.patches.transformers_patches import flex_masks_with_padding_bounds
+    from tes_grpo.patches.transformers_patches import (
+        flex_masks_with_padding_bounds,
+        flex_sinks_in_training,
+        rotary_embedding_in_training,
+    )
 
-    experts, _, mask = variant.partition("+")
+    experts, *extras = variant.split("+")
     for module in model.modules():
         if uses_fused_experts(module):
             del module.forward  # back to the class's (transformers') forward
@@ -78,8 +83,14 @@ def set_variant(model, variant: str) -> None:
     current = ALL_MASK_ATTENTION_FUNCTIONS["flex_attention"]
     if hasattr(current, "wraps_original"):
         ALL_MASK_ATTENTION_FUNCTIONS["flex_attention"] = current.wraps_original
-    if mask == "bounds":
+    if "bounds" in extras:
         flex_masks_with_padding_bounds()
+    train_glue.drop_train_glue(model)
+    glue = train_glue.decide("cuda", "compiled") if "glue" in extras else None
+    rotary_embedding_in_training(glue)
+    flex_sinks_in_training(glue)
+    if glue is not None:
+        train_glue.use_train_glue(model, glue)
 
 
 def train_pass(model, ids, mask, autocast: bool):

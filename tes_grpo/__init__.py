@@ -40,6 +40,7 @@ Training on a GPU:
 - mxfp4_kernels: the MXFP4 experts' Triton kernels: decoding's experts product, training's dequantization
 - moe_routing: the decode step's router top-k and its rows sorted by expert in one Triton program, as torch gives them
 - fused_experts: the MoE experts' elementwise work fused for the training forward and backward
+- train_glue: the training forward's norms, rotary embedding, sink step and LoRA adds, compiled on a GPU
 - lm_head: TRL's fused LM head, which never builds a micro-batch's logits
 - sampling_fidelity: the sampler-trainer gap measured every step, and IMPORTANCE_SAMPLING
 

@@ -9,6 +9,7 @@ FAST_PATHS = {
     "DECODE_GRAPHS": ("auto", "on", "off"),
     "DECODE_EXPERTS": ("auto", "mxfp4", "grouped_mm", "transformers"),
     "TRAIN_EXPERTS": ("auto", "fused", "transformers"),
+    "TRAIN_GLUE": ("auto", "eager", "compiled"),
     "DECODE_LORA": ("peft", "merged"),
     "DECODE_GLUE": ("auto", "eager", "compiled"),
 }

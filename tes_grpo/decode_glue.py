@@ -82,9 +82,11 @@ def add_lora(outputs: list[torch.Tensor], extras: list[torch.Tensor]) -> list[to
 
 def norm_weights(module) -> tuple[torch.Tensor, float] | None:
     """(weight, eps) of a norm that rms_norm computes exactly: a GptOssRMSNorm running its class's forward with no
-    hooks. None for anything else (another class, a forward replaced on the instance as a hub kernel would, or
-    forward hooks, which only a module call runs): call the module."""
-    if type(module) is not GptOssRMSNorm or "forward" in vars(module):
+    hooks, or train_glue's training forward, which computes rms_norm too. None for anything else (another class, a
+    forward replaced on the instance as a hub kernel would, or forward hooks, which only a module call runs): call
+    the module."""
+    replaced = vars(module).get("forward")
+    if type(module) is not GptOssRMSNorm or not getattr(replaced, "computes_rms_norm", replaced is None):
         return None
     if module._forward_hooks or module._forward_pre_hooks:
         return None

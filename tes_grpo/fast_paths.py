@@ -14,6 +14,9 @@ has wrapped the model in LoRA, `choose(s, trainer, cuda)`, which returns the dec
   experts; transformers = also let transformers switch its experts to batched_mm while decoding.
 - TRAIN_EXPERTS (auto | fused | transformers): the training forward's MoE elementwise work fused (fused_experts.py)
   or transformers' grouped_mm. auto = fused on a GPU with Triton.
+- TRAIN_GLUE (auto | eager | compiled): the training forward's RMSNorms, rotary embedding and LoRA adds (with
+  PEFT's input cast, which autocast undoes) as compiled kernels (train_glue.py) or the libraries' kernel-by-kernel
+  code. auto = compiled on a GPU with Triton; compiled on a CPU installs the same functions, run eagerly.
 - DECODE_LORA (peft | merged): how graph_decode applies the adapter. peft = the base product, then the LoRA output
   added, as the trainer's PEFT forward computes it (the sampler samples the policy being trained); merged = the
   adapter folded into a bf16 copy of the attention weights, fewer kernels a step but rounding of its own
@@ -37,7 +40,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-from tes_grpo import decode_math, graph_decode
+from tes_grpo import decode_math, graph_decode, train_glue
 from tes_grpo.fused_experts import use_fused_experts
 from tes_grpo.lm_head import causal_lm
 from tes_grpo.patches import transformers_patches, trl_patches
@@ -61,7 +64,7 @@ def _triton() -> bool:
 
 def _no_gpu_with_triton(cuda: bool) -> str | None:
     """What keeps an `auto` setting from its Triton fast path here ("no GPU", "no triton"), or None: the one rule
-    DECODE_EXPERTS, DECODE_GLUE and TRAIN_EXPERTS share."""
+    DECODE_EXPERTS, DECODE_GLUE, TRAIN_EXPERTS and TRAIN_GLUE share."""
     if not cuda:
         return "no GPU"
     return None if _triton() else "no triton"
@@ -120,14 +123,28 @@ def train_experts_choice(s, cuda: bool) -> tuple[bool, str]:
     return True, "TRAIN_EXPERTS=auto: GPU with Triton"
 
 
+def train_glue_choice(s, cuda: bool) -> tuple[str, str]:
+    """(the training forward's glue: "eager", the libraries' own code, or "compiled", train_glue.py's, why) for
+    TRAIN_GLUE."""
+    if s.TRAIN_GLUE != "auto":
+        return s.TRAIN_GLUE, f"TRAIN_GLUE={s.TRAIN_GLUE}"
+    missing = _no_gpu_with_triton(cuda)
+    if missing:
+        return "eager", f"TRAIN_GLUE=auto: eager ({missing} for torch.compile's kernels)"
+    return "compiled", "TRAIN_GLUE=auto: compiled (GPU with Triton)"
+
+
 @dataclass(frozen=True)
 class FastPaths:
-    """A run's choices (see `choose`): the sampler to build, whether the training experts are fused, the speed
-    patches to apply, and the log lines saying what was chosen and why."""
+    """A run's choices (see `choose`): the sampler to build, whether the training experts are fused, how the training
+    forward's glue runs, the speed patches to apply, and the log lines saying what was chosen and why."""
 
     sampler: SamplerSpec
     fused_training_experts: bool
     training_experts_why: str
+    train_glue: str
+    train_glue_why: str
+    device_type: str
     keep_grouped_mm_for_decode: bool
     flex_masks_from_bounds: bool
     cpu_completion_scoring: bool
@@ -173,7 +190,11 @@ def choose(s, trainer, cuda: bool, generation_sequences: int | None = None) -> F
     inner = causal_lm(model)
     if not fused:
         reasons.append(f"training experts: transformers' {inner.config._experts_implementation} ({fused_why})")
+    training_glue, training_glue_why = train_glue_choice(s, cuda)
+    if training_glue == "eager":
+        reasons.append(f"training glue: the libraries' own, kernel by kernel ({training_glue_why})")
     return FastPaths(sampler=spec, fused_training_experts=fused, training_experts_why=fused_why,
+                     train_glue=training_glue, train_glue_why=training_glue_why, device_type="cuda" if cuda else "cpu",
                      keep_grouped_mm_for_decode=s.DECODE_EXPERTS != "transformers",
                      flex_masks_from_bounds=inner.config._attn_implementation == "flex_attention",
                      cpu_completion_scoring=not cuda, reasons=tuple(reasons))
@@ -198,4 +219,12 @@ def install(trainer, paths: FastPaths) -> list[str]:
         lines.append(f"training experts: {layers} layer(s) fused ({paths.training_experts_why}; fused_experts.py: "
                      "bias + SwiGLU and bias + routing weight + top-k sum as one compiled kernel each, forward and "
                      "backward)")
+    if paths.train_glue == "compiled":
+        glue = train_glue.decide(paths.device_type, "compiled")
+        norms, projections = train_glue.use_train_glue(model, glue)
+        rotary = transformers_patches.rotary_embedding_in_training(glue, lines.append)
+        sinks = transformers_patches.flex_sinks_in_training(glue, lines.append)
+        lines.append(f"training glue: {norms} norms, {projections} LoRA projections"
+                     + (", the rotary embedding" if rotary else "") + (", flex attention's sink step" if sinks else "")
+                     + f" {glue.how} ({paths.train_glue_why}; train_glue.py)")
     return lines

@@ -465,3 +465,158 @@ def test_compiled_glue_decodes_the_eager_glues_tokens_on_cuda():
     assert torch.equal(runs["compiled"][:, :agree], runs["eager"][:, :agree])
     assert any(line.startswith("decode glue (") and ": compiled (torch.compile" in line for line in said), said
     assert any(line.startswith("decode glue (") and line.endswith(": eager") for line in said), said
+
+
+def train_glue_inputs(name: str, rows: int, length: int):
+    """Inputs of a training glue function at the 20B's training shapes ([rows, length] tokens), in bf16 as training
+    runs them under autocast, the query laid out as the attention makes it (a transposed view), each to take a
+    gradient."""
+    g = torch.Generator().manual_seed(len(name) + length)
+
+    def randn(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=g)).to(torch.bfloat16).cuda()
+
+    if name == "norm":
+        weight = (1 + 0.3 * torch.randn(2880, generator=g)).to(torch.bfloat16).cuda()
+        return [randn(rows, length, 2880, scale=20.0)], (weight, 1e-5)
+    if name == "rotary":
+        angle = torch.rand(rows, length, 32, generator=g) * 6.3  # gpt-oss rotates two halves: D / 2 angles
+        cos, sin = (f(angle).to(torch.bfloat16).cuda() for f in (torch.cos, torch.sin))
+        return [randn(rows, length, 64, 64).transpose(1, 2), randn(rows, 8, length, 64)], (cos, sin)
+    if name == "add":
+        return [randn(rows, length, 4096), randn(rows, length, 4096, scale=1e-2)], (2.0,)
+    if name == "sinks":  # flex attention's output as transformers returns it, its float32 log-sum-exp rounded
+        lse = (10 + 3 * torch.randn(rows, 64, length, generator=g)).to(torch.bfloat16).cuda()
+        return [randn(rows, length, 64, 64), lse], (randn(64),)
+    raise ValueError(name)
+
+
+@pytest.mark.parametrize("name", ["norm", "rotary", "add", "sinks"])
+def test_compiled_training_glue_equals_the_eager_forward_and_its_gradients_on_cuda(name):
+    """train_glue's functions compiled (TRAIN_GLUE=compiled on a GPU) against the same functions run eagerly, the
+    libraries' own code, at two lengths (one compiled graph takes both: the length is dynamic). Forward: the rotary
+    embedding and the LoRA add are elementwise bf16 steps rounded where eager rounds, so bit for bit; the norm's float32
+    mean and the sink step's float32 exp and log may move a bf16 rounding by 1 ulp on a few elements (as
+    decode_glue's, above). Backward: eager autograd rounds
+    each step's gradient to bf16, the compiled backward keeps float32 between steps and rounds once, so the gradients
+    agree within a few bf16 ulps (the LoRA add's backward is one multiplication: bit for bit)."""
+    from tes_grpo import train_glue
+
+    compiled, eager = train_glue.decide("cuda", "compiled"), train_glue.EAGER
+    assert compiled.how.startswith("compiled")
+    for length in (37, 301):
+        tensors, extra = train_glue_inputs(name, 2, length)
+        results = []
+        for glue in (eager, compiled):
+            leaves = [t.detach().clone().requires_grad_() for t in tensors]
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = getattr(glue, name)(*leaves, *extra)
+            out = list(out) if isinstance(out, tuple) else [out]
+            g = torch.Generator(device="cuda").manual_seed(1)
+            torch.autograd.backward(out, [torch.randn(o.shape, device="cuda", generator=g).to(o.dtype) for o in out])
+            results.append((out, [leaf.grad for leaf in leaves]))
+        (want, want_grads), (got, got_grads) = results
+        for ours, theirs in zip(got, want, strict=True):
+            assert ours.dtype == theirs.dtype == torch.bfloat16 and ours.shape == theirs.shape
+            ulps = bf16_ulps(ours, theirs)
+            if name in ("norm", "sinks"):
+                assert int(ulps.max()) <= 1 and float((ulps > 0).float().mean()) <= 0.01
+            else:
+                assert torch.equal(ours, theirs)
+        for ours, theirs in zip(got_grads, want_grads, strict=True):
+            assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
+            if name == "add":
+                assert torch.equal(ours, theirs)
+            else:
+                close = (ours.float() - theirs.float()).abs() <= 2 ** -6 * theirs.float().abs() + 1e-6
+                assert float(close.float().mean()) >= 0.99, float(close.float().mean())
+
+
+@pytest.fixture
+def own_flex_compilations():
+    """Dynamo's caches emptied before and after a test that compiles flex attention for shapes of its own: transformers
+    compiles flex attention once per process (fixed shapes), and past dynamo's recompile limit (8 graphs) it runs
+    the unfused eager form, whose saved tensors differ from the compiled one's, which fails gradient
+    checkpointing's recompute in the tests after (seen on the GPU machine)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.usefixtures("own_flex_compilations")
+def test_training_glue_gives_a_lora_model_the_eager_loss_and_gradients_on_cuda():
+    """A small gpt-oss under LoRA with flex attention, trained as train_grpo trains it on a GPU (autocast, gradient
+    checkpointing), with TRAIN_GLUE=compiled installed (norms, LoRA projections, rotary embedding, flex attention's
+    sink step) against the libraries' forward: the same loss to bf16 precision and the adapter's gradients close;
+    the installed glue really ran (its compiled functions hold graphs)."""
+    from peft import LoraConfig, get_peft_model
+
+    from tes_grpo import train_glue
+    from tes_grpo.patches.transformers_patches import flex_sinks_in_training, rotary_embedding_in_training
+
+    base = small_cuda_model()
+    base.set_attn_implementation("flex_attention")
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.05)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids, mask = left_padded_ids()
+    glue = train_glue.decide("cuda", "compiled")
+    results = []
+    for use in (False, True):
+        if use:
+            assert train_glue.use_train_glue(model, glue) == (9, 16)
+            assert rotary_embedding_in_training(glue) and flex_sinks_in_training(glue)
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, attention_mask=mask).logits.float().square().mean()
+            loss.backward()
+        finally:
+            train_glue.drop_train_glue(model)
+            rotary_embedding_in_training(None)
+            flex_sinks_in_training(None)
+        grads = [p.grad.detach().clone() for p in model.parameters() if p.requires_grad]
+        model.zero_grad(set_to_none=True)
+        results.append((float(loss.detach()), grads))
+    (loss, grads), (glued_loss, glued_grads) = results
+    assert abs(glued_loss - loss) <= 1e-2 * abs(loss)
+    for ours, theirs in zip(glued_grads, grads, strict=True):
+        assert float((ours - theirs).norm()) <= 0.05 * float(theirs.norm()) + 1e-6
+    cache = [len(torch._dynamo.eval_frame._debug_get_cache_entry_list(f.__code__))
+             for f in (train_glue.rms_norm, train_glue.add_scaled, train_glue.rope, train_glue.with_sinks)]
+    assert all(cache), cache
+
+
+@pytest.mark.usefixtures("own_flex_compilations")
+def test_flex_attention_with_the_training_sink_step_equals_transformers_on_cuda():
+    """transformers' flex_attention_forward with gpt-oss's sinks, in the training forward (gradients on, autocast),
+    against the same call through train_glue.SinksInTraining (flex attention without the sinks, then the glue's
+    compiled sink step on the transposed output): the output within 1 bf16 ulp on at most 1 % of the elements, the
+    query's gradient close; under no_grad the wrapper calls transformers' function itself (the same tensor)."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.flex_attention import flex_attention_forward
+
+    from tes_grpo import train_glue
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = ((torch.randn(2, heads, 300, 64, generator=g)).to(torch.bfloat16).cuda() for heads in (16, 4, 4))
+    sinks = torch.randn(16, generator=g).to(torch.bfloat16).cuda()
+    module = SimpleNamespace(training=True)
+    wrapped = train_glue.SinksInTraining(flex_attention_forward, train_glue.decide("cuda", "compiled"))
+    results = []
+    for attention in (flex_attention_forward, wrapped):
+        query = q.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out, _ = attention(module, query, k, v, None, scaling=0.125, s_aux=sinks)
+        out.float().square().sum().backward()
+        results.append((out.detach(), query.grad))
+    (want, want_grad), (got, got_grad) = results
+    ulps = bf16_ulps(got, want)
+    assert got.shape == want.shape and int(ulps.max()) <= 1 and float((ulps > 0).float().mean()) <= 0.01
+    assert float((got_grad - want_grad).float().norm()) <= 0.02 * float(want_grad.float().norm())
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        plain = flex_attention_forward(module, q, k, v, None, scaling=0.125, s_aux=sinks)[0]
+        assert torch.equal(wrapped(module, q, k, v, None, scaling=0.125, s_aux=sinks)[0], plain)

@@ -103,6 +103,23 @@ def test_train_experts_choice(value, cuda, triton, fused, monkeypatch):
     assert chosen is fused and f"TRAIN_EXPERTS={value}" in why
 
 
+# (TRAIN_GLUE, cuda, triton installed?, the training glue chosen)
+TRAIN_GLUE_CASES = [
+    ("auto", True, True, "compiled"),  # the default on a GPU: train_glue.py, compiled
+    ("auto", False, True, "eager"),  # CPU: the libraries' forward
+    ("auto", True, False, "eager"),  # no triton for torch.compile
+    ("compiled", False, False, "compiled"),  # asked for: on a CPU its functions run eagerly
+    ("eager", True, True, "eager"),
+]
+
+
+@pytest.mark.parametrize("value, cuda, triton, glue", TRAIN_GLUE_CASES)
+def test_train_glue_choice(value, cuda, triton, glue, monkeypatch):
+    pretend_triton_installed(monkeypatch, triton)
+    chosen, why = fast_paths.train_glue_choice(settings(TRAIN_GLUE=value), cuda)
+    assert chosen == glue and f"TRAIN_GLUE={value}" in why
+
+
 # (spec, the sampler's parts from the outside in, after the recorder)
 SAMPLERS = [
     (SamplerSpec("generate"), []),  # transformers' generate, recorded

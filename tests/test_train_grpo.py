@@ -312,6 +312,7 @@ def test_generation_uses_kv_cache_with_gradient_checkpointing(tmp_path, tokenize
         MODEL_ID="tiny", DATA_DIR=str(data), EVAL_DIR=str(data / "eval"), OUT_DIR=str(tmp_path / "run"), TOTAL_STEPS=1,
         NUM_GENERATIONS=2, GRADIENT_ACCUMULATION_STEPS=1, MAX_COMPLETION_LEN=6, GRADIENT_CHECKPOINTING=True,
         TRAIN_EXPERTS="fused",  # the GPU's training experts (eager on a CPU): recomputed under checkpointing too
+        TRAIN_GLUE="compiled",  # the GPU's training glue (its functions eager on a CPU), under checkpointing too
         DECODE_GRAPHS="off")  # transformers' generate and its cache (graph_decode, a GPU's default, has its own)
     model = load_training_model(resolve_model_path("tiny"))
     frame = train_grpo.load_training_data(settings, tokenizer)
@@ -331,6 +332,10 @@ def test_generation_uses_kv_cache_with_gradient_checkpointing(tmp_path, tokenize
     from tes_grpo.fused_experts import uses_fused_experts
 
     assert all(uses_fused_experts(layer.mlp.experts) for layer in trainer.model.base_model.model.model.layers)
+    from tes_grpo.train_glue import uses_train_glue
+
+    layer = trainer.model.base_model.model.model.layers[0]
+    assert uses_train_glue(layer.input_layernorm) and uses_train_glue(layer.self_attn.q_proj)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import contextlib
 
 import torch
 import transformers.masking_utils as masking_utils
+import transformers.models.gpt_oss.modeling_gpt_oss as modeling_gpt_oss
 from transformers.integrations import TensorBoardCallback
 
 from tes_grpo.lm_head import causal_lm
@@ -139,4 +140,49 @@ def flex_masks_with_padding_bounds(say=_say) -> bool:
         return False
     if not isinstance(current, FlexMaskWithPaddingBounds):
         registry["flex_attention"] = FlexMaskWithPaddingBounds(current)
+    return True
+
+
+def rotary_embedding_in_training(glue, say=_say) -> bool:
+    """transformers 5.17-5.24: gpt-oss's attention applies the rotary embedding through train_glue's `glue` in the
+    training forward.
+
+    GptOssAttention.forward calls the module-level `apply_rotary_pos_emb` of modeling_gpt_oss by name (it is not an
+    attribute of the module, so no instance can be given another); its seven elementwise kernels over the query and
+    the key become one compiled kernel (train_glue.py says why and how; the same numbers). The module's name is
+    pointed at train_glue.rope_for_training, which calls the library's function wherever the call is not the
+    training forward's. For the process; installing again swaps the glue; glue None puts the library's function
+    back. Returns False, and says so, if this transformers' gpt-oss has no such function.
+    """
+    from tes_grpo.train_glue import rope_for_training
+
+    current = getattr(modeling_gpt_oss, "apply_rotary_pos_emb", None)
+    if current is None:
+        say("note: this transformers' gpt-oss has no apply_rotary_pos_emb; the rotary embedding stays kernel by kernel")
+        return False
+    original = getattr(current, "wraps_original", current)
+    modeling_gpt_oss.apply_rotary_pos_emb = original if glue is None else rope_for_training(glue, original)
+    return True
+
+
+def flex_sinks_in_training(glue, say=_say) -> bool:
+    """transformers 5.17-5.24: flex attention's sink step in the training forward through train_glue's `glue`.
+
+    flex_attention_forward renormalises its output for gpt-oss's sinks with a float32 product over the whole output,
+    a cast back and a transposed copy (train_glue.py says why that costs); its entry in ALL_ATTENTION_FUNCTIONS is
+    wrapped by train_glue.SinksInTraining, which calls it without the sinks and applies them in one compiled kernel
+    (the same arithmetic). For the process; installing again swaps the glue; glue None puts the library's entry
+    back. Returns False, and says so, if this transformers has no flex attention entry.
+    """
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from tes_grpo.train_glue import SinksInTraining
+
+    try:
+        current = ALL_ATTENTION_FUNCTIONS["flex_attention"]
+    except KeyError:
+        say("note: this transformers has no flex_attention entry; its sink step stays kernel by kernel")
+        return False
+    original = getattr(current, "wraps_original", current)
+    ALL_ATTENTION_FUNCTIONS["flex_attention"] = original if glue is None else SinksInTraining(original, glue)
     return True

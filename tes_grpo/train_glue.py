@@ -1,0 +1,252 @@
+"""The training forward's glue: the small steps between its matrix products, fused (TRAIN_GLUE).
+
+Library module, not a script; fast_paths.py decides whether a run takes it and installs it, the benchmarks time it:
+    python benchmarks/bench_train_pass.py --TRAIN_GLUE=compiled    # GPU machine: one training pass, against eager
+    python benchmarks/bench_grpo.py --PROFILE_TRAIN=1              # a micro-batch's kernels by group
+
+Why: run kernel by kernel, a training pass of gpt-oss under autocast spends about as long on the steps between its
+products as on the products themselves (BENCHMARKS.md's training profile). Three sources, each over every token of
+a micro-batch, in the forward, again in gradient checkpointing's recompute, and in the backward:
+- GptOssRMSNorm: the hidden states cast to float32, squared, averaged, scaled, multiplied by the weight and cast
+  back, each a kernel over a [tokens, 2,880] tensor, most of them float32, and as many again backward;
+- PEFT's lora.Linear: its forward casts the input to the adapter's float32 before lora_A, which autocast casts back
+  to bf16 for the product (two copies of the input per projection, four projections a layer, nothing changed by
+  them), then multiplies the adapter's output by the scaling and adds it, a kernel each;
+- the rotary embedding (transformers' apply_rotary_pos_emb): four products, a sum, a difference and a concatenation
+  over the query and the key;
+- flex attention's sink step (transformers' flex_attention_forward): the output times a float32 factor, a float32
+  copy of the whole output, cast back to bf16, then transposed into a contiguous copy.
+
+Here, while gradients are on (the training forward; sampling and evaluation run under no_grad and keep the
+libraries' code):
+- each GptOssRMSNorm computes decode_glue.rms_norm (its forward cast for cast) compiled, its backward derived by
+  torch.compile from the same function;
+- each plain-LoRA projection (decode_math.lora_parts takes it) computes base_layer(x) and lora_B(lora_A(x)) on the
+  input as it comes, where autocast would cast it to the same bf16 anyway (or where its dtype already is the
+  adapter's), and adds `result + low * scaling` in one compiled kernel;
+- the rotary embedding runs transformers' own function compiled, and flex attention runs without the sinks, which
+  `with_sinks` then applies to its transposed output in one compiled kernel (patches/transformers_patches.py
+  installs both).
+Compiled with inductor's emulate_precision_casts, every bf16 rounding of the eager forward is kept; the products,
+sums and concatenation are elementwise, so the LoRA add and the rotary embedding give eager's numbers bit for bit.
+The norm's mean is a float32 reduction in another order, and the sink step's float32 exp and log come from Triton's
+math library: either can move a bf16 result by one unit in the last place on a few elements (as decode_glue's
+compiled norm and sink step do; tests/gpu_cuda_test.py). Backward, the compiled kernels keep
+float32 between their steps and round once, so gradients agree with autograd's eager ones to bf16 precision.
+
+`decide(device_type, mode)` says how the functions run (compiled on CUDA, eager elsewhere or where inductor lacks
+the option); `use_train_glue(model, glue)` gives the norms and the LoRA projections their training forward (an
+instance attribute over the class's, as fused_experts.py does) and returns how many of each.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm, apply_rotary_pos_emb
+
+from tes_grpo import decode_glue
+from tes_grpo.decode_math import lora_parts
+
+__all__ = ["GLUE_MODES", "SinksInTraining", "TrainGlue", "add_scaled", "decide", "drop_train_glue",
+           "lora_training_forward", "norm_training_forward", "rms_norm", "rope", "rope_for_training",
+           "use_train_glue", "uses_train_glue", "with_sinks"]
+
+GLUE_MODES = ("eager", "compiled")
+# graphs a compiled function may keep: dims that change between micro-batches are marked dynamic, so a few suffice
+# (autocast on and off, a sliding and a full layer's shapes); dynamo's default of 8 would fail fullgraph hard past it
+GRAPHS_PER_FUNCTION = 32
+
+
+def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """decode_glue.rms_norm (GptOssRMSNorm's forward) behind a code object of its own: torch.compile keeps compiled
+    graphs per code object, so these (lengths dynamic) and the decode step's (fixed shapes) never share a cache."""
+    return decode_glue.rms_norm(hidden, weight, eps)
+
+
+def add_scaled(result: torch.Tensor, low: torch.Tensor, scaling: float) -> torch.Tensor:
+    """PEFT 0.21's lora.Linear.forward after its products: `(result + low * scaling).to(result.dtype)`, low being
+    lora_B(lora_A(x))."""
+    return (result + low * scaling).to(result.dtype)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+         unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' apply_rotary_pos_emb for gpt-oss (5.17-5.24), called as the attention calls it."""
+    return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+
+
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """transformers 5.17-5.24's flex attention renormalisation for gpt-oss's sinks (integrations/flex_attention.py:
+    logsumexp of the log-sum-exp with the sink, out * exp(lse - combined), rounded to out's dtype;
+    decode_glue.with_sinks mirrors it for the decode step), applied to the output as that function returns it:
+    out [B, L, H, D] (transposed, contiguous), lse [B, H, L] in the values' dtype, sinks [H]."""
+    batch, heads, length = lse.shape
+    lse = lse.unsqueeze(-1)
+    sink = sinks.view(1, -1, 1, 1).expand(batch, heads, length, 1)
+    combined = torch.logsumexp(torch.cat([lse, sink], dim=-1), dim=-1, keepdim=True)
+    return (out * torch.exp(lse - combined).transpose(1, 2)).to(out.dtype)
+
+
+def _vary(tensor: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """Tells torch.compile these dims (batch, length) change between calls: one graph for every micro-batch."""
+    for d in dims:
+        torch._dynamo.maybe_mark_dynamic(tensor, d)
+    return tensor
+
+
+def compiled(function: Callable) -> Callable:
+    """function through torch.compile: one graph (fullgraph), eager's bf16 roundings kept, dims marked by the caller
+    dynamic, up to GRAPHS_PER_FUNCTION graphs."""
+    function = torch.compile(function, fullgraph=True, options={"emulate_precision_casts": True})
+    return torch._dynamo.config.patch(recompile_limit=GRAPHS_PER_FUNCTION)(function)
+
+
+@dataclass(frozen=True)
+class TrainGlue:
+    """The functions the training forward calls (each with its namesake's signature above), and `how`: one line
+    saying how they run."""
+
+    rms_norm: Callable
+    add_scaled: Callable
+    rope: Callable
+    with_sinks: Callable
+    how: str
+
+    def norm(self, hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.rms_norm(_vary(hidden, tuple(range(hidden.dim() - 1))), weight, eps)
+
+    def add(self, result: torch.Tensor, low: torch.Tensor, scaling: float) -> torch.Tensor:
+        dims = tuple(range(result.dim() - 1))
+        return self.add_scaled(_vary(result, dims), _vary(low, dims), scaling)
+
+    def rotary(self, q, k, cos, sin, unsqueeze_dim: int = 1):
+        if q.dim() == 4 and unsqueeze_dim == 1:  # [batch, heads, length, head_dim]; cos, sin [batch, length, dim]
+            q, k, cos, sin = _vary(q, (0, 2)), _vary(k, (0, 2)), _vary(cos, (0, 1)), _vary(sin, (0, 1))
+        return self.rope(q, k, cos, sin, unsqueeze_dim)
+
+    def sinks(self, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+        return self.with_sinks(_vary(out, (0, 1)), _vary(lse, (0, 2)), sinks)
+
+
+_FUNCTIONS = (rms_norm, add_scaled, rope, with_sinks)
+EAGER = TrainGlue(*_FUNCTIONS, how="eager")
+
+
+def decide(device_type: str, mode: str) -> TrainGlue:
+    """The TrainGlue for a training forward on a device of this type: mode "eager" runs the functions kernel by
+    kernel; "compiled" compiles them on CUDA (eager elsewhere, said in `how`)."""
+    if mode not in GLUE_MODES:
+        raise ValueError(f"TRAIN_GLUE must be one of {', '.join(GLUE_MODES)}, got {mode!r}")
+    if mode == "eager":
+        return EAGER
+    if device_type != "cuda":
+        return TrainGlue(*_FUNCTIONS, how=f"eager (compiled only on CUDA; this is {device_type})")
+    blocker = decode_glue.compile_blocker()
+    if blocker is not None:
+        return TrainGlue(*_FUNCTIONS, how=f"eager on CUDA: {blocker}")
+    return TrainGlue(*(compiled(f) for f in _FUNCTIONS),
+                     how="compiled (torch.compile, fullgraph, batch and length dynamic, inductor "
+                         "emulate_precision_casts)")
+
+
+def _training(t: torch.Tensor) -> bool:
+    """Whether a call belongs to the training forward this module fuses: gradients on, not in a CUDA graph capture."""
+    return torch.is_grad_enabled() and not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def norm_training_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """transformers 5.17-5.24's GptOssRMSNorm.forward in the training forward: the glue's rms_norm of its weight and
+    epsilon (the same function, cast for cast)."""
+    if not _training(hidden_states):
+        return type(self).forward(self, hidden_states)
+    return self._train_glue.norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+norm_training_forward.computes_rms_norm = True  # decode_glue.norm_weights: the module still computes rms_norm
+
+
+def lora_training_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """peft 0.21's lora.Linear.forward in the training forward, for a plain adapter (decode_math.lora_parts): the base
+    layer, then lora_B(lora_A(x)) on x as it comes where autocast casts it to the same dtype anyway (PEFT first
+    casts it to the adapter's dtype), added by the glue's add_scaled. Anything else runs PEFT's forward."""
+    parts = None if args or kwargs or not _training(x) else lora_parts(self)
+    if parts is None or parts[2] is None:
+        return type(self).forward(self, x, *args, **kwargs)
+    name = next(a for a in self.active_adapters if a in self.lora_A)
+    lora_A, lora_B = self.lora_A[name], self.lora_B[name]
+    if x.dtype != lora_A.weight.dtype and not torch.is_autocast_enabled(x.device.type):
+        return type(self).forward(self, x, *args, **kwargs)  # PEFT's cast then changes what lora_A computes in
+    result = self.base_layer(x)
+    return self._train_glue.add(result, lora_B(lora_A(self.lora_dropout[name](x))), self.scaling[name])
+
+
+def rope_for_training(glue: TrainGlue, original: Callable) -> Callable:
+    """apply_rotary_pos_emb's replacement: the glue's rope in the training forward, `original` elsewhere."""
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if not _training(q):
+            return original(q, k, cos, sin, unsqueeze_dim)
+        return glue.rotary(q, k, cos, sin, unsqueeze_dim)
+
+    apply_rotary_pos_emb.wraps_original = original
+    return apply_rotary_pos_emb
+
+
+class SinksInTraining:
+    """An attention function (transformers' ALL_ATTENTION_FUNCTIONS entry) whose sink step in the training forward is
+    the glue's with_sinks on the output it returns: the wrapped function runs without the sinks, on CUDA (where flex
+    attention returns the log-sum-exp), with gradients on; anything else calls it as it is."""
+
+    def __init__(self, original: Callable, glue: TrainGlue):
+        self.wraps_original, self.glue = original, glue
+
+    def __call__(self, module, query, key, value, attention_mask, *args, s_aux=None, **kwargs):
+        if s_aux is None or args or not query.is_cuda or not _training(query):
+            return self.wraps_original(module, query, key, value, attention_mask, *args, s_aux=s_aux, **kwargs)
+        out, lse = self.wraps_original(module, query, key, value, attention_mask, **kwargs)
+        if lse is None:  # this transformers returned no log-sum-exp: run its own sink step
+            return self.wraps_original(module, query, key, value, attention_mask, s_aux=s_aux, **kwargs)
+        return self.glue.sinks(out, lse, s_aux), lse
+
+
+def _is_lora_linear(module) -> bool:
+    return type(getattr(module, "base_layer", None)) is torch.nn.Linear and hasattr(module, "lora_A")
+
+
+def use_train_glue(model, glue: TrainGlue) -> tuple[int, int]:
+    """Gives every GptOssRMSNorm (running its class's forward) and every LoRA projection of `model` its training
+    forward above, calling `glue`; returns (norms, projections). Modules whose forward was replaced already (a hub
+    kernel, an earlier call) are left as they are."""
+    norms = projections = 0
+    for module in model.modules():
+        if "forward" in vars(module):
+            continue
+        if type(module) is GptOssRMSNorm:
+            module.forward = types.MethodType(norm_training_forward, module)
+            norms += 1
+        elif _is_lora_linear(module):
+            module.forward = types.MethodType(lora_training_forward, module)
+            projections += 1
+        else:
+            continue
+        module._train_glue = glue
+    return norms, projections
+
+
+def uses_train_glue(module) -> bool:
+    return getattr(getattr(module, "forward", None), "__func__", None) in (norm_training_forward,
+                                                                           lora_training_forward)
+
+
+def drop_train_glue(model) -> int:
+    """Gives the modules use_train_glue changed their class's forward back; returns how many."""
+    dropped = 0
+    for module in model.modules():
+        if uses_train_glue(module):
+            del module.forward, module._train_glue
+            dropped += 1
+    return dropped
