@@ -102,14 +102,20 @@ def decode_experts_choice(s, cuda: bool) -> tuple[str, str]:
     return "mxfp4", "DECODE_EXPERTS=auto: mxfp4 (GPU with Triton)"
 
 
-def decode_glue_choice(s, cuda: bool) -> tuple[str, str]:
-    """(graph_decode's glue: "eager" or "compiled", why) for DECODE_GLUE, once graph_decode is on."""
-    if s.DECODE_GLUE != "auto":
-        return s.DECODE_GLUE, f"DECODE_GLUE={s.DECODE_GLUE}"
+def compiled_or_eager(name: str, value: str, cuda: bool) -> tuple[str, str]:
+    """("eager" or "compiled", why) for a glue setting (DECODE_GLUE, TRAIN_GLUE) of this value: auto = compiled on a
+    GPU with Triton."""
+    if value != "auto":
+        return value, f"{name}={value}"
     missing = _no_gpu_with_triton(cuda)
     if missing:
-        return "eager", f"DECODE_GLUE=auto: eager ({missing} for torch.compile's kernels)"
-    return "compiled", "DECODE_GLUE=auto: compiled (GPU with Triton)"
+        return "eager", f"{name}=auto: eager ({missing} for torch.compile's kernels)"
+    return "compiled", f"{name}=auto: compiled (GPU with Triton)"
+
+
+def decode_glue_choice(s, cuda: bool) -> tuple[str, str]:
+    """(graph_decode's glue: "eager" or "compiled", why) for DECODE_GLUE, once graph_decode is on."""
+    return compiled_or_eager("DECODE_GLUE", s.DECODE_GLUE, cuda)
 
 
 def train_experts_choice(s, cuda: bool) -> tuple[bool, str]:
@@ -126,12 +132,7 @@ def train_experts_choice(s, cuda: bool) -> tuple[bool, str]:
 def train_glue_choice(s, cuda: bool) -> tuple[str, str]:
     """(the training forward's glue: "eager", the libraries' own code, or "compiled", train_glue.py's, why) for
     TRAIN_GLUE."""
-    if s.TRAIN_GLUE != "auto":
-        return s.TRAIN_GLUE, f"TRAIN_GLUE={s.TRAIN_GLUE}"
-    missing = _no_gpu_with_triton(cuda)
-    if missing:
-        return "eager", f"TRAIN_GLUE=auto: eager ({missing} for torch.compile's kernels)"
-    return "compiled", "TRAIN_GLUE=auto: compiled (GPU with Triton)"
+    return compiled_or_eager("TRAIN_GLUE", s.TRAIN_GLUE, cuda)
 
 
 @dataclass(frozen=True)
