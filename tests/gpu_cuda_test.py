@@ -534,10 +534,10 @@ def test_compiled_training_glue_equals_the_eager_forward_and_its_gradients_on_cu
 
 @pytest.fixture
 def own_flex_compilations():
-    """Dynamo's caches emptied before and after a test that compiles flex attention for shapes of its own: transformers
-    compiles flex attention once per process (fixed shapes), and past dynamo's recompile limit (8 graphs) it runs
-    the unfused eager form, whose saved tensors differ from the compiled one's, which fails gradient
-    checkpointing's recompute in the tests after (seen on the GPU machine)."""
+    """Dynamo's caches emptied before and after a test that compiles flex attention for a configuration of its own
+    (head counts, which inputs take gradients): transformers compiles flex attention once per process, and past
+    dynamo's recompile limit (8 graphs) it runs the unfused eager form, whose saved tensors differ from the compiled
+    one's, which fails gradient checkpointing's recompute in the tests after (seen on the GPU machine)."""
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
