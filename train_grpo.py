@@ -76,7 +76,7 @@ GRADIENT_CHECKPOINTING = True  # recompute activations in backward (saves memory
 DECODE_GRAPHS = "auto"  # sample with graph_decode.py (static KV cache, CUDA graphs); auto = where it can run
 DECODE_EXPERTS = "auto"  # graph_decode's experts: auto = the MXFP4 kernel on a GPU (fast_paths.py)
 TRAIN_EXPERTS = "auto"  # training MoE elementwise work; auto = fused on a GPU with Triton (fast_paths.py)
-TRAIN_GLUE = "auto"  # training norms, rotary embedding, LoRA adds; auto = compiled on a GPU with Triton (fast_paths.py)
+TRAIN_GLUE = "auto"  # training norms, rotary, sinks, LoRA adds; auto = compiled on a GPU with Triton (fast_paths.py)
 DECODE_LORA = "peft"  # graph_decode's LoRA: peft = in the trainer's order (exact policy); merged = faster, own rounding
 DECODE_GLUE = "auto"  # graph_decode's norms, RoPE, sinks, adds: compiled = fused; auto = compiled on a GPU with Triton
 EXPERTS = "auto"  # frozen MoE experts: auto = resident as MXFP4 (mxfp4_experts.py) unless LORA_EXPERT_LAYERS

@@ -14,9 +14,10 @@ has wrapped the model in LoRA, `choose(s, trainer, cuda)`, which returns the dec
   experts; transformers = also let transformers switch its experts to batched_mm while decoding.
 - TRAIN_EXPERTS (auto | fused | transformers): the training forward's MoE elementwise work fused (fused_experts.py)
   or transformers' grouped_mm. auto = fused on a GPU with Triton.
-- TRAIN_GLUE (auto | eager | compiled): the training forward's RMSNorms, rotary embedding and LoRA adds (with
-  PEFT's input cast, which autocast undoes) as compiled kernels (train_glue.py) or the libraries' kernel-by-kernel
-  code. auto = compiled on a GPU with Triton; compiled on a CPU installs the same functions, run eagerly.
+- TRAIN_GLUE (auto | eager | compiled): the training forward's RMSNorms, rotary embedding, flex attention's sink step
+  and LoRA adds (with PEFT's input cast, which autocast undoes) as compiled kernels (train_glue.py) or the libraries'
+  kernel-by-kernel code. auto = compiled on a GPU with Triton; compiled on a CPU installs the same functions, run
+  eagerly.
 - DECODE_LORA (peft | merged): how graph_decode applies the adapter. peft = the base product, then the LoRA output
   added, as the trainer's PEFT forward computes it (the sampler samples the policy being trained); merged = the
   adapter folded into a bf16 copy of the attention weights, fewer kernels a step but rounding of its own
@@ -224,7 +225,9 @@ def install(trainer, paths: FastPaths) -> list[str]:
         glue = train_glue.decide(paths.device_type, "compiled")
         norms, projections = train_glue.use_train_glue(model, glue)
         rotary = transformers_patches.rotary_embedding_in_training(glue, lines.append)
-        sinks = transformers_patches.flex_sinks_in_training(glue, lines.append)
+        # the wrapper acts only where flex attention returns its log-sum-exp: on CUDA
+        sinks = (paths.flex_masks_from_bounds and paths.device_type == "cuda"
+                 and transformers_patches.flex_sinks_in_training(glue, lines.append))
         lines.append(f"training glue: {norms} norms, {projections} LoRA projections"
                      + (", the rotary embedding" if rotary else "") + (", flex attention's sink step" if sinks else "")
                      + f" {glue.how} ({paths.train_glue_why}; train_glue.py)")

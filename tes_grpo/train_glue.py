@@ -4,9 +4,9 @@ Library module, not a script; fast_paths.py decides whether a run takes it and i
     python benchmarks/bench_train_pass.py --TRAIN_GLUE=compiled    # GPU machine: one training pass, against eager
     python benchmarks/bench_grpo.py --PROFILE_TRAIN=1              # a micro-batch's kernels by group
 
-Why: run kernel by kernel, a training pass of gpt-oss under autocast spends about as long on the steps between its
-products as on the products themselves (BENCHMARKS.md's training profile). Three sources, each over every token of
-a micro-batch, in the forward, again in gradient checkpointing's recompute, and in the backward:
+Why: run kernel by kernel, the steps between a training pass's matrix products are a large share of its time
+(BENCHMARKS.md's training profile). Four sources, each over every token of a micro-batch, in the forward, again in
+gradient checkpointing's recompute, and in the backward:
 - GptOssRMSNorm: the hidden states cast to float32, squared, averaged, scaled, multiplied by the weight and cast
   back, each a kernel over a [tokens, 2,880] tensor, most of them float32, and as many again backward;
 - PEFT's lora.Linear: its forward casts the input to the adapter's float32 before lora_A, which autocast casts back
@@ -15,18 +15,24 @@ a micro-batch, in the forward, again in gradient checkpointing's recompute, and 
 - the rotary embedding (transformers' apply_rotary_pos_emb): four products, a sum, a difference and a concatenation
   over the query and the key;
 - flex attention's sink step (transformers' flex_attention_forward): the output times a float32 factor, a float32
-  copy of the whole output, cast back to bf16, then transposed into a contiguous copy.
+  copy of the whole output, then cast back to bf16 (before the transposed copy it returns).
 
-Here, while gradients are on (the training forward; sampling and evaluation run under no_grad and keep the
-libraries' code):
+Here, while gradients are on (the training forward):
 - each GptOssRMSNorm computes decode_glue.rms_norm (its forward cast for cast) compiled, its backward derived by
   torch.compile from the same function;
 - each plain-LoRA projection (decode_math.lora_parts takes it) computes base_layer(x) and lora_B(lora_A(x)) on the
-  input as it comes, where autocast would cast it to the same bf16 anyway (or where its dtype already is the
-  adapter's), and adds `result + low * scaling` in one compiled kernel;
-- the rotary embedding runs transformers' own function compiled, and flex attention runs without the sinks, which
-  `with_sinks` then applies to its transposed output in one compiled kernel (patches/transformers_patches.py
-  installs both).
+  input as it comes where PEFT's cast to the adapter's dtype changes nothing lora_A computes (no cast needed, or
+  autocast casts to its own dtype from a float32 or same-dtype adapter), and adds `result + low * scaling` in one
+  compiled kernel;
+- the rotary embedding runs transformers' own function compiled, and, under autocast on CUDA, flex attention runs
+  without the sinks, which `with_sinks` then applies to its transposed output in one compiled kernel (without
+  autocast inductor's log-sum-exp of bf16 inputs would round other than eager's, as decode_glue says; there the
+  library's step runs). patches/transformers_patches.py installs these two.
+Under no_grad (the sampler's prefill, TRL's log-probabilities of a batch trained over several optimizer steps,
+evaluation) the libraries' code runs, so the sampler and those log-probabilities see the libraries' norm and sink
+step: the training forward's may differ from them by one bf16 ulp on a few elements (below), which the sampler-trainer
+gap measures every step. train_grpo checkpoints non-reentrantly, so the recompute runs the training forward's glue
+too.
 Compiled with inductor's emulate_precision_casts, every bf16 rounding of the eager forward is kept; the products,
 sums and concatenation are elementwise, so the LoRA add and the rotary embedding give eager's numbers bit for bit.
 The norm's mean is a float32 reduction in another order, and the sink step's float32 exp and log come from Triton's
@@ -35,8 +41,9 @@ compiled norm and sink step do; tests/gpu_cuda_test.py). Backward, the compiled 
 float32 between their steps and round once, so gradients agree with autograd's eager ones to bf16 precision.
 
 `decide(device_type, mode)` says how the functions run (compiled on CUDA, eager elsewhere or where inductor lacks
-the option); `use_train_glue(model, glue)` gives the norms and the LoRA projections their training forward (an
-instance attribute over the class's, as fused_experts.py does) and returns how many of each.
+the option; decided once per process for a device type and mode); `use_train_glue(model, glue)` gives the norms and
+the LoRA projections their training forward (an instance attribute over the class's, as fused_experts.py does) and
+returns how many of each.
 """
 
 from __future__ import annotations
@@ -46,13 +53,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from peft.tuners.lora.layer import Linear as LoraLinear
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm, apply_rotary_pos_emb
 
 from tes_grpo import decode_glue
 from tes_grpo.decode_math import lora_parts
 
-__all__ = ["GLUE_MODES", "SinksInTraining", "TrainGlue", "add_scaled", "decide", "drop_train_glue",
-           "lora_training_forward", "norm_training_forward", "rms_norm", "rope", "rope_for_training",
+__all__ = ["EAGER", "GLUE_MODES", "RopeForTraining", "SinksInTraining", "TrainGlue", "add_scaled", "compiled",
+           "decide", "drop_train_glue", "lora_training_forward", "norm_training_forward", "rms_norm", "rope",
            "use_train_glue", "uses_train_glue", "with_sinks"]
 
 GLUE_MODES = ("eager", "compiled")
@@ -117,18 +125,22 @@ class TrainGlue:
     how: str
 
     def norm(self, hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """rms_norm, every dim but the hidden one dynamic."""
         return self.rms_norm(_vary(hidden, tuple(range(hidden.dim() - 1))), weight, eps)
 
     def add(self, result: torch.Tensor, low: torch.Tensor, scaling: float) -> torch.Tensor:
+        """add_scaled, every dim but the output one dynamic."""
         dims = tuple(range(result.dim() - 1))
         return self.add_scaled(_vary(result, dims), _vary(low, dims), scaling)
 
     def rotary(self, q, k, cos, sin, unsqueeze_dim: int = 1):
+        """rope, batch and length dynamic."""
         if q.dim() == 4 and unsqueeze_dim == 1:  # [batch, heads, length, head_dim]; cos, sin [batch, length, dim]
             q, k, cos, sin = _vary(q, (0, 2)), _vary(k, (0, 2)), _vary(cos, (0, 1)), _vary(sin, (0, 1))
         return self.rope(q, k, cos, sin, unsqueeze_dim)
 
     def sinks(self, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+        """with_sinks, batch and length dynamic."""
         return self.with_sinks(_vary(out, (0, 1)), _vary(lse, (0, 2)), sinks)
 
 
@@ -136,9 +148,19 @@ _FUNCTIONS = (rms_norm, add_scaled, rope, with_sinks)
 EAGER = TrainGlue(*_FUNCTIONS, how="eager")
 
 
+_DECIDED: dict[tuple[str, str], TrainGlue] = {}
+
+
 def decide(device_type: str, mode: str) -> TrainGlue:
     """The TrainGlue for a training forward on a device of this type: mode "eager" runs the functions kernel by
-    kernel; "compiled" compiles them on CUDA (eager elsewhere, said in `how`)."""
+    kernel; "compiled" compiles them on CUDA (eager elsewhere, said in `how`). Once per process for a (device type,
+    mode): later calls return the same TrainGlue, whose compiled functions keep their graphs."""
+    if (device_type, mode) not in _DECIDED:
+        _DECIDED[device_type, mode] = _new_glue(device_type, mode)
+    return _DECIDED[device_type, mode]
+
+
+def _new_glue(device_type: str, mode: str) -> TrainGlue:
     if mode not in GLUE_MODES:
         raise ValueError(f"TRAIN_GLUE must be one of {', '.join(GLUE_MODES)}, got {mode!r}")
     if mode == "eager":
@@ -178,51 +200,72 @@ def lora_training_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tenso
         return type(self).forward(self, x, *args, **kwargs)
     name = next(a for a in self.active_adapters if a in self.lora_A)
     lora_A, lora_B = self.lora_A[name], self.lora_B[name]
-    if x.dtype != lora_A.weight.dtype and not torch.is_autocast_enabled(x.device.type):
-        return type(self).forward(self, x, *args, **kwargs)  # PEFT's cast then changes what lora_A computes in
+    if not cast_changes_nothing(x, lora_A.weight.dtype):
+        return type(self).forward(self, x, *args, **kwargs)
     result = self.base_layer(x)
     return self._train_glue.add(result, lora_B(lora_A(self.lora_dropout[name](x))), self.scaling[name])
 
 
-def rope_for_training(glue: TrainGlue, original: Callable) -> Callable:
-    """apply_rotary_pos_emb's replacement: the glue's rope in the training forward, `original` elsewhere."""
+def cast_changes_nothing(x: torch.Tensor, adapter_dtype: torch.dtype) -> bool:
+    """Whether lora_A computes the same on x as on PEFT's x.to(adapter_dtype): no cast at all, or autocast on, which
+    casts the product's input to its own dtype, from an adapter dtype that either holds x exactly on the way (float32
+    holds bf16 and fp16) or is autocast's dtype itself."""
+    if x.dtype == adapter_dtype:
+        return True
+    device = x.device.type
+    return torch.is_autocast_enabled(device) and adapter_dtype in (torch.float32, torch.get_autocast_dtype(device))
 
-    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+
+class RopeForTraining:
+    """apply_rotary_pos_emb's replacement: the glue's rope in the training forward, `wraps_original` elsewhere."""
+
+    def __init__(self, original: Callable, glue: TrainGlue):
+        self.wraps_original, self.glue = original, glue
+
+    def __call__(self, q, k, cos, sin, unsqueeze_dim=1):
         if not _training(q):
-            return original(q, k, cos, sin, unsqueeze_dim)
-        return glue.rotary(q, k, cos, sin, unsqueeze_dim)
-
-    apply_rotary_pos_emb.wraps_original = original
-    return apply_rotary_pos_emb
+            return self.wraps_original(q, k, cos, sin, unsqueeze_dim)
+        return self.glue.rotary(q, k, cos, sin, unsqueeze_dim)
 
 
 class SinksInTraining:
     """An attention function (transformers' ALL_ATTENTION_FUNCTIONS entry) whose sink step in the training forward is
     the glue's with_sinks on the output it returns: the wrapped function runs without the sinks, on CUDA (where flex
-    attention returns the log-sum-exp), with gradients on; anything else calls it as it is."""
+    attention returns the log-sum-exp), with gradients on, under autocast (module docstring); anything else calls it
+    as it is."""
 
     def __init__(self, original: Callable, glue: TrainGlue):
         self.wraps_original, self.glue = original, glue
 
     def __call__(self, module, query, key, value, attention_mask, *args, s_aux=None, **kwargs):
-        if s_aux is None or args or not query.is_cuda or not _training(query):
+        if (s_aux is None or args or not query.is_cuda or not _training(query)
+                or not torch.is_autocast_enabled(query.device.type)):
             return self.wraps_original(module, query, key, value, attention_mask, *args, s_aux=s_aux, **kwargs)
         out, lse = self.wraps_original(module, query, key, value, attention_mask, **kwargs)
-        if lse is None:  # this transformers returned no log-sum-exp: run its own sink step
-            return self.wraps_original(module, query, key, value, attention_mask, s_aux=s_aux, **kwargs)
+        if lse is None:
+            raise RuntimeError("TRAIN_GLUE: this transformers' flex attention returned no log-sum-exp on CUDA, which "
+                               "the sink step needs; set TRAIN_GLUE=eager")
         return self.glue.sinks(out, lse, s_aux), lse
 
 
 def _is_lora_linear(module) -> bool:
-    return type(getattr(module, "base_layer", None)) is torch.nn.Linear and hasattr(module, "lora_A")
+    """A PEFT LoRA layer over an nn.Linear that runs lora.Linear's own forward (the one lora_training_forward
+    mirrors; a subclass with another forward keeps it)."""
+    return (isinstance(module, LoraLinear) and type(module).forward is LoraLinear.forward
+            and type(getattr(module, "base_layer", None)) is torch.nn.Linear)
 
 
 def use_train_glue(model, glue: TrainGlue) -> tuple[int, int]:
     """Gives every GptOssRMSNorm (running its class's forward) and every LoRA projection of `model` its training
-    forward above, calling `glue`; returns (norms, projections). Modules whose forward was replaced already (a hub
-    kernel, an earlier call) are left as they are."""
+    forward above, calling `glue`; returns (norms, projections). Modules that have it already take the new glue;
+    modules whose forward was replaced otherwise (a hub kernel) are left as they are."""
     norms = projections = 0
     for module in model.modules():
+        if uses_train_glue(module):
+            module._train_glue = glue
+            norms += type(module) is GptOssRMSNorm
+            projections += type(module) is not GptOssRMSNorm
+            continue
         if "forward" in vars(module):
             continue
         if type(module) is GptOssRMSNorm:
@@ -238,6 +281,7 @@ def use_train_glue(model, glue: TrainGlue) -> tuple[int, int]:
 
 
 def uses_train_glue(module) -> bool:
+    """Whether use_train_glue gave `module` its training forward."""
     return getattr(getattr(module, "forward", None), "__func__", None) in (norm_training_forward,
                                                                            lora_training_forward)
 

@@ -7,7 +7,6 @@ needs install, swap and restore cleanly. tests/gpu_cuda_test.py compares the com
 from __future__ import annotations
 
 import contextlib
-import copy
 
 import pytest
 import torch
@@ -101,6 +100,9 @@ def test_installing_counts_the_modules_and_dropping_gives_the_class_forward_back
     replaced.forward = lambda hidden: hidden  # a forward replaced on the instance (a hub kernel) is left alone
     assert train_glue.use_train_glue(model, train_glue.EAGER) == (4, 8)
     assert sum(map(train_glue.uses_train_glue, model.modules())) == 12
+    other = Counting().glue  # installing again swaps the glue of the modules that have it
+    assert train_glue.use_train_glue(model, other) == (4, 8)
+    assert all(m._train_glue is other for m in model.modules() if train_glue.uses_train_glue(m))
     assert train_glue.drop_train_glue(model) == 12 and not any(map(train_glue.uses_train_glue, model.modules()))
     assert "forward" not in vars(model.base_model.model.model.layers[0].input_layernorm)
 
@@ -125,6 +127,8 @@ def test_the_libraries_forward_runs_where_the_glue_would_compute_something_else(
     with installed(model, counting.glue):
         torch.manual_seed(2)  # dropout draws the same masks
         got = loss_and_grads(model, autocast, grad)
+    if case == "no_grad":  # sampling and evaluation keep the libraries' code: no glue function runs
+        assert counting.calls == dict.fromkeys(counting.calls, 0)
     assert counting.calls["add_scaled"] == adds
     assert torch.equal(got[0], want[0]) and all(map(torch.equal, got[1], want[1]))
 
@@ -176,7 +180,6 @@ def test_the_library_patches_install_swap_and_restore():
 def test_decode_glue_still_computes_a_norm_that_carries_the_training_forward():
     model = lora_model(torch.float32)
     norm = model.base_model.model.model.norm
-    train_glue.use_train_glue(copy.deepcopy(model), train_glue.EAGER)
     train_glue.use_train_glue(model, train_glue.EAGER)
     assert train_glue.uses_train_glue(norm) and decode_glue.norm_weights(norm) == (norm.weight, norm.variance_epsilon)
 
@@ -186,3 +189,25 @@ def test_decide_says_how_the_functions_run():
     assert train_glue.decide("cpu", "compiled").how.startswith("eager (compiled only on CUDA")
     with pytest.raises(ValueError, match="TRAIN_GLUE"):
         train_glue.decide("cuda", "fused")
+
+
+# (input dtype, adapter dtype, autocast dtype or None, does PEFT's cast change nothing lora_A computes?)
+CAST_CASES = [
+    (torch.bfloat16, torch.float32, torch.bfloat16, True),  # the GPU's training: autocast casts the float32 back
+    (torch.float32, torch.float32, None, True),  # no cast at all
+    (torch.bfloat16, torch.float32, None, False),  # without autocast lora_A would compute in float32
+    (torch.float32, torch.bfloat16, torch.bfloat16, True),  # autocast's own dtype
+    (torch.float32, torch.bfloat16, torch.float16, False),  # float32 -> bf16 -> fp16 rounds twice
+    (torch.bfloat16, torch.float16, torch.bfloat16, False),  # bf16 -> fp16 may round, then back to bf16
+]
+
+
+@pytest.mark.parametrize("x_dtype, adapter_dtype, autocast, unchanged", CAST_CASES)
+def test_the_input_cast_is_skipped_only_where_it_changes_nothing(x_dtype, adapter_dtype, autocast, unchanged):
+    x = (torch.randn(64, 16, generator=torch.Generator().manual_seed(5)) * 3).to(x_dtype)
+    weight = torch.randn(4, 16, generator=torch.Generator().manual_seed(6)).to(adapter_dtype)
+    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        assert train_glue.cast_changes_nothing(x, adapter_dtype) is unchanged
+        if unchanged:
+            peft_way = torch.nn.functional.linear(x.to(adapter_dtype), weight)
+            assert torch.equal(torch.nn.functional.linear(x, weight), peft_way)

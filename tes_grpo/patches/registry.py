@@ -63,6 +63,9 @@ PATCHED = (  # patch, library, target, ((version, fingerprint), ...)
             "transformers.models.gpt_oss.modeling_gpt_oss:GptOssRMSNorm.forward",
             (("5.24.0", "37184cecaff0"), ("5.17.0", "37184cecaff0"))),
     Patched("train_glue.lora_training_forward", "peft",
+            "peft.tuners.tuners_utils:BaseTunerLayer._cast_input_dtype",  # the cast it leaves out where exact
+            (("0.21.2", "85da1d12a02e"), ("0.21.0", "85da1d12a02e"))),
+    Patched("train_glue.lora_training_forward", "peft",
             "peft.tuners.lora.layer:Linear.forward",
             (("0.21.2", "d2be59d6c446"), ("0.21.0", "d2be59d6c446"))),
     Patched("patches.trl_patches.score_only_completion_tokens_on_cpu", "trl",
@@ -154,7 +157,8 @@ def source_in_file(path, qualified: str) -> str | None:
     scope = ast.parse(text).body
     node = None
     for part in qualified.split("."):
-        node = next((n for n in scope if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        # the last definition of a name is the one Python keeps (typing.overload stubs come before it)
+        node = next((n for n in reversed(scope) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
                      and n.name == part), None)
         if node is None:
             return None

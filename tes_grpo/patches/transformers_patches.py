@@ -150,18 +150,18 @@ def rotary_embedding_in_training(glue, say=_say) -> bool:
     GptOssAttention.forward calls the module-level `apply_rotary_pos_emb` of modeling_gpt_oss by name (it is not an
     attribute of the module, so no instance can be given another); its seven elementwise kernels over the query and
     the key become one compiled kernel (train_glue.py says why and how; the same numbers). The module's name is
-    pointed at train_glue.rope_for_training, which calls the library's function wherever the call is not the
+    pointed at train_glue.RopeForTraining, which calls the library's function wherever the call is not the
     training forward's. For the process; installing again swaps the glue; glue None puts the library's function
     back. Returns False, and says so, if this transformers' gpt-oss has no such function.
     """
-    from tes_grpo.train_glue import rope_for_training
+    from tes_grpo.train_glue import RopeForTraining
 
     current = getattr(modeling_gpt_oss, "apply_rotary_pos_emb", None)
     if current is None:
         say("note: this transformers' gpt-oss has no apply_rotary_pos_emb; the rotary embedding stays kernel by kernel")
         return False
     original = getattr(current, "wraps_original", current)
-    modeling_gpt_oss.apply_rotary_pos_emb = original if glue is None else rope_for_training(glue, original)
+    modeling_gpt_oss.apply_rotary_pos_emb = original if glue is None else RopeForTraining(original, glue)
     return True
 
 
