@@ -1,10 +1,12 @@
 """One GRPO training micro-batch (forward + backward) through the first LAYERS layers of a gpt-oss-20b-shaped model,
-set up as train_grpo trains it (LoRA r4 on the attention, gradient checkpointing, bf16 autocast), per TRAIN_EXPERTS
-variant: timed, profiled by kernel, and (ATTENTION_PROBE) flex attention's own calls timed outside the model. Run on
-the GPU machine (the numbers go to BENCHMARKS.md):
+set up as train_grpo trains it (LoRA r4 on the attention, gradient checkpointing, bf16 autocast), per variant
+(TRAIN_EXPERTS, flex masks from padding bounds, TRAIN_GLUE): timed, profiled by kernel, and (ATTENTION_PROBE) flex
+attention's own calls timed outside the model. Run on the GPU machine (the numbers go to BENCHMARKS.md):
 
     python benchmarks/bench_train_pass.py
     python benchmarks/bench_train_pass.py --LAYERS=2 --VARIANTS=fused --PROFILE=0
+    python benchmarks/bench_train_pass.py --LAYERS=4 --ROWS=8 --LENGTH=4869 --ATTENTION_PROBE=0 \
+        --VARIANTS=fused+bounds,fused+bounds+glue   # the 4,000-token micro-batch, without and with the training glue
 
 Why: bench_grpo.py --PROFILE_TRAIN=1 put a 1,024-token micro-batch (16 x 2,335 tokens) at 5.07 s of GPU time, ~45 %
 of it elementwise kernels (mostly the MoE's, fused_experts.py) and 24 % flex attention's forward at 25 ms a call,

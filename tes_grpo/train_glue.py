@@ -1,8 +1,8 @@
 """The training forward's glue: the small steps between its matrix products, fused (TRAIN_GLUE).
 
 Library module, not a script; fast_paths.py decides whether a run takes it and installs it, the benchmarks time it:
-    python benchmarks/bench_train_pass.py --TRAIN_GLUE=compiled    # GPU machine: one training pass, against eager
-    python benchmarks/bench_grpo.py --PROFILE_TRAIN=1              # a micro-batch's kernels by group
+    python benchmarks/bench_train_pass.py --VARIANTS=fused+bounds,fused+bounds+glue   # GPU machine: a pass, both ways
+    python benchmarks/bench_grpo.py --PROFILE_TRAIN=1 --TRAIN_GLUE=eager               # a micro-batch's kernels
 
 Why: run kernel by kernel, the steps between a training pass's matrix products are a large share of its time
 (BENCHMARKS.md's training profile). Four sources, each over every token of a micro-batch, in the forward, again in
