@@ -35,6 +35,15 @@ REPS = 10  # timed calls per shape, kind and way, after the first
 DEVICE = "cuda"  # cpu: a check of the script itself (small SHAPES; inductor's CPU backend compiles)
 
 
+def parse_shape(shape: str) -> tuple[int, int]:
+    """(rows, tokens) of a SHAPES entry "ROWSxTOKENS"; SystemExit naming the entry otherwise."""
+    rows, _, tokens = shape.partition("x")
+    if not (rows.isdigit() and tokens.isdigit() and int(rows) > 0 and int(tokens) > 0):
+        raise SystemExit(f"error: SHAPES entry {shape!r}: expected ROWSxTOKENS with two positive whole numbers, "
+                         "e.g. 8x4869")
+    return int(rows), int(tokens)
+
+
 def padded_mask(rows: int, length: int, device):
     """A 2-D 0/1 mask as TRL batches it: prompts left-padded, completions right-padded."""
     import torch
@@ -75,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(s.DEVICE)
     cuda = device.type == "cuda"
     results = []
-    for shape in s.SHAPES:
-        rows, length = (int(n) for n in shape.split("x"))
+    shapes = [parse_shape(shape) for shape in s.SHAPES]  # every entry checked before anything runs
+    for shape, (rows, length) in zip(s.SHAPES, shapes, strict=True):
         mask = padded_mask(rows, length, device)
         for sliding in (False, True):
             blocks = {}

@@ -244,3 +244,20 @@ def test_kernel_group(kernel, group):
     from benchmarks.bench_grpo import kernel_group
 
     assert kernel_group(kernel) == group
+
+
+@pytest.mark.parametrize("shape, expected", [
+    ("8x4869", (8, 4869)),  # rows x tokens
+    ("8 x 4869", None),  # spaces: not a whole number
+    ("8x", None),  # no token count
+    ("0x128", None),  # no rows
+    ("8by4869", None),  # no separator
+])
+def test_block_mask_shapes(shape, expected):
+    from benchmarks.bench_block_mask import parse_shape
+
+    if expected is None:
+        with pytest.raises(SystemExit, match=f"SHAPES entry '{shape}'"):
+            parse_shape(shape)
+    else:
+        assert parse_shape(shape) == expected
