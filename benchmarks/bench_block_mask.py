@@ -1,18 +1,18 @@
-"""Flex attention's padded block masks, built as a run builds them, compiled (transformers' way) against eagerly.
+"""Flex attention's padded block masks, built three ways: transformers' compiled create_block_mask, the same eagerly,
+and worked out per block from each row's bounds (what a run does).
 
 Run on the GPU machine (the numbers go to BENCHMARKS.md):
 
     python benchmarks/bench_block_mask.py
     python benchmarks/bench_block_mask.py --SHAPES=8x4869,4x4869 --REPS=20
 
-Why: transformers builds each padded batch's block mask with `torch.compile(create_block_mask)`; in a cold first GRPO
-step those compilations took ~30 s (bench_grpo.py's compile report: create_block_mask, 4 graphs), about as long as
-flex attention's own. The masks the project builds are each row's padding bounds within a causal or sliding-window
-mask (patches.transformers_patches.FlexMaskWithPaddingBounds), for which create_block_mask runs eagerly too: it
-materialises the [batch, query, key] mask once per forward instead. This times both per shape and mask kind: the
-first call (compilation included), then one call, and the eager form's extra peak memory, so the trade (a cold
-step's compile seconds against each forward's build) is measured before any default changes. It also checks that
-both give the same block mask.
+Why: transformers builds each padded batch's block mask with `torch.compile(create_block_mask)`; a cold first GRPO
+step waits for those compilations (bench_grpo.py's compile report: create_block_mask), about as long as for flex
+attention's own. The masks the project builds are each row's padding bounds within a causal or sliding-window mask,
+so patches.transformers_patches.FlexMaskWithPaddingBounds works the block mask out per block instead (way
+"bounds"); create_block_mask can also run eagerly (way "eager"), materialising the [batch, query, key] mask. This
+times each way per shape and mask kind: the first call (compilation included), then one call, and the extra peak
+memory, and checks that all give the same block mask.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ SHAPES = ("8x4869", "4x4869", "64x2048", "16x2335")  # rows x tokens: 20B and 12
 SLIDING_WINDOW = 128  # gpt-oss's sliding layers' window
 LEFT_PAD = 40  # every other row's prompt is this many tokens shorter (left padding), every third ends 100 early
 REPS = 10  # timed calls per shape, kind and way, after the first
+WAYS = ("compiled", "eager", "bounds")  # create_block_mask compiled (transformers') or eager; per block from bounds
 DEVICE = "cuda"  # cpu: a check of the script itself (small SHAPES; inductor's CPU backend compiles)
 
 
@@ -55,21 +56,26 @@ def padded_mask(rows: int, length: int, device):
 
 
 def build(way: str, rows: int, length: int, sliding: bool, mask):
-    """The block mask transformers' flex_attention_mask gives through FlexMaskWithPaddingBounds, with
-    create_block_mask compiled (way "compiled", transformers') or eager."""
+    """The block mask of a padded batch: through transformers' flex_attention_mask with each row's bounds as the mask
+    function and create_block_mask compiled (way "compiled", transformers' own) or eager, or worked out per block
+    from the bounds (way "bounds": patches.transformers_patches.FlexMaskWithPaddingBounds, what a run does)."""
     import transformers.masking_utils as mu
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from tes_grpo.patches.transformers_patches import FlexMaskWithPaddingBounds
+    from tes_grpo.patches.transformers_patches import BoundedMask, FlexMaskWithPaddingBounds, padding_bounds
 
-    function = FlexMaskWithPaddingBounds(mu.flex_attention_mask)
     mask_function = mu.sliding_window_causal_mask_function(SLIDING_WINDOW) if sliding else mu.causal_mask_function
+    shape = dict(batch_size=rows, q_length=length, kv_length=length, q_offset=0, kv_offset=0, device=mask.device,
+                 local_size=SLIDING_WINDOW if sliding else None)
+    if way == "bounds":
+        return FlexMaskWithPaddingBounds(mu.flex_attention_mask)(mask_function=mask_function, attention_mask=mask,
+                                                                 **shape)
     original = mu.create_block_mask
     if way == "eager":
         mu.create_block_mask = lambda *args, _compile=False, **kwargs: create_block_mask(*args, **kwargs)
     try:
-        return function(batch_size=rows, q_length=length, kv_length=length, q_offset=0, kv_offset=0,
-                        mask_function=mask_function, attention_mask=mask, device=mask.device)
+        return mu.flex_attention_mask(mask_function=BoundedMask(mask_function, *padding_bounds(mask)),
+                                      attention_mask=None, **shape)
     finally:
         mu.create_block_mask = original
 
@@ -89,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         mask = padded_mask(rows, length, device)
         for sliding in (False, True):
             blocks = {}
-            for way in ("compiled", "eager"):
+            for way in s.WAYS:
                 if cuda:
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
@@ -104,9 +110,10 @@ def main(argv: list[str] | None = None) -> int:
                 extra = (torch.cuda.max_memory_allocated() - held) / 2**30 if cuda else float("nan")
                 results.append((shape, "sliding" if sliding else "full", way, first, ms, extra))
                 print(results[-1], flush=True)
-            same = all(torch.equal(getattr(blocks["compiled"], f), getattr(blocks["eager"], f))
-                       for f in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"))
-            print(f"{shape} {'sliding' if sliding else 'full'}: the same block mask both ways: {same}", flush=True)
+            same = all(torch.equal(getattr(blocks[s.WAYS[0]], f), getattr(blocks[way], f)) for way in s.WAYS
+                       for f in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                                 "q_num_blocks", "q_indices"))
+            print(f"{shape} {'sliding' if sliding else 'full'}: the same block mask every way: {same}", flush=True)
             if not same:
                 return 1
     print(f"\n{stack_versions()}; sliding window {SLIDING_WINDOW}, rows padded as TRL pads them")

@@ -620,3 +620,69 @@ def test_flex_attention_with_the_training_sink_step_equals_transformers_on_cuda(
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         plain = flex_attention_forward(module, q, k, v, None, scaling=0.125, s_aux=sinks)[0]
         assert torch.equal(wrapped(module, q, k, v, None, scaling=0.125, s_aux=sinks)[0], plain)
+
+
+def trl_padded_mask(rows: int, length: int) -> torch.Tensor:
+    """A 0/1 mask as TRL batches rows: prompts left-padded by different amounts, completions right-padded."""
+    mask = torch.ones(rows, length, dtype=torch.long)
+    for row in range(rows):
+        mask[row, :(37 * row) % 300] = 0
+        mask[row, length - (101 * row) % 500:] = 0
+    return mask.cuda()
+
+
+@pytest.mark.parametrize("rows, length, window", [(4, 4869, None), (4, 4869, 128), (3, 700, 128), (2, 256, None)])
+def test_block_mask_from_bounds_is_transformers_compiled_block_mask_on_cuda(rows, length, window):
+    """FlexMaskWithPaddingBounds works the block mask out per block; transformers' flex_attention_mask builds it
+    with torch.compile(create_block_mask) from the per-position lookup: the same block lists on CUDA, at a training
+    pass's length (several blocks, the last one cut) and a short one."""
+    import transformers.masking_utils as mu
+
+    from tes_grpo.patches.transformers_patches import FlexMaskWithPaddingBounds
+
+    mask = trl_padded_mask(rows, length)
+    mask_function = mu.sliding_window_causal_mask_function(window) if window else mu.causal_mask_function
+    call = dict(batch_size=rows, q_length=length, kv_length=length, q_offset=0, kv_offset=0,
+                mask_function=mask_function, attention_mask=mask, local_size=window, device=mask.device)
+    ours = FlexMaskWithPaddingBounds(mu.flex_attention_mask)(**call)
+    theirs = mu.flex_attention_mask(**call)
+    for field in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                  "q_indices", "full_q_num_blocks", "full_q_indices"):
+        assert torch.equal(getattr(ours, field), getattr(theirs, field)), field
+
+
+@pytest.mark.usefixtures("own_flex_compilations")
+def test_a_flex_model_with_block_masks_from_bounds_gives_transformers_loss_and_gradients_on_cuda(monkeypatch):
+    """A small gpt-oss with flex attention, trained as on a GPU (autocast, gradient checkpointing), over a padded
+    batch of several blocks: with flex_masks_with_padding_bounds installed, no create_block_mask runs, and the loss
+    and gradients equal transformers' own (the same blocks, the same scores)."""
+    import transformers.masking_utils as mu
+
+    from tes_grpo.patches.transformers_patches import flex_masks_with_padding_bounds
+
+    model = small_cuda_model()
+    model.set_attn_implementation("flex_attention")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    mask = trl_padded_mask(3, 700)
+    ids = torch.randint(10, 512, mask.shape, generator=torch.Generator().manual_seed(2)).cuda() * mask
+    built = []
+    monkeypatch.setattr(mu, "create_block_mask", lambda *args, original=mu.create_block_mask, **kwargs: (
+        built.append(1), original(*args, **kwargs))[1])
+    results = []
+    for bounds in (False, True):
+        registry = mu.AttentionMaskInterface()  # a fresh instance: its local entries do not leak into other tests
+        monkeypatch.setattr(mu, "ALL_MASK_ATTENTION_FUNCTIONS", registry)
+        if bounds:
+            assert flex_masks_with_padding_bounds()
+        built.clear()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = (model(input_ids=ids, attention_mask=mask).logits.float().square() * mask[..., None]).mean()
+        loss.backward()
+        results.append((loss.detach(), [p.grad.detach().clone() for p in model.parameters()], len(built)))
+        model.zero_grad(set_to_none=True)
+    (loss, grads, built), (bounded_loss, bounded_grads, bounded_built) = results
+    assert built > 0 and bounded_built == 0
+    assert torch.equal(bounded_loss, loss)
+    for ours, theirs in zip(bounded_grads, grads, strict=True):
+        assert torch.equal(ours, theirs)

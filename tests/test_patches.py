@@ -101,23 +101,30 @@ def test_padding_bounds(row, expected):
     assert (got if got is None else (int(got[0][0]), int(got[1][0]))) == expected
 
 
-def dense_flex_mask(monkeypatch, wrapped: bool, attention_mask, sliding: int | None, q_length: int, q_offset: int):
-    """The mask flex attention would get from transformers' flex_attention_mask (wrapped or not), as a dense
-    [B, 1, Q, KV] bool tensor: create_block_mask is replaced by the dense evaluation of the same mask function."""
+def flex_block_mask(monkeypatch, wrapped: bool, attention_mask, sliding: int | None, q_length: int, q_offset: int):
+    """The BlockMask flex attention would get from transformers' flex_attention_mask (wrapped or not), with
+    create_block_mask run eagerly (transformers compiles it; the same mask, without the wait). Eager
+    create_block_mask refuses the int64 mask transformers' lookup makes of TRL's int64 attention mask, so the mask
+    function it gets answers in bool."""
     import torch
     import transformers.masking_utils as mu
-    from torch.nn.attention.flex_attention import create_mask
+    from torch.nn.attention.flex_attention import create_block_mask
 
     from tes_grpo.patches.transformers_patches import FlexMaskWithPaddingBounds
 
-    monkeypatch.setattr(mu, "create_block_mask", lambda mask_mod, B, H, Q_LEN, KV_LEN, device, **kw: create_mask(
-        mask_mod, B, 1, Q_LEN, KV_LEN, device=device))
+    monkeypatch.setattr(mu, "create_block_mask", lambda mask_mod, *args, _compile=False, **kwargs: create_block_mask(
+        lambda b, h, q, kv: mask_mod(b, h, q, kv).bool(), *args, **kwargs))
     function = FlexMaskWithPaddingBounds(mu.flex_attention_mask) if wrapped else mu.flex_attention_mask
     mask_function = mu.sliding_window_causal_mask_function(sliding) if sliding else mu.causal_mask_function
     kv_length = attention_mask.shape[1]
     return function(batch_size=attention_mask.shape[0], q_length=q_length, kv_length=kv_length - q_offset,
                     q_offset=q_offset, kv_offset=q_offset, mask_function=mask_function,
-                    attention_mask=attention_mask, device="cpu", dtype=torch.bfloat16)
+                    attention_mask=attention_mask, local_size=sliding, device="cpu", dtype=torch.bfloat16)
+
+
+def rows_padded(length: int, *bounds: tuple[int, int]) -> list[list[int]]:
+    """Rows of a 0/1 attention mask of `length` with ones over each [start, end)."""
+    return [[int(start <= k < end) for k in range(length)] for start, end in bounds]
 
 
 # (rows of the attention mask, sliding window or None, query length, query offset)
@@ -127,19 +134,89 @@ FLEX_MASKS = [
     ([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1], [1] * 10], 4, 2, 8),  # the last 2 positions after 8 cached (offsets)
     ([[1, 1, 0, 1, 1, 1, 1, 1, 1, 1], [1] * 10], None, 10, 0),  # a hole: transformers' own lookup
     ([[0] * 10, [1] * 10], None, 10, 0),  # a row with nothing to attend to
+    (rows_padded(300, (40, 300), (0, 200), (130, 257)), None, 300, 0),  # several blocks, the last one cut
+    (rows_padded(300, (40, 300), (0, 200), (130, 257)), 128, 300, 0),  # gpt-oss's window over several blocks
+    (rows_padded(384, (0, 384), (128, 256), (0, 0)), 128, 384, 0),  # whole blocks: full ones exist, bounds on edges
+    (rows_padded(384, (5, 384), (0, 383)), 200, 384, 0),  # a window wider than a block
+    (rows_padded(400, (17, 400), (0, 390)), 128, 150, 250),  # 150 queries after 250 cached: offsets across blocks
+    (rows_padded(260, (1, 260), (0, 259)), 1, 260, 0),  # a window of one: the diagonal only
+    ([[1] * 300] * 2, None, 300, 0),  # no padding: the same mask, still without create_block_mask
+    ([[1] * 300] * 2, 128, 300, 0),
 ]
 
 
 @pytest.mark.parametrize("rows, sliding, q_length, q_offset", FLEX_MASKS)
 def test_bounded_flex_mask_is_transformers_mask(monkeypatch, rows, sliding, q_length, q_offset):
     import torch
+    from torch.nn.attention.flex_attention import create_mask
 
     attention_mask = torch.tensor(rows)
-    ours = dense_flex_mask(monkeypatch, True, attention_mask, sliding, q_length, q_offset)
-    theirs = dense_flex_mask(monkeypatch, False, attention_mask, sliding, q_length, q_offset)
-    assert ours.shape == (2, 1, q_length, 10 - q_offset)
-    assert torch.equal(ours, theirs)
-    assert ours.any() and not ours.all()
+    ours = flex_block_mask(monkeypatch, True, attention_mask, sliding, q_length, q_offset)
+    theirs = flex_block_mask(monkeypatch, False, attention_mask, sliding, q_length, q_offset)
+    kv_length = attention_mask.shape[1] - q_offset
+    assert ours.shape == theirs.shape == (len(rows), 1, q_length, kv_length)
+    assert ours.BLOCK_SIZE == theirs.BLOCK_SIZE
+    for field in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                  "q_indices", "full_q_num_blocks", "full_q_indices"):
+        assert torch.equal(getattr(ours, field), getattr(theirs, field)), field
+    dense = create_mask(ours.mask_mod, len(rows), 1, q_length, kv_length, device="cpu")
+    assert torch.equal(dense, create_mask(theirs.mask_mod, len(rows), 1, q_length, kv_length, device="cpu"))
+    assert torch.equal(ours.to_dense(), theirs.to_dense())
+    assert dense.any() and not dense.all()
+
+
+def test_bounded_block_mask_needs_no_create_block_mask(monkeypatch):
+    import torch
+    import transformers.masking_utils as mu
+
+    from tes_grpo.patches.transformers_patches import FlexMaskWithPaddingBounds
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("create_block_mask called")
+
+    monkeypatch.setattr(mu, "create_block_mask", refuse)
+    function = FlexMaskWithPaddingBounds(mu.flex_attention_mask)
+    mask = torch.tensor(rows_padded(300, (40, 300), (0, 200)))
+    for mask_function, window in ((mu.causal_mask_function, None), (mu.sliding_window_causal_mask_function(128), 128)):
+        block_mask = function(batch_size=2, q_length=300, kv_length=300, q_offset=0, kv_offset=0,
+                              mask_function=mask_function, attention_mask=mask, local_size=window, device="cpu")
+        assert int(block_mask.kv_num_blocks.sum()) > 0
+
+
+def mask_functions():
+    import transformers.masking_utils as mu
+
+    return {
+        "causal": mu.causal_mask_function,
+        "sliding 128": mu.sliding_window_causal_mask_function(128),
+        "sliding 64": mu.sliding_window_causal_mask_function(64),
+        "overlay first, reversed": mu.and_masks(mu.causal_mask_function, mu.sliding_window_overlay(128)),
+        "bidirectional": mu.bidirectional_mask_function,
+        "causal and more": mu.and_masks(mu.causal_mask_function, mu.causal_mask_function),
+    }
+
+
+# (mask function, the local_size transformers passes along, what causal_window says: None causal, a window, or
+# False for a mask worked out position by position)
+CAUSAL_WINDOWS = [
+    ("causal", None, None),  # create_causal_mask's function
+    ("causal", 128, None),  # a window passed along does not make a causal mask sliding
+    ("sliding 128", 128, 128),  # create_sliding_window_causal_mask's function, a fresh closure each call
+    ("sliding 64", 128, False),  # a window other than the one passed along
+    ("sliding 128", None, False),  # no window passed along
+    ("sliding 128", True, False),  # not an int window
+    ("overlay first, reversed", 128, False),  # the same mask composed otherwise: not recognised, still exact
+    ("bidirectional", None, False),
+    ("causal and more", None, False),
+]
+
+
+@pytest.mark.parametrize("name, local_size, expected", CAUSAL_WINDOWS)
+def test_causal_window(name, local_size, expected):
+    from tes_grpo.patches.transformers_patches import causal_window
+
+    assert causal_window(mask_functions()[name], local_size) is expected or causal_window(
+        mask_functions()[name], local_size) == expected and expected not in (None, False)
 
 
 def test_flex_mask_wrapper_installs_once_and_passes_holes_through(monkeypatch):
@@ -236,7 +313,8 @@ def test_each_patch_exists_and_names_the_versions_it_serves(entry):
 
 
 # public functions of the patch modules that are helpers of a registered patch, not patches themselves
-HELPERS = {"saved_tensors_hooks_readable", "grouped_mm_experts_for_decode", "padding_bounds"}
+HELPERS = {"saved_tensors_hooks_readable", "grouped_mm_experts_for_decode", "padding_bounds", "same_function",
+           "causal_window", "bounded_block_mask", "blocks_in_order"}
 
 
 @pytest.mark.parametrize("module", ["torch_patches", "transformers_patches", "trl_patches", "accelerate_patches"])

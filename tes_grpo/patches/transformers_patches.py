@@ -8,6 +8,7 @@ import contextlib
 import torch
 import transformers.masking_utils as masking_utils
 import transformers.models.gpt_oss.modeling_gpt_oss as modeling_gpt_oss
+from torch.nn.attention.flex_attention import BlockMask
 from transformers.integrations import TensorBoardCallback
 
 from tes_grpo.lm_head import causal_lm
@@ -102,6 +103,80 @@ class BoundedMask:
             kv_idx < self.end[batch_idx])
 
 
+# create_block_mask's block size, which transformers' flex_attention_mask leaves at torch's default
+BLOCK_SIZE = 128
+
+
+def same_function(a, b) -> bool:
+    """Whether two mask functions are the same code over equal captured values, closures compared all the way down
+    (transformers builds a fresh closure for each mask; `is` cannot tell them apart)."""
+    if a is b:
+        return True
+    if isinstance(a, tuple | list) and isinstance(b, tuple | list):
+        return len(a) == len(b) and all(same_function(x, y) for x, y in zip(a, b, strict=True))
+    code = getattr(a, "__code__", None)
+    if code is None or not callable(a):
+        return type(a) is type(b) and not callable(b) and a == b
+    if code is not getattr(b, "__code__", None):
+        return False
+    cells, others = a.__closure__ or (), b.__closure__ or ()
+    return len(cells) == len(others) and all(
+        same_function(x.cell_contents, y.cell_contents) for x, y in zip(cells, others, strict=True))
+
+
+def causal_window(mask_function, local_size) -> int | None | bool:
+    """The sliding window of transformers' sliding-window causal mask function (`local_size` is the window
+    create_sliding_window_causal_mask passes along), None for its plain causal one, False for any other."""
+    if mask_function is masking_utils.causal_mask_function:
+        return None
+    if isinstance(local_size, int) and local_size > 0 and same_function(
+            mask_function, masking_utils.sliding_window_causal_mask_function(local_size)):
+        return local_size
+    return False
+
+
+def bounded_block_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int, kv_offset: int, start, end,
+                       window: int | None, mask_mod):
+    """The BlockMask that create_block_mask builds for a causal (window None) or sliding-window causal mask cut to
+    each row's keys [start, end) (padding_bounds), worked out per block instead of evaluating every position.
+
+    Query i (offset q_offset) may see key k (offset kv_offset) where k <= i, k > i - window, start <= k < end: each
+    condition is linear in (i, k), so a block's corners tell whether it is full (every pair, the block inside both
+    lengths: create_block_mask pads a cut block with False) or empty. The block lists are ordered as
+    create_block_mask orders them (a stable sort of each row, kept blocks first), so flex attention gets the same
+    mask from a few small tensors, with nothing to compile.
+    """
+    device = start.device
+    q_blocks, kv_blocks = -(-q_length // BLOCK_SIZE), -(-kv_length // BLOCK_SIZE)
+    q_lo = torch.arange(q_blocks, device=device).view(1, 1, -1, 1) * BLOCK_SIZE
+    kv_lo = torch.arange(kv_blocks, device=device).view(1, 1, 1, -1) * BLOCK_SIZE
+    q_hi = (q_lo + BLOCK_SIZE - 1).clamp(max=q_length - 1) + q_offset  # the last positions that exist
+    kv_hi = (kv_lo + BLOCK_SIZE - 1).clamp(max=kv_length - 1) + kv_offset
+    q_lo, kv_lo = q_lo + q_offset, kv_lo + kv_offset
+    whole = ((q_lo + BLOCK_SIZE - 1 == q_hi) & (kv_lo + BLOCK_SIZE - 1 == kv_hi))
+    start, end = start.view(-1, 1, 1, 1).to(kv_lo.dtype), end.view(-1, 1, 1, 1).to(kv_lo.dtype)
+    # keys a block may keep: within the row's bounds, no later than its last query, within the window of its first
+    first = torch.maximum(kv_lo, start)
+    last = torch.minimum(torch.minimum(kv_hi, end - 1), q_hi)
+    full = whole & (kv_lo >= start) & (kv_hi < end) & (kv_hi <= q_lo)
+    if window is not None:
+        first = torch.maximum(first, q_lo - window + 1)
+        full = full & (kv_lo > q_hi - window)
+    kept = first <= last
+    shape = (batch_size, 1, q_blocks, kv_blocks)
+    partial, full = (kept & ~full).expand(shape), full.expand(shape)
+    return BlockMask.from_kv_blocks(
+        *blocks_in_order(partial), *blocks_in_order(full), BLOCK_SIZE=(BLOCK_SIZE, BLOCK_SIZE), mask_mod=mask_mod,
+        seq_lengths=(q_length, kv_length))
+
+
+def blocks_in_order(dense):
+    """(count, indices) per block row of a [B, H, Q blocks, KV blocks] bool tensor, as create_block_mask lists them."""
+    dense = dense.to(torch.int32)
+    return (dense.sum(-1).to(torch.int32),
+            torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32).contiguous())
+
+
 class FlexMaskWithPaddingBounds:
     """transformers' flex_attention_mask with padding written as each row's bounds (flex_masks_with_padding_bounds)."""
 
@@ -111,13 +186,23 @@ class FlexMaskWithPaddingBounds:
     def __call__(self, *args, **kwargs):
         original = self.wraps_original
         attention_mask = kwargs.get("attention_mask")
-        if args or attention_mask is None or attention_mask.dim() != 2 or bool(attention_mask.all()):
+        if args or attention_mask is None or attention_mask.dim() != 2:
             return original(*args, **kwargs)
         bounds = padding_bounds(attention_mask)
         if bounds is None:  # holes inside a row: transformers' per-position lookup, exact and slower
             return original(**kwargs)
-        mask_function = BoundedMask(kwargs.get("mask_function", masking_utils.causal_mask_function), *bounds)
-        return original(**{**kwargs, "mask_function": mask_function, "attention_mask": None})
+        mask_function = kwargs.get("mask_function", masking_utils.causal_mask_function)
+        bounded = BoundedMask(mask_function, *bounds)
+        window = causal_window(mask_function, kwargs.get("local_size"))
+        if window is not False and {"batch_size", "q_length", "kv_length"} <= kwargs.keys():
+            q_offset, kv_offset = kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0)
+            return bounded_block_mask(kwargs["batch_size"], kwargs["q_length"], kwargs["kv_length"], q_offset,
+                                      kv_offset, *bounds, window,
+                                      masking_utils.add_offsets_to_mask_function(bounded, q_offset, kv_offset))
+        # any other mask function: worked out position by position, in transformers' compiled create_block_mask
+        if bool(attention_mask.all()):  # no padding: transformers leaves the mask out itself
+            return original(**kwargs)
+        return original(**{**kwargs, "mask_function": bounded, "attention_mask": None})
 
 
 def flex_masks_with_padding_bounds(say=_say) -> bool:
@@ -129,6 +214,10 @@ def flex_masks_with_padding_bounds(say=_say) -> bool:
     benchmarks/bench_train_pass.py). A row of TRL's batches is one run of ones
     (prompt left-padded, completion right-padded), so its bounds give the same mask; a mask with holes inside a row
     keeps transformers' lookup.
+    For transformers' causal and sliding-window causal masks the BlockMask itself is worked out from the bounds
+    (bounded_block_mask; the same block lists create_block_mask gives). transformers builds it with
+    `torch.compile(create_block_mask)`, whose compilations a cold first step waits for, per mask kind and again as
+    shapes change (BENCHMARKS.md); any other mask function still goes through it.
     Installed into transformers' mask registry for the process (idempotent); returns False, and says so, if this
     transformers has no flex mask entry to wrap.
     """
