@@ -102,7 +102,8 @@ def test_padding_bounds(row, expected):
 
 
 def flex_block_mask(monkeypatch, wrapped: bool, attention_mask, sliding: int | None, q_length: int, q_offset: int):
-    """The BlockMask flex attention would get from transformers' flex_attention_mask (wrapped or not), with
+    """The BlockMask flex attention would get from transformers' flex_attention_mask (wrapped or not; attention_mask
+    None: 2 rows of q_offset + q_length keys without one), with
     create_block_mask run eagerly (transformers compiles it; the same mask, without the wait). Eager
     create_block_mask refuses the int64 mask transformers' lookup makes of TRL's int64 attention mask, so the mask
     function it gets answers in bool."""
@@ -116,8 +117,8 @@ def flex_block_mask(monkeypatch, wrapped: bool, attention_mask, sliding: int | N
         lambda b, h, q, kv: mask_mod(b, h, q, kv).bool(), *args, **kwargs))
     function = FlexMaskWithPaddingBounds(mu.flex_attention_mask) if wrapped else mu.flex_attention_mask
     mask_function = mu.sliding_window_causal_mask_function(sliding) if sliding else mu.causal_mask_function
-    kv_length = attention_mask.shape[1]
-    return function(batch_size=attention_mask.shape[0], q_length=q_length, kv_length=kv_length - q_offset,
+    rows, kv_length = (2, q_offset + q_length) if attention_mask is None else attention_mask.shape
+    return function(batch_size=rows, q_length=q_length, kv_length=kv_length - q_offset,
                     q_offset=q_offset, kv_offset=q_offset, mask_function=mask_function,
                     attention_mask=attention_mask, local_size=sliding, device="cpu", dtype=torch.bfloat16)
 
@@ -127,7 +128,7 @@ def rows_padded(length: int, *bounds: tuple[int, int]) -> list[list[int]]:
     return [[int(start <= k < end) for k in range(length)] for start, end in bounds]
 
 
-# (rows of the attention mask, sliding window or None, query length, query offset)
+# (rows of the attention mask or None for none, sliding window or None, query length, query offset)
 FLEX_MASKS = [
     ([[0, 0, 0, 1, 1, 1, 1, 1, 1, 1], [1] * 10], None, 10, 0),  # TRL: left-padded prompts, a training forward
     ([[0, 0, 1, 1, 1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1, 1, 1, 1, 1]], 3, 10, 0),  # right padding, sliding window
@@ -142,6 +143,8 @@ FLEX_MASKS = [
     (rows_padded(260, (1, 260), (0, 259)), 1, 260, 0),  # a window of one: the diagonal only
     ([[1] * 300] * 2, None, 300, 0),  # no padding: the same mask, still without create_block_mask
     ([[1] * 300] * 2, 128, 300, 0),
+    (None, None, 300, 0),  # no mask at all (one sequence, or a caller that pads nothing)
+    (None, 128, 150, 250),
 ]
 
 
@@ -150,10 +153,11 @@ def test_bounded_flex_mask_is_transformers_mask(monkeypatch, rows, sliding, q_le
     import torch
     from torch.nn.attention.flex_attention import create_mask
 
-    attention_mask = torch.tensor(rows)
+    attention_mask = None if rows is None else torch.tensor(rows)
     ours = flex_block_mask(monkeypatch, True, attention_mask, sliding, q_length, q_offset)
     theirs = flex_block_mask(monkeypatch, False, attention_mask, sliding, q_length, q_offset)
-    kv_length = attention_mask.shape[1] - q_offset
+    rows = rows or [[1] * (q_offset + q_length)] * 2
+    kv_length = len(rows[0]) - q_offset
     assert ours.shape == theirs.shape == (len(rows), 1, q_length, kv_length)
     assert ours.BLOCK_SIZE == theirs.BLOCK_SIZE
     for field in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",

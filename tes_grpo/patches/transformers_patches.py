@@ -186,21 +186,27 @@ class FlexMaskWithPaddingBounds:
     def __call__(self, *args, **kwargs):
         original = self.wraps_original
         attention_mask = kwargs.get("attention_mask")
-        if args or attention_mask is None or attention_mask.dim() != 2:
+        shape = {"batch_size", "q_length", "kv_length"} <= kwargs.keys()
+        if args or (attention_mask is None and not shape) or (attention_mask is not None and attention_mask.dim() != 2):
             return original(*args, **kwargs)
-        bounds = padding_bounds(attention_mask)
+        q_offset, kv_offset = kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0)
+        if attention_mask is None:  # every key of every row
+            rows, device = kwargs["batch_size"], kwargs.get("device")
+            bounds = (torch.zeros(rows, dtype=torch.long, device=device),
+                      torch.full((rows,), kv_offset + kwargs["kv_length"], dtype=torch.long, device=device))
+        else:
+            bounds = padding_bounds(attention_mask)
         if bounds is None:  # holes inside a row: transformers' per-position lookup, exact and slower
             return original(**kwargs)
         mask_function = kwargs.get("mask_function", masking_utils.causal_mask_function)
         bounded = BoundedMask(mask_function, *bounds)
         window = causal_window(mask_function, kwargs.get("local_size"))
-        if window is not False and {"batch_size", "q_length", "kv_length"} <= kwargs.keys():
-            q_offset, kv_offset = kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0)
+        if window is not False and shape:
             return bounded_block_mask(kwargs["batch_size"], kwargs["q_length"], kwargs["kv_length"], q_offset,
                                       kv_offset, *bounds, window,
                                       masking_utils.add_offsets_to_mask_function(bounded, q_offset, kv_offset))
         # any other mask function: worked out position by position, in transformers' compiled create_block_mask
-        if bool(attention_mask.all()):  # no padding: transformers leaves the mask out itself
+        if attention_mask is None or bool(attention_mask.all()):  # no padding: transformers leaves the mask out itself
             return original(**kwargs)
         return original(**{**kwargs, "mask_function": bounded, "attention_mask": None})
 
