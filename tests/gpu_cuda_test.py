@@ -645,7 +645,8 @@ def test_block_mask_from_bounds_is_transformers_compiled_block_mask_on_cuda(rows
     call = dict(batch_size=rows, q_length=length, kv_length=length, q_offset=0, kv_offset=0,
                 mask_function=mask_function, attention_mask=mask, local_size=window, device=mask.device)
     ours = FlexMaskWithPaddingBounds(mu.flex_attention_mask)(**call)
-    theirs = mu.flex_attention_mask(**call)
+    # bool for transformers' own lookup: create_block_mask refuses the int64 mask it makes of TRL's int64 one
+    theirs = mu.flex_attention_mask(**{**call, "attention_mask": mask.bool()})
     for field in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
                   "q_indices", "full_q_num_blocks", "full_q_indices"):
         assert torch.equal(getattr(ours, field), getattr(theirs, field)), field

@@ -58,10 +58,10 @@ PATCHED = (  # patch, library, target, ((version, fingerprint), ...)
             (("5.24.0", "71bbca9c4145"), ("5.17.0", "71bbca9c4145"))),
     Patched("patches.transformers_patches.flex_masks_with_padding_bounds", "torch",
             "torch.nn.attention.flex_attention:_convert_mask_to_block_mask",  # full and partial blocks, cut blocks
-            (("2.13.0", "927ed8500d29"),)),
+            (("2.13.0", "927ed8500d29"), ("2.11.0", "1bc38912edca"))),
     Patched("patches.transformers_patches.flex_masks_with_padding_bounds", "torch",
             "torch.nn.attention.flex_attention:_dense_to_ordered",  # the order of a row's blocks
-            (("2.13.0", "b577109e1bf5"),)),
+            (("2.13.0", "b577109e1bf5"), ("2.11.0", "9d0997637e3c"))),
     Patched("patches.transformers_patches.rotary_embedding_in_training", "transformers",
             "transformers.models.gpt_oss.modeling_gpt_oss:GptOssAttention.forward",  # calls the patched name
             (("5.24.0", "3cdb5143b2e3"), ("5.17.0", "4c90f8c6cd75"))),
