@@ -187,6 +187,29 @@ def test_bounded_block_mask_needs_no_create_block_mask(monkeypatch):
         assert int(block_mask.kv_num_blocks.sum()) > 0
 
 
+@pytest.mark.slow
+def test_both_layer_kinds_share_one_compiled_flex_attention_with_transformers_output(monkeypatch):
+    """The block masks from bounds hold one mask function for full and sliding layers: torch.compile(flex_attention)
+    (transformers' compiled flex attention) builds one graph for both kinds instead of one each, and gives the output
+    of flex attention over transformers' own mask. Forward only: flex attention has no backward on the CPU."""
+    import torch
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch._dynamo.reset()  # a compiled flex attention of this test's own
+    try:
+        compiled = torch.compile(flex_attention)
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(2, 4, 300, 16, generator=g) for _ in range(3))
+        mask = torch.tensor(rows_padded(300, (40, 300), (0, 200)))
+        for sliding in (None, 128):
+            ours = compiled(q, k, v, block_mask=flex_block_mask(monkeypatch, True, mask, sliding, 300, 0))
+            theirs = flex_attention(q, k, v, block_mask=flex_block_mask(monkeypatch, False, mask, sliding, 300, 0))
+            assert torch.allclose(ours, theirs, atol=1e-5, rtol=1e-5)
+        assert len(torch._dynamo.eval_frame._debug_get_cache_entry_list(flex_attention.__code__)) == 1
+    finally:
+        torch._dynamo.reset()
+
+
 def mask_functions():
     import transformers.masking_utils as mu
 

@@ -177,6 +177,24 @@ def blocks_in_order(dense):
             torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32).contiguous())
 
 
+# the window a full-attention layer's BoundedCausalMask gets: longer than any sequence
+FULL_WINDOW = 2**30
+
+
+class BoundedCausalMask:
+    """Causal attention within `window` keys (a 0-d tensor; FULL_WINDOW for a full-attention layer) and each row's
+    [start, end) keys: one mask function for both of gpt-oss's layer kinds. Flex attention's compilation is keyed on
+    the mask function's code and the values it holds, and transformers' two masks differ in both (a window in a
+    closure), so it compiled each kind apart; here the window is a tensor it reads."""
+
+    def __init__(self, start, end, window):
+        self.start, self.end, self.window = start, end, window
+
+    def __call__(self, batch_idx, head_idx, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (kv_idx > q_idx - self.window) & (kv_idx >= self.start[batch_idx]) & (
+            kv_idx < self.end[batch_idx])
+
+
 class FlexMaskWithPaddingBounds:
     """transformers' flex_attention_mask with padding written as each row's bounds (flex_masks_with_padding_bounds)."""
 
@@ -199,12 +217,15 @@ class FlexMaskWithPaddingBounds:
         if bounds is None:  # holes inside a row: transformers' per-position lookup, exact and slower
             return original(**kwargs)
         mask_function = kwargs.get("mask_function", masking_utils.causal_mask_function)
-        bounded = BoundedMask(mask_function, *bounds)
         window = causal_window(mask_function, kwargs.get("local_size"))
         if window is not False and shape:
+            start = bounds[0]
+            causal = BoundedCausalMask(*bounds, torch.tensor(window or FULL_WINDOW, dtype=start.dtype,
+                                                             device=start.device))
             return bounded_block_mask(kwargs["batch_size"], kwargs["q_length"], kwargs["kv_length"], q_offset,
                                       kv_offset, *bounds, window,
-                                      masking_utils.add_offsets_to_mask_function(bounded, q_offset, kv_offset))
+                                      masking_utils.add_offsets_to_mask_function(causal, q_offset, kv_offset))
+        bounded = BoundedMask(mask_function, *bounds)
         # any other mask function: worked out position by position, in transformers' compiled create_block_mask
         if attention_mask is None or bool(attention_mask.all()):  # no padding: transformers leaves the mask out itself
             return original(**kwargs)
@@ -223,7 +244,8 @@ def flex_masks_with_padding_bounds(say=_say) -> bool:
     For transformers' causal and sliding-window causal masks the BlockMask itself is worked out from the bounds
     (bounded_block_mask; the same block lists create_block_mask gives). transformers builds it with
     `torch.compile(create_block_mask)`, whose compilations a cold first step waits for, per mask kind and again as
-    shapes change (BENCHMARKS.md); any other mask function still goes through it.
+    shapes change (BENCHMARKS.md); any other mask function still goes through it. Both kinds then hold one mask
+    function (BoundedCausalMask), so transformers' compiled flex attention compiles once for both, not per kind.
     Installed into transformers' mask registry for the process (idempotent); returns False, and says so, if this
     transformers has no flex mask entry to wrap.
     """
