@@ -645,7 +645,7 @@ def test_block_mask_from_bounds_is_transformers_compiled_block_mask_on_cuda(rows
     call = dict(batch_size=rows, q_length=length, kv_length=length, q_offset=0, kv_offset=0,
                 mask_function=mask_function, attention_mask=mask, local_size=window, device=mask.device)
     ours = FlexMaskWithPaddingBounds(mu.flex_attention_mask)(**call)
-    # bool for transformers' own lookup: create_block_mask refuses the int64 mask it makes of TRL's int64 one
+    # bool, as a model's forward gives transformers' lookup (it casts the 2-D mask): create_block_mask refuses int64
     theirs = mu.flex_attention_mask(**{**call, "attention_mask": mask.bool()})
     for field in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
                   "q_indices", "full_q_num_blocks", "full_q_indices"):
@@ -655,9 +655,11 @@ def test_block_mask_from_bounds_is_transformers_compiled_block_mask_on_cuda(rows
 @pytest.mark.usefixtures("own_flex_compilations")
 def test_a_flex_model_with_block_masks_from_bounds_gives_transformers_loss_and_gradients_on_cuda(monkeypatch):
     """A small gpt-oss with flex attention, trained as on a GPU (autocast, gradient checkpointing), over a padded
-    batch of several blocks: with flex_masks_with_padding_bounds installed, no create_block_mask runs, and the loss
-    and gradients equal transformers' own (the same blocks, the same scores)."""
+    batch of several blocks: with flex_masks_with_padding_bounds installed, no create_block_mask runs, flex attention
+    compiles one graph for both layer kinds (forward, backward and recomputation), and the loss and gradients equal
+    transformers' own (the same blocks, the same scores)."""
     import transformers.masking_utils as mu
+    from torch.nn.attention.flex_attention import flex_attention
 
     from tes_grpo.patches.transformers_patches import flex_masks_with_padding_bounds
 
@@ -676,14 +678,17 @@ def test_a_flex_model_with_block_masks_from_bounds_gives_transformers_loss_and_g
         monkeypatch.setattr(mu, "ALL_MASK_ATTENTION_FUNCTIONS", registry)
         if bounds:
             assert flex_masks_with_padding_bounds()
+            torch._dynamo.reset()  # count the graphs of this forward alone
         built.clear()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = (model(input_ids=ids, attention_mask=mask).logits.float().square() * mask[..., None]).mean()
         loss.backward()
         results.append((loss.detach(), [p.grad.detach().clone() for p in model.parameters()], len(built)))
         model.zero_grad(set_to_none=True)
+    graphs = torch._dynamo.eval_frame._debug_get_cache_entry_list(flex_attention.__code__)
     (loss, grads, built), (bounded_loss, bounded_grads, bounded_built) = results
     assert built > 0 and bounded_built == 0
+    assert len(graphs) == 1
     assert torch.equal(bounded_loss, loss)
     for ours, theirs in zip(bounded_grads, grads, strict=True):
         assert torch.equal(ours, theirs)

@@ -101,12 +101,14 @@ def test_padding_bounds(row, expected):
     assert (got if got is None else (int(got[0][0]), int(got[1][0]))) == expected
 
 
-def flex_block_mask(monkeypatch, wrapped: bool, attention_mask, sliding: int | None, q_length: int, q_offset: int):
-    """The BlockMask flex attention would get from transformers' flex_attention_mask (wrapped or not; attention_mask
-    None: 2 rows of q_offset + q_length keys without one), with
-    create_block_mask run eagerly (transformers compiles it; the same mask, without the wait). Eager
-    create_block_mask refuses the int64 mask transformers' lookup makes of TRL's int64 attention mask, so the mask
-    function it gets answers in bool."""
+def flex_block_mask(monkeypatch, wrapped: bool, attention_mask, sliding: int | None, q_length: int, q_offset: int,
+                    kv_offset: int | None = None, kv_length: int | None = None):
+    """The BlockMask flex attention would get from transformers' flex_attention_mask (wrapped or not), with
+    create_block_mask run eagerly (transformers compiles it; the same mask, without the wait). attention_mask None:
+    2 rows without one. kv_offset defaults to q_offset, kv_length to the keys from kv_offset to the mask's end (or
+    the last query). The tests call the mask function with the 0/1 int64 mask TRL makes, which transformers' own
+    lookup keeps as int64 here (a model's forward casts it to bool first), and eager create_block_mask refuses an
+    int64 mask: the mask function it gets answers in bool."""
     import torch
     import transformers.masking_utils as mu
     from torch.nn.attention.flex_attention import create_block_mask
@@ -117,10 +119,28 @@ def flex_block_mask(monkeypatch, wrapped: bool, attention_mask, sliding: int | N
         lambda b, h, q, kv: mask_mod(b, h, q, kv).bool(), *args, **kwargs))
     function = FlexMaskWithPaddingBounds(mu.flex_attention_mask) if wrapped else mu.flex_attention_mask
     mask_function = mu.sliding_window_causal_mask_function(sliding) if sliding else mu.causal_mask_function
-    rows, kv_length = (2, q_offset + q_length) if attention_mask is None else attention_mask.shape
-    return function(batch_size=rows, q_length=q_length, kv_length=kv_length - q_offset,
-                    q_offset=q_offset, kv_offset=q_offset, mask_function=mask_function,
-                    attention_mask=attention_mask, local_size=sliding, device="cpu", dtype=torch.bfloat16)
+    rows, length = (2, q_offset + q_length) if attention_mask is None else attention_mask.shape
+    kv_offset = q_offset if kv_offset is None else kv_offset
+    kv_length = length - kv_offset if kv_length is None else kv_length
+    return function(batch_size=rows, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
+                    mask_function=mask_function, attention_mask=attention_mask, local_size=sliding, device="cpu",
+                    dtype=torch.bfloat16)
+
+
+def assert_same_block_mask(ours, theirs, rows: int, q_length: int, kv_length: int):
+    """The same block lists, the same positions seen (each mask function evaluated everywhere), some but not all."""
+    import torch
+    from torch.nn.attention.flex_attention import create_mask
+
+    assert ours.shape == theirs.shape == (rows, 1, q_length, kv_length)
+    assert ours.BLOCK_SIZE == theirs.BLOCK_SIZE
+    for field in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                  "q_indices", "full_q_num_blocks", "full_q_indices"):
+        assert torch.equal(getattr(ours, field), getattr(theirs, field)), field
+    dense = create_mask(ours.mask_mod, rows, 1, q_length, kv_length, device="cpu")
+    assert torch.equal(dense, create_mask(theirs.mask_mod, rows, 1, q_length, kv_length, device="cpu"))
+    assert torch.equal(ours.to_dense(), theirs.to_dense())
+    assert dense.any() and not dense.all()
 
 
 def rows_padded(length: int, *bounds: tuple[int, int]) -> list[list[int]]:
@@ -150,26 +170,41 @@ FLEX_MASKS = [
 
 @pytest.mark.parametrize("rows, sliding, q_length, q_offset", FLEX_MASKS)
 def test_bounded_flex_mask_is_transformers_mask(monkeypatch, rows, sliding, q_length, q_offset):
+    """The wrapper's block mask (worked out from the bounds, or transformers' for a hole) is transformers' own."""
     import torch
-    from torch.nn.attention.flex_attention import create_mask
 
     attention_mask = None if rows is None else torch.tensor(rows)
     ours = flex_block_mask(monkeypatch, True, attention_mask, sliding, q_length, q_offset)
     theirs = flex_block_mask(monkeypatch, False, attention_mask, sliding, q_length, q_offset)
     rows = rows or [[1] * (q_offset + q_length)] * 2
-    kv_length = len(rows[0]) - q_offset
-    assert ours.shape == theirs.shape == (len(rows), 1, q_length, kv_length)
-    assert ours.BLOCK_SIZE == theirs.BLOCK_SIZE
-    for field in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
-                  "q_indices", "full_q_num_blocks", "full_q_indices"):
-        assert torch.equal(getattr(ours, field), getattr(theirs, field)), field
-    dense = create_mask(ours.mask_mod, len(rows), 1, q_length, kv_length, device="cpu")
-    assert torch.equal(dense, create_mask(theirs.mask_mod, len(rows), 1, q_length, kv_length, device="cpu"))
-    assert torch.equal(ours.to_dense(), theirs.to_dense())
-    assert dense.any() and not dense.all()
+    assert_same_block_mask(ours, theirs, len(rows), q_length, len(rows[0]) - q_offset)
+
+
+# (rows of the attention mask, sliding window or None, query length, query offset, key offset, key length): calls
+# with a cache, where the keys start elsewhere than the queries
+FLEX_MASKS_CACHED = [
+    (rows_padded(400, (17, 400), (0, 390)), None, 150, 250, 0, 400),  # a full layer: every key from the first
+    (rows_padded(400, (17, 400), (0, 390)), 128, 150, 250, 123, 277),  # a sliding layer: the window's keys only
+    (rows_padded(400, (17, 400), (130, 400)), 128, 150, 250, 123, 277),  # a row's first key inside the window
+    (rows_padded(400, (17, 400), (0, 390)), None, 150, 250, 0, 512),  # a static cache longer than the mask
+    (rows_padded(300, (5, 300), (0, 300)), 200, 1, 299, 0, 300),  # one decode step's query
+]
+
+
+@pytest.mark.parametrize("rows, sliding, q_length, q_offset, kv_offset, kv_length", FLEX_MASKS_CACHED)
+def test_bounded_flex_mask_with_a_cache_is_transformers_mask(monkeypatch, rows, sliding, q_length, q_offset,
+                                                              kv_offset, kv_length):
+    """The same with the keys' offset and length apart from the queries', as with a cache."""
+    import torch
+
+    attention_mask = torch.tensor(rows)
+    ours, theirs = (flex_block_mask(monkeypatch, wrapped, attention_mask, sliding, q_length, q_offset, kv_offset,
+                                    kv_length) for wrapped in (True, False))
+    assert_same_block_mask(ours, theirs, len(rows), q_length, kv_length)
 
 
 def test_bounded_block_mask_needs_no_create_block_mask(monkeypatch):
+    """gpt-oss's two masks, padded, are built without create_block_mask (compiled, in transformers)."""
     import torch
     import transformers.masking_utils as mu
 
@@ -240,10 +275,11 @@ CAUSAL_WINDOWS = [
 
 @pytest.mark.parametrize("name, local_size, expected", CAUSAL_WINDOWS)
 def test_causal_window(name, local_size, expected):
+    """Only transformers' own causal and sliding-window functions are recognised, each as what it is."""
     from tes_grpo.patches.transformers_patches import causal_window
 
-    assert causal_window(mask_functions()[name], local_size) is expected or causal_window(
-        mask_functions()[name], local_size) == expected and expected not in (None, False)
+    got = causal_window(mask_functions()[name], local_size)
+    assert got is expected if expected in (None, False) else (type(got) is int and got == expected)
 
 
 def test_flex_mask_wrapper_installs_once_and_passes_holes_through(monkeypatch):
@@ -341,7 +377,7 @@ def test_each_patch_exists_and_names_the_versions_it_serves(entry):
 
 # public functions of the patch modules that are helpers of a registered patch, not patches themselves
 HELPERS = {"saved_tensors_hooks_readable", "grouped_mm_experts_for_decode", "padding_bounds", "same_function",
-           "causal_window", "bounded_block_mask", "blocks_in_order"}
+           "causal_window", "bounded_block_mask"}
 
 
 @pytest.mark.parametrize("module", ["torch_patches", "transformers_patches", "trl_patches", "accelerate_patches"])

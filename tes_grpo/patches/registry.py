@@ -60,8 +60,8 @@ PATCHED = (  # patch, library, target, ((version, fingerprint), ...)
             "torch.nn.attention.flex_attention:_convert_mask_to_block_mask",  # full and partial blocks, cut blocks
             (("2.13.0", "927ed8500d29"), ("2.11.0", "1bc38912edca"))),
     Patched("patches.transformers_patches.flex_masks_with_padding_bounds", "torch",
-            "torch.nn.attention.flex_attention:_dense_to_ordered",  # the order of a row's blocks
-            (("2.13.0", "b577109e1bf5"), ("2.11.0", "9d0997637e3c"))),
+            "torch.nn.attention.flex_attention:_create_sparse_block_from_block_mask",  # called: block flags to lists
+            (("2.13.0", "acc90be51062"), ("2.11.0", "59827f6d9cbc"))),
     Patched("patches.transformers_patches.rotary_embedding_in_training", "transformers",
             "transformers.models.gpt_oss.modeling_gpt_oss:GptOssAttention.forward",  # calls the patched name
             (("5.24.0", "3cdb5143b2e3"), ("5.17.0", "4c90f8c6cd75"))),

@@ -8,7 +8,7 @@ import contextlib
 import torch
 import transformers.masking_utils as masking_utils
 import transformers.models.gpt_oss.modeling_gpt_oss as modeling_gpt_oss
-from torch.nn.attention.flex_attention import BlockMask
+from torch.nn.attention import flex_attention as torch_flex_attention
 from transformers.integrations import TensorBoardCallback
 
 from tes_grpo.lm_head import causal_lm
@@ -142,9 +142,9 @@ def bounded_block_mask(batch_size: int, q_length: int, kv_length: int, q_offset:
 
     Query i (offset q_offset) may see key k (offset kv_offset) where k <= i, k > i - window, start <= k < end: each
     condition is linear in (i, k), so a block's corners tell whether it is full (every pair, the block inside both
-    lengths: create_block_mask pads a cut block with False) or empty. The block lists are ordered as
-    create_block_mask orders them (a stable sort of each row, kept blocks first), so flex attention gets the same
-    mask from a few small tensors, with nothing to compile.
+    lengths: create_block_mask pads a cut block with False) or empty. torch's create_block_mask turns those flags into
+    its ordered block lists, and so does this, so flex attention gets the same mask from a few small tensors, with
+    nothing to compile.
     """
     device = start.device
     q_blocks, kv_blocks = -(-q_length // BLOCK_SIZE), -(-kv_length // BLOCK_SIZE)
@@ -164,17 +164,9 @@ def bounded_block_mask(batch_size: int, q_length: int, kv_length: int, q_offset:
         full = full & (kv_lo > q_hi - window)
     kept = first <= last
     shape = (batch_size, 1, q_blocks, kv_blocks)
-    partial, full = (kept & ~full).expand(shape), full.expand(shape)
-    return BlockMask.from_kv_blocks(
-        *blocks_in_order(partial), *blocks_in_order(full), BLOCK_SIZE=(BLOCK_SIZE, BLOCK_SIZE), mask_mod=mask_mod,
-        seq_lengths=(q_length, kv_length))
-
-
-def blocks_in_order(dense):
-    """(count, indices) per block row of a [B, H, Q blocks, KV blocks] bool tensor, as create_block_mask lists them."""
-    dense = dense.to(torch.int32)
-    return (dense.sum(-1).to(torch.int32),
-            torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32).contiguous())
+    # torch's own step from dense block flags to ordered block lists, the one create_block_mask ends with
+    return torch_flex_attention._create_sparse_block_from_block_mask(
+        ((kept & ~full).expand(shape), full.expand(shape)), mask_mod, (q_length, kv_length), BLOCK_SIZE, BLOCK_SIZE)
 
 
 # the window a full-attention layer's BoundedCausalMask gets: longer than any sequence
@@ -220,8 +212,8 @@ class FlexMaskWithPaddingBounds:
         window = causal_window(mask_function, kwargs.get("local_size"))
         if window is not False and shape:
             start = bounds[0]
-            causal = BoundedCausalMask(*bounds, torch.tensor(window or FULL_WINDOW, dtype=start.dtype,
-                                                             device=start.device))
+            causal = BoundedCausalMask(*bounds, torch.full((), window or FULL_WINDOW, dtype=start.dtype,
+                                                           device=start.device))
             return bounded_block_mask(kwargs["batch_size"], kwargs["q_length"], kwargs["kv_length"], q_offset,
                                       kv_offset, *bounds, window,
                                       masking_utils.add_offsets_to_mask_function(causal, q_offset, kv_offset))
@@ -235,8 +227,8 @@ class FlexMaskWithPaddingBounds:
 def flex_masks_with_padding_bounds(say=_say) -> bool:
     """transformers 5.17-5.24 + torch 2.11-2.13: builds flex attention's padded block masks from each row's bounds.
 
-    For a padded batch transformers' flex_attention_mask adds `attention_mask[batch, kv]` (the 2-D 0/1 mask, int64
-    from TRL) to the mask function; with it, flex attention's forward kernel is slower than for the same mask
+    For a padded batch transformers' flex_attention_mask adds `attention_mask[batch, kv]` (the 2-D 0/1 mask) to the
+    mask function; with it, flex attention's forward kernel is slower than for the same mask
     written as `start[batch] <= kv < end[batch]`, its backward the same either way (BENCHMARKS.md times both;
     benchmarks/bench_train_pass.py). A row of TRL's batches is one run of ones
     (prompt left-padded, completion right-padded), so its bounds give the same mask; a mask with holes inside a row
