@@ -33,6 +33,7 @@ SLIDING_WINDOW = 128  # gpt-oss's sliding layers' window
 LEFT_PAD = 40  # every other row's prompt is this many tokens shorter (left padding), every third ends 100 early
 REPS = 10  # timed calls per shape, kind and way, after the first
 WAYS = ("compiled", "eager", "bounds")  # create_block_mask compiled (transformers') or eager; per block from bounds
+KNOWN_WAYS = ("compiled", "eager", "bounds")
 DEVICE = "cuda"  # cpu: a check of the script itself (small SHAPES; inductor's CPU backend compiles)
 
 
@@ -43,6 +44,14 @@ def parse_shape(shape: str) -> tuple[int, int]:
         raise SystemExit(f"error: SHAPES entry {shape!r}: expected ROWSxTOKENS with two positive whole numbers, "
                          "e.g. 8x4869")
     return int(rows), int(tokens)
+
+
+def check_ways(ways) -> tuple[str, ...]:
+    """WAYS as given when each is one this script builds; SystemExit naming the first that is not."""
+    for way in ways:
+        if way not in KNOWN_WAYS:
+            raise SystemExit(f"error: WAYS entry {way!r}: expected one of {', '.join(KNOWN_WAYS)}")
+    return tuple(ways)
 
 
 def padded_mask(rows: int, length: int, device):
@@ -91,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = device.type == "cuda"
     results = []
     shapes = [parse_shape(shape) for shape in s.SHAPES]  # every entry checked before anything runs
+    check_ways(s.WAYS)
     for shape, (rows, length) in zip(s.SHAPES, shapes, strict=True):
         mask = padded_mask(rows, length, device)
         for sliding in (False, True):

@@ -261,3 +261,18 @@ def test_block_mask_shapes(shape, expected):
             parse_shape(shape)
     else:
         assert parse_shape(shape) == expected
+
+
+@pytest.mark.parametrize("ways, bad", [
+    (("compiled", "eager", "bounds"), None),  # the default
+    (("eager", "bounds"), None),
+    (("compiled", "bound"), "bound"),  # a misspelt way: an error, not a run of the compiled way under its name
+])
+def test_block_mask_ways(ways, bad):
+    from benchmarks.bench_block_mask import check_ways
+
+    if bad is None:
+        assert check_ways(ways) == ways
+    else:
+        with pytest.raises(SystemExit, match=f"WAYS entry '{bad}'"):
+            check_ways(ways)

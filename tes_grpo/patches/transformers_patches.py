@@ -153,7 +153,7 @@ def bounded_block_mask(batch_size: int, q_length: int, kv_length: int, q_offset:
     q_hi = (q_lo + BLOCK_SIZE - 1).clamp(max=q_length - 1) + q_offset  # the last positions that exist
     kv_hi = (kv_lo + BLOCK_SIZE - 1).clamp(max=kv_length - 1) + kv_offset
     q_lo, kv_lo = q_lo + q_offset, kv_lo + kv_offset
-    whole = ((q_lo + BLOCK_SIZE - 1 == q_hi) & (kv_lo + BLOCK_SIZE - 1 == kv_hi))
+    whole = (q_lo + BLOCK_SIZE - 1 == q_hi) & (kv_lo + BLOCK_SIZE - 1 == kv_hi)
     start, end = start.view(-1, 1, 1, 1).to(kv_lo.dtype), end.view(-1, 1, 1, 1).to(kv_lo.dtype)
     # keys a block may keep: within the row's bounds, no later than its last query, within the window of its first
     first = torch.maximum(kv_lo, start)
@@ -217,11 +217,10 @@ class FlexMaskWithPaddingBounds:
             return bounded_block_mask(kwargs["batch_size"], kwargs["q_length"], kwargs["kv_length"], q_offset,
                                       kv_offset, *bounds, window,
                                       masking_utils.add_offsets_to_mask_function(causal, q_offset, kv_offset))
-        bounded = BoundedMask(mask_function, *bounds)
         # any other mask function: worked out position by position, in transformers' compiled create_block_mask
         if attention_mask is None or bool(attention_mask.all()):  # no padding: transformers leaves the mask out itself
             return original(**kwargs)
-        return original(**{**kwargs, "mask_function": bounded, "attention_mask": None})
+        return original(**{**kwargs, "mask_function": BoundedMask(mask_function, *bounds), "attention_mask": None})
 
 
 def flex_masks_with_padding_bounds(say=_say) -> bool:
