@@ -519,13 +519,18 @@ def budget_bytes_of(s) -> int | None:
     return int(value * GIB) if value > 0 else None
 
 
-def room_bytes(facts: MemoryFacts, budget: int | None) -> int:
-    """What a pass or a generate call may use: the free memory (or the budget less what is held), less what is
-    still to load and what stays resident, less the margin. Negative when even that does not fit."""
+def room_before_margin(facts: MemoryFacts, budget: int | None) -> int:
+    """The free memory (or the budget less what is held), less what is still to load and what stays resident."""
     room = facts.free_bytes - facts.to_load_bytes
     if budget is not None:
         room = min(room, budget - facts.held_bytes - facts.to_load_bytes)
-    room -= facts.later_resident_bytes + facts.trainable_params * OPTIMIZER_BYTES_PER_PARAM
+    return room - facts.later_resident_bytes - facts.trainable_params * OPTIMIZER_BYTES_PER_PARAM
+
+
+def room_bytes(facts: MemoryFacts, budget: int | None) -> int:
+    """What a pass or a generate call may use: room_before_margin less the margin. Negative when even that does not
+    fit."""
+    room = room_before_margin(facts, budget)
     return int(room - max(0.0, room) * MARGIN_FRACTION - MARGIN_GIB * GIB)
 
 
@@ -574,6 +579,10 @@ def _nothing_fits(m, facts, s, prompt_len: int, room: int, budget: int | None, w
                "no MAX_COMPLETION_LEN fits (the fixed part alone is too large)"]
     if not s.GRADIENT_CHECKPOINTING and "training" in what:
         options.append("set GRADIENT_CHECKPOINTING=1")
+    if "training" in what and needs <= room_before_margin(facts, budget):
+        # The margin covers what the estimate leaves out; a run past it is the user's informed choice, not auto's.
+        options.append("set TRAIN_BATCH_SIZE=1 to run inside the margin (the estimate is over only by it, so it may "
+                       "fit or run out of memory; BENCHMARKS.md has a 16 GiB run that fit this way)")
     options.append(bigger)
     return SettingsError(f"memory: {what} needs ~{gib(needs)} GiB by the estimate (memory_plan.py), but {limit} "
                          f"leaves {gib(max(0, room))} GiB for it (after {weights + ', ' if weights else ''}what stays "

@@ -94,6 +94,8 @@ ERRORS = [
     (65, 13.0, 0, {"MEMORY_BUDGET_GB": 24}, {"head_tile": None}, "to 3,365 or less"),  # full logits: 7.5 GiB
     (65, 13.0, 0, {"MEMORY_BUDGET_GB": 15, "TRAIN_BATCH_SIZE": "1"}, {}, "generating one sequence"),  # generation
     (65, 13.0, 0, {"MEMORY_BUDGET_GB": -1}, {}, "MEMORY_BUDGET_GB=-1: must be 0"),  # a negative budget
+    (65, 13.1, 0, {"MEMORY_BUDGET_GB": 16, "MAX_COMPLETION_LEN": 1024}, {}, "set TRAIN_BATCH_SIZE=1 to run inside the"
+     " margin"),  # over the room only by the margin: the 16 GiB run at 1,024 tokens
 ]
 
 
@@ -101,6 +103,21 @@ ERRORS = [
 def test_nothing_fits(free, held, load, overrides, extra, words):
     with pytest.raises(SettingsError, match=words.replace("(", r"\(").replace(".", r"\.")):
         plan_memory(train_grpo.default_settings(**overrides), M20B, 871, facts(free, held, load, **extra))
+
+
+# (settings, whether the error offers TRAIN_BATCH_SIZE=1)
+INSIDE_MARGIN = [
+    ({"MEMORY_BUDGET_GB": 16, "MAX_COMPLETION_LEN": 1024}, True),  # needs 2.2 GiB, 2.1 after the margin, 2.9 before
+    ({"MEMORY_BUDGET_GB": 16}, False),  # 4,000 tokens: over the room before the margin too
+    ({"MEMORY_BUDGET_GB": 15, "TRAIN_BATCH_SIZE": "1"}, False),  # generation does not fit: not a training pass
+]
+
+
+@pytest.mark.parametrize("overrides, offered", INSIDE_MARGIN)
+def test_one_completion_a_pass_is_offered_only_inside_the_margin(overrides, offered):
+    with pytest.raises(SettingsError) as error:
+        plan_memory(train_grpo.default_settings(**overrides), M20B, 871, facts(65, 13.1, 0))
+    assert ("TRAIN_BATCH_SIZE=1" in str(error.value)) == offered, str(error.value)
 
 
 def test_describe_names_budget_and_choices():
