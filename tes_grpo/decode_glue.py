@@ -160,17 +160,25 @@ def glue_for(device: torch.device, mode: str = "eager", say=print) -> Glue:
     return _DECIDED[key]
 
 
+def eager_because(setting: str, device_type: str, mode: str) -> str | None:
+    """How glue of this mode runs on a device of this type when it stays eager, or None when it compiles: the one
+    rule of the decode glue (setting DECODE_GLUE) and the training glue (TRAIN_GLUE). An unknown mode is a
+    ValueError naming the setting."""
+    if mode not in GLUE_MODES:
+        raise ValueError(f"{setting} must be one of {', '.join(GLUE_MODES)}, got {mode!r}")
+    if mode == "eager":
+        return "eager"
+    if device_type != "cuda":
+        return f"eager ({setting}=compiled compiles only on CUDA; this is {device_type})"
+    blocker = compile_blocker()
+    return None if blocker is None else f"eager on CUDA: {blocker}"
+
+
 def decide_glue(device_type: str, mode: str) -> Glue:
     """A new Glue for decode steps on a device of this type (glue_for's decision, not remembered)."""
-    if mode not in GLUE_MODES:
-        raise ValueError(f"DECODE_GLUE must be one of {', '.join(GLUE_MODES)}, got {mode!r}")
-    if mode == "eager":
-        return EAGER
-    if device_type != "cuda":
-        return Glue(*_FUNCTIONS, how=f"eager (DECODE_GLUE=compiled compiles only on CUDA; this is {device_type})")
-    blocker = compile_blocker()
-    if blocker is not None:
-        return Glue(*_FUNCTIONS, how=f"eager on CUDA: {blocker}")
+    how = eager_because("DECODE_GLUE", device_type, mode)
+    if how is not None:
+        return EAGER if mode == "eager" else Glue(*_FUNCTIONS, how=how)
     glue = {f.__name__: compiled(f) for f in _FUNCTIONS}
     glue["with_sinks"] = SinksUnderAutocast(glue["with_sinks"], with_sinks)
     return Glue(**glue, how="compiled (torch.compile, fullgraph, static shapes, inductor emulate_precision_casts; "

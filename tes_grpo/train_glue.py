@@ -63,7 +63,7 @@ __all__ = ["EAGER", "GLUE_MODES", "RopeForTraining", "SinksInTraining", "TrainGl
            "decide", "drop_train_glue", "lora_training_forward", "norm_training_forward", "rms_norm", "rope",
            "use_train_glue", "uses_train_glue", "with_sinks"]
 
-GLUE_MODES = ("eager", "compiled")
+GLUE_MODES = decode_glue.GLUE_MODES
 # graphs a compiled function may keep: dims that change between micro-batches are marked dynamic, so a few suffice
 # (autocast on and off, a sliding and a full layer's shapes); dynamo's default of 8 would fail fullgraph hard past it
 GRAPHS_PER_FUNCTION = 32
@@ -161,15 +161,9 @@ def decide(device_type: str, mode: str) -> TrainGlue:
 
 
 def _new_glue(device_type: str, mode: str) -> TrainGlue:
-    if mode not in GLUE_MODES:
-        raise ValueError(f"TRAIN_GLUE must be one of {', '.join(GLUE_MODES)}, got {mode!r}")
-    if mode == "eager":
-        return EAGER
-    if device_type != "cuda":
-        return TrainGlue(*_FUNCTIONS, how=f"eager (compiled only on CUDA; this is {device_type})")
-    blocker = decode_glue.compile_blocker()
-    if blocker is not None:
-        return TrainGlue(*_FUNCTIONS, how=f"eager on CUDA: {blocker}")
+    how = decode_glue.eager_because("TRAIN_GLUE", device_type, mode)
+    if how is not None:
+        return EAGER if mode == "eager" else TrainGlue(*_FUNCTIONS, how=how)
     return TrainGlue(*(compiled(f) for f in _FUNCTIONS),
                      how="compiled (torch.compile, fullgraph, batch and length dynamic, inductor "
                          "emulate_precision_casts)")

@@ -186,7 +186,7 @@ def test_decode_glue_still_computes_a_norm_that_carries_the_training_forward():
 
 def test_decide_says_how_the_functions_run():
     assert train_glue.decide("cpu", "eager") is train_glue.EAGER
-    assert train_glue.decide("cpu", "compiled").how.startswith("eager (compiled only on CUDA")
+    assert train_glue.decide("cpu", "compiled").how.startswith("eager (TRAIN_GLUE=compiled compiles only on CUDA")
     with pytest.raises(ValueError, match="TRAIN_GLUE"):
         train_glue.decide("cuda", "fused")
 
