@@ -22,8 +22,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from tes_grpo import tes_env
-from tes_grpo.fileio import (
+from tes_grpo.run.fileio import (
     InputError,
     csv_files,
     csv_writer,
@@ -32,6 +31,7 @@ from tes_grpo.fileio import (
     read_csv_table,
     write_files_atomic,
 )
+from tes_grpo.task import tes_env
 
 PATHS: list = ["data"]  # CSV files or folders (positional arguments)
 TAU = 0.05  # softmax temperature in Q units; must be finite and > 0
@@ -122,7 +122,7 @@ def calculate_rewards(paths: Sequence, tau: float, overwrite: bool) -> list[Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tes_grpo.script_config import resolve
+    from tes_grpo.run.script_config import resolve
 
     settings = resolve(globals(), argv, positional="PATHS")
     try:

@@ -18,9 +18,9 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from tes_grpo import tes_env
-from tes_grpo.fileio import InputError, csv_files, parse_finite, parse_whole, read_csv_table
-from tes_grpo.harmony import prompt_problem
+from tes_grpo.run.fileio import InputError, csv_files, parse_finite, parse_whole, read_csv_table
+from tes_grpo.task import tes_env
+from tes_grpo.task.harmony import prompt_problem
 
 PATHS: list = ["data"]  # files or folders to check (positional arguments)
 SUM_TOLERANCE = tes_env.REWARD_SUM_TOLERANCE  # allowed |sum of rewards - 1| (0..0.01); training uses this default
@@ -117,7 +117,7 @@ def check_settings(settings) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tes_grpo.script_config import resolve
+    from tes_grpo.run.script_config import resolve
 
     settings = resolve(globals(), argv, positional="PATHS")
     try:

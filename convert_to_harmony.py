@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from tes_grpo.fileio import (
+from tes_grpo.run.fileio import (
     InputError,
     csv_files,
     csv_writer,
@@ -29,10 +29,10 @@ from tes_grpo.fileio import (
     read_csv_table,
     write_files_atomic,
 )
-from tes_grpo.harmony import DATASET_DATE as _DATASET_DATE
-from tes_grpo.harmony import DATASET_REASONING_EFFORT as _DATASET_EFFORT
-from tes_grpo.harmony import HARMONY_SUFFIX as _HARMONY_SUFFIX
-from tes_grpo.harmony import (
+from tes_grpo.task.harmony import DATASET_DATE as _DATASET_DATE
+from tes_grpo.task.harmony import DATASET_REASONING_EFFORT as _DATASET_EFFORT
+from tes_grpo.task.harmony import HARMONY_SUFFIX as _HARMONY_SUFFIX
+from tes_grpo.task.harmony import (
     check_date,
     check_reasoning_effort,
     harmony_output_path,
@@ -41,7 +41,7 @@ from tes_grpo.harmony import (
     render_harmony_prompt,
     tokenizer_source,
 )
-from tes_grpo.task_prompt import parse_legacy_prompt
+from tes_grpo.task.task_prompt import parse_legacy_prompt
 
 PATHS: list = []  # legacy-prompt CSV files or folders (positional arguments)
 TOKENIZER = ""  # tokenizer folder or hub id; "" = GPT_OSS_TOKENIZER, else ../shared/gpt-oss-tokenizer, else the Hub
@@ -149,7 +149,7 @@ def convert_files(paths: Sequence, overwrite: bool = False, tokenizer=None, reas
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tes_grpo.script_config import resolve
+    from tes_grpo.run.script_config import resolve
 
     settings = resolve(globals(), argv, positional="PATHS")
     if not settings.PATHS:

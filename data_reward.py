@@ -35,8 +35,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from tes_grpo.fileio import InputError, parse_finite, parse_whole, read_csv_table
-from tes_grpo.harmony import (
+from tes_grpo.run.fileio import InputError, parse_finite, parse_whole, read_csv_table
+from tes_grpo.run.processes import gather_on_main, process_rank, say
+from tes_grpo.task.harmony import (
     HARMONY_GLOB,
     harmony_csv_files,
     is_truncated,
@@ -45,9 +46,8 @@ from tes_grpo.harmony import (
     prompt_problem,
     set_reasoning_effort,
 )
-from tes_grpo.processes import gather_on_main, process_rank, say
-from tes_grpo.tes_env import N_ACTIONS as NUM_ACTIONS  # the plant decides how many actions there are
-from tes_grpo.tes_env import REWARD_COLUMNS, reward_problems
+from tes_grpo.task.tes_env import N_ACTIONS as NUM_ACTIONS  # the plant decides how many actions there are
+from tes_grpo.task.tes_env import REWARD_COLUMNS, reward_problems
 
 # The columns training reads from a dataset row, which StepStream hands to TRL; TRL passes every column but `prompt`
 # to reward_fn as a keyword list.
@@ -342,7 +342,7 @@ def rescore_log(path: Path) -> dict:
 
 
 def _read_log(path: Path) -> tuple[list[str], list[list[str]]]:
-    from tes_grpo.run_folder import read_completion_log
+    from tes_grpo.run.run_folder import read_completion_log
 
     header, rows, _ = read_completion_log(path)
     missing = [name for name in ("completion", "action", "target_action") if name not in header]
@@ -352,7 +352,7 @@ def _read_log(path: Path) -> tuple[list[str], list[list[str]]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tes_grpo.script_config import resolve
+    from tes_grpo.run.script_config import resolve
 
     # only PATH is a setting here; the module's other constants describe the data format
     settings = resolve({"PATH": PATH, "__doc__": __doc__, "__file__": __file__}, argv, positional="PATH")
@@ -377,8 +377,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def sampler_gap_line(metrics_path: Path) -> str | None:
     """The run's sampler-trainer gap (sampling_fidelity.gap_summary) from the metrics.jsonl beside the log, if any."""
-    from tes_grpo.run_folder import read_metrics
-    from tes_grpo.sampling_fidelity import gap_summary
+    from tes_grpo.run.run_folder import read_metrics
+    from tes_grpo.sampling.sampling_fidelity import gap_summary
 
     return gap_summary(read_metrics(metrics_path, say=lambda line: None)) if metrics_path.is_file() else None
 

@@ -34,8 +34,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from tes_grpo import task_prompt, tes_env
-from tes_grpo.harmony import DATASET_DATE as _DATASET_DATE
+from tes_grpo.task import task_prompt, tes_env
+from tes_grpo.task.harmony import DATASET_DATE as _DATASET_DATE
 
 SERIES: list = []  # series CSVs to run (positional); empty = the windows of EVAL_DIR, read from SERIES_DIR
 EVAL_DIR = "data/eval"  # evaluation split; its <window>_q_dataset_harmony.csv files name the default windows
@@ -77,7 +77,7 @@ _HOUR_SEED_STRIDE = 1000  # seeds of different business hours never overlap whil
 
 def eval_windows(eval_dir: str | Path, series_dir: str | Path) -> list[Path]:
     """Series CSVs of the evaluation split's windows (<window>_q_dataset_harmony.csv -> <series_dir>/<window>.csv)."""
-    from tes_grpo.fileio import InputError
+    from tes_grpo.run.fileio import InputError
 
     suffix = "_q_dataset_harmony"
     files = sorted(Path(eval_dir).glob(f"*{suffix}.csv"))
@@ -125,7 +125,7 @@ class LLMDecider:
         return tuple(sum(c[i] for c in self.counts.values()) for i in range(3))
 
     def __call__(self, states: list) -> list[int]:
-        from tes_grpo.llm_policy import majority_vote
+        from tes_grpo.model.llm_policy import majority_vote
 
         prompts = [self.render(*task_prompt.build_prompt(series, t, energy)) for series, t, energy in states]
         hour_index = tes_env.business_timesteps().index(states[0][1])
@@ -225,7 +225,7 @@ def plot_window(series: tes_env.Series, episodes: dict[str, tes_env.Episode], pa
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from tes_grpo.fileio import atomic_output
+    from tes_grpo.run.fileio import atomic_output
 
     hours = np.arange(tes_env.EPISODE_HOURS + 1)
     fig, axes = plt.subplots(4, 1, figsize=(13, 10), sharex=True, layout="constrained",
@@ -302,7 +302,7 @@ def non_llm_policy(name: str, series: tes_env.Series, random_seed: int) -> tes_e
 def generate_decisions(policy_model, use_adapter: bool, max_new_tokens: int, temperature: float, top_p: float,
                        top_k: int, batch_size: int, prompts: list[str], samples: int, seed: int) -> list:
     """LLMDecider's generate(prompts, samples, seed) once the settings are bound with functools.partial."""
-    from tes_grpo.llm_policy import generate
+    from tes_grpo.model.llm_policy import generate
 
     return generate(policy_model, prompts, samples, seed, max_new_tokens, temperature, top_p, top_k, batch_size,
                     use_adapter=use_adapter, progress=False)
@@ -310,14 +310,14 @@ def generate_decisions(policy_model, use_adapter: bool, max_new_tokens: int, tem
 
 def render_prompt(tokenizer, reasoning_effort: str, date: str, system: str, user: str) -> str:
     """LLMDecider's render(system, user) once tokenizer and settings are bound with functools.partial."""
-    from tes_grpo.harmony import render_harmony_prompt
+    from tes_grpo.task.harmony import render_harmony_prompt
 
     return render_harmony_prompt(system, user, tokenizer, reasoning_effort, date)
 
 
 def default_out_dir(adapter_path: str, base_model_id: str) -> Path:
     if adapter_path:
-        from tes_grpo.run_folder import adapter_run_name
+        from tes_grpo.run.run_folder import adapter_run_name
 
         name = adapter_run_name(adapter_path)
     elif base_model_id:
@@ -338,7 +338,7 @@ def evaluate(series_list: Sequence[tes_env.Series], policies: Sequence[str], llm
     import pandas as pd
     from tqdm import tqdm
 
-    from tes_grpo.fileio import write_csv_atomic
+    from tes_grpo.run.fileio import write_csv_atomic
 
     check_policy_names(policies)
     names = [s.name for s in series_list]
@@ -380,14 +380,14 @@ def evaluate(series_list: Sequence[tes_env.Series], policies: Sequence[str], llm
 def build_llm_deciders(s) -> dict:
     """{policy name: LLMDecider} for settings s: "llm_adapter" (and "llm_base" with ALSO_BASE), or "llm_base"
     without an adapter."""
-    from tes_grpo.llm_policy import load_policy_model
+    from tes_grpo.model.llm_policy import load_policy_model
 
     if not s.ADAPTER_PATH and not s.BASE_MODEL_ID:
         return {}
     if s.VOTES < 1:
         raise ValueError("VOTES must be >= 1")
-    from tes_grpo.harmony import DATASET_REASONING_EFFORT, check_date
-    from tes_grpo.run_folder import checked_training_settings, from_training_run
+    from tes_grpo.run.run_folder import checked_training_settings, from_training_run
+    from tes_grpo.task.harmony import DATASET_REASONING_EFFORT, check_date
 
     check_date(s.DATE)
     sampling = checked_training_settings(s, ("MAX_COMPLETION_LEN", "TEMPERATURE"), s.ADAPTER_PATH)
@@ -410,8 +410,8 @@ def build_llm_deciders(s) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tes_grpo.fileio import InputError
-    from tes_grpo.script_config import resolve, save_config
+    from tes_grpo.run.fileio import InputError
+    from tes_grpo.run.script_config import resolve, save_config
 
     s = resolve(globals(), argv, positional="SERIES")
     try:

@@ -22,8 +22,8 @@ import sys
 import typing
 from pathlib import Path
 
-from tes_grpo import run_folder  # the module: its UPPER_CASE names imported here would become settings
-from tes_grpo.fileio import InputError
+from tes_grpo.run import run_folder  # the module: its UPPER_CASE names imported here would become settings
+from tes_grpo.run.fileio import InputError
 
 if typing.TYPE_CHECKING:  # annotations only; the module is imported where it is used
     import torch
@@ -92,7 +92,7 @@ def write_gguf_lora(adapter_path: str | Path, out_path: str | Path, outtype: str
     import numpy as np
     import torch
 
-    from tes_grpo.fileio import atomic_output
+    from tes_grpo.run.fileio import atomic_output
 
     dtypes = {"f32": np.float32, "f16": np.float16}
     if outtype not in (*dtypes, "bf16"):
@@ -147,7 +147,7 @@ def write_gguf_lora(adapter_path: str | Path, out_path: str | Path, outtype: str
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tes_grpo.script_config import resolve
+    from tes_grpo.run.script_config import resolve
 
     settings = resolve(globals(), argv)
     try:

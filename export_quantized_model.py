@@ -31,12 +31,12 @@ import sys
 import typing
 from pathlib import Path
 
-from tes_grpo import run_folder  # the module: its UPPER_CASE names imported here would become settings
-from tes_grpo.fileio import InputError, give_default_modes, replace_folder, temporary_folder
-from tes_grpo.model_loading import checkpoint_is_mxfp4, expert_load_path
+from tes_grpo.model.model_loading import checkpoint_is_mxfp4, expert_load_path
+from tes_grpo.run import run_folder  # the module: its UPPER_CASE names imported here would become settings
+from tes_grpo.run.fileio import InputError, give_default_modes, replace_folder, temporary_folder
 
 if typing.TYPE_CHECKING:  # annotations only; the module is imported where it is used
-    from tes_grpo.mxfp4 import SafetensorsCheckpoint
+    from tes_grpo.experts.mxfp4 import SafetensorsCheckpoint
 
 ADAPTER_PATH = "runs/grpo-gpt-oss-20b"  # PEFT LoRA folder (adapter_config.json + adapter_model.safetensors)
 BASE_MODEL_ID = ""  # base checkpoint (hub id or folder); "" = the adapter's base_model_name_or_path
@@ -184,7 +184,7 @@ def load_merged_model(base_folder: Path, adapter_path: Path):
 
 def base_expert_passthrough(base_folder: Path, state_dict: dict, touched: set[str]):
     """Lazy view of the base's `*_blocks` / `*_scales` for every expert parameter the adapter left alone."""
-    from tes_grpo.mxfp4 import EXPERT_PARAM_RE, SafetensorsCheckpoint
+    from tes_grpo.experts.mxfp4 import EXPERT_PARAM_RE, SafetensorsCheckpoint
 
     if not checkpoint_is_mxfp4(base_folder):
         print(f"base {base_folder} is not an MXFP4 checkpoint: every expert is quantized from its bf16 weights")
@@ -198,7 +198,7 @@ def load_export_tokenizer(adapter_path: Path, base_folder: Path):
     """The adapter's tokenizer (train_grpo.py saves it), else the base's, else the project's gpt-oss tokenizer."""
     from transformers import AutoTokenizer
 
-    from tes_grpo.harmony import tokenizer_source
+    from tes_grpo.task.harmony import tokenizer_source
 
     for folder in (adapter_path, base_folder):
         if all((folder / name).is_file() for name in _TOKENIZER_FILES):
@@ -211,7 +211,7 @@ def export_generation_config(base_folder: Path, tokenizer):
     """Base generation config (if any) with gpt-oss's end tokens and recommended sampling (T=1, top_p=1)."""
     from transformers import GenerationConfig
 
-    from tes_grpo.harmony import ANSWER_END_IDS, BOS_ID, PAD_ID, check_token_ids
+    from tes_grpo.task.harmony import ANSWER_END_IDS, BOS_ID, PAD_ID, check_token_ids
 
     try:
         check_token_ids(tokenizer)
@@ -235,13 +235,13 @@ def write_export(merged, touched: set[str], base_folder: Path, adapter_path: Pat
 
     settings_record: the script's settings, written as export_config.json inside the folder.
     """
-    from tes_grpo.mxfp4 import (
+    from tes_grpo.experts.mxfp4 import (
         DEFAULT_MAX_SHARD_BYTES,
         estimate_checkpoint_bytes,
         save_tokenizer_files,
         write_mxfp4_checkpoint,
     )
-    from tes_grpo.script_config import save_config
+    from tes_grpo.run.script_config import save_config
 
     if out_dir.exists() and not overwrite:
         raise ExportError(f"{out_dir} already exists; pass --OVERWRITE to replace it")
@@ -291,7 +291,7 @@ def compare_weights(loaded_state: dict, merged_state: dict, export: "Safetensors
     import torch
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from tes_grpo.mxfp4 import EXPERT_PARAM_RE, expert_rounding_bound
+    from tes_grpo.experts.mxfp4 import EXPERT_PARAM_RE, expert_rounding_bound
 
     worst = 0.0
     for name, merged in merged_state.items():
@@ -326,7 +326,7 @@ def fake_quantized_copy_logits(merged, export: "SafetensorsCheckpoint", input_id
     """Logits of the merged model with its experts replaced by the export's dequantized blocks (FP4 rounding only)."""
     import torch
 
-    from tes_grpo.mxfp4 import EXPERT_PARAM_RE, mxfp4_to_expert_param
+    from tes_grpo.experts.mxfp4 import EXPERT_PARAM_RE, mxfp4_to_expert_param
 
     saved = {}
     params = dict(merged.named_parameters())
@@ -351,7 +351,7 @@ def verify_export(out_dir: Path, merged, touched: set[str], check_text: str, log
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, Mxfp4Config
 
-    from tes_grpo.mxfp4 import SafetensorsCheckpoint
+    from tes_grpo.experts.mxfp4 import SafetensorsCheckpoint
 
     export = SafetensorsCheckpoint(out_dir)
     merged_state = merged.state_dict()
@@ -542,7 +542,7 @@ def run_export(settings) -> dict:
 
 def main(argv: list[str] | None = None, environ: typing.Mapping[str, str] | None = None) -> int:
     """Export (and upload when a repo id is given); environ: where HF_TOKEN / HF_REPO_ID are read (os.environ)."""
-    from tes_grpo.script_config import resolve
+    from tes_grpo.run.script_config import resolve
 
     settings = resolve(globals(), argv)
     environ = os.environ if environ is None else environ

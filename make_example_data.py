@@ -24,7 +24,7 @@ import check_data
 import convert_to_harmony
 import make_q_dataset
 import make_series
-from tes_grpo import tes_env
+from tes_grpo.task import tes_env
 
 OUT_DIR = "data"  # folder that receives series/, train/ and eval/
 N_WINDOWS = 12  # number of 4-day windows
@@ -99,8 +99,8 @@ def check_settings(settings) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tes_grpo.fileio import InputError
-    from tes_grpo.script_config import resolve
+    from tes_grpo.run.fileio import InputError
+    from tes_grpo.run.script_config import resolve
 
     settings = resolve(globals(), argv)
     try:

@@ -22,8 +22,8 @@ import random
 import sys
 from pathlib import Path
 
-from tes_grpo import task_prompt, tes_env
-from tes_grpo.fileio import InputError, csv_writer, write_csv_atomic, write_files_atomic
+from tes_grpo.run.fileio import InputError, csv_writer, write_csv_atomic, write_files_atomic
+from tes_grpo.task import task_prompt, tes_env
 
 SERIES_PATHS: list = []  # input series CSVs (positional arguments)
 OUT_DIR = "data"  # folder for <series>_q_dataset.csv
@@ -188,7 +188,7 @@ def make_datasets(series_paths: list, out_dir: str | Path, initial_energy: float
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tes_grpo.script_config import resolve
+    from tes_grpo.run.script_config import resolve
 
     settings = resolve(globals(), argv, positional="SERIES_PATHS")
     try:

@@ -23,7 +23,7 @@ import sys
 from datetime import date, datetime, timedelta
 from pathlib import Path
 
-from tes_grpo import tes_env
+from tes_grpo.task import tes_env
 
 OUT_DIR = "data/series"  # folder for the window CSVs
 N_WINDOWS = 12  # number of 4-day windows (1..10000)
@@ -177,7 +177,7 @@ def check_settings(settings) -> None:
 def write_windows(out_dir: str | Path, windows: dict[str, str], overwrite: bool) -> list[Path]:
     """Writes every window (all or none); InputError if one exists and not overwrite, OutputError on a failed
     write."""
-    from tes_grpo.fileio import InputError, text_writer, write_files_atomic
+    from tes_grpo.run.fileio import InputError, text_writer, write_files_atomic
 
     out_dir = Path(out_dir)
     targets = [out_dir / f"{name}.csv" for name in windows]
@@ -189,8 +189,8 @@ def write_windows(out_dir: str | Path, windows: dict[str, str], overwrite: bool)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tes_grpo.fileio import InputError
-    from tes_grpo.script_config import resolve
+    from tes_grpo.run.fileio import InputError
+    from tes_grpo.run.script_config import resolve
 
     settings = resolve(globals(), argv)
     try:

@@ -36,9 +36,9 @@ def load_prompts(path: str | Path, max_rows: int):
     """DataFrame with `source`, `row`, `prompt` (+ `optimal_action` when present), at most `max_rows` rows."""
     import pandas as pd
 
-    from tes_grpo.fileio import InputError, read_csv_table
-    from tes_grpo.harmony import prompt_problem
-    from tes_grpo.llm_policy import prompt_files
+    from tes_grpo.model.llm_policy import prompt_files
+    from tes_grpo.run.fileio import InputError, read_csv_table
+    from tes_grpo.task.harmony import prompt_problem
 
     frames = []
     for file in prompt_files(path):
@@ -62,7 +62,7 @@ def load_prompts(path: str | Path, max_rows: int):
 def sampling_settings(s) -> tuple[int, float]:
     """(MAX_COMPLETION_LEN, TEMPERATURE) with "auto" taken from the training run the export records; says where each
     came from."""
-    from tes_grpo.run_folder import checked_training_settings
+    from tes_grpo.run.run_folder import checked_training_settings
 
     values = checked_training_settings(s, ("MAX_COMPLETION_LEN", "TEMPERATURE"), s.MODEL_ID)
     return values["MAX_COMPLETION_LEN"], values["TEMPERATURE"]
@@ -72,7 +72,7 @@ def load_model(model_id: str, dequantize: bool, device: str):
     """(model, tokenizer, description of how the experts were loaded)."""
     import torch
 
-    from tes_grpo.model_loading import load_for_inference, load_tokenizer_for, resolve_attention, resolve_device
+    from tes_grpo.model.model_loading import load_for_inference, load_tokenizer_for, resolve_attention, resolve_device
 
     device = resolve_device(device)
     model, how, _ = load_for_inference(model_id, device, torch.bfloat16, resolve_attention("auto", device),
@@ -82,7 +82,7 @@ def load_model(model_id: str, dequantize: bool, device: str):
 
 def final_answer(text: str) -> str | None:
     """The last final-channel message of a Harmony completion (to its end marker or the end of text)."""
-    from tes_grpo.harmony import final_message
+    from tes_grpo.task.harmony import final_message
 
     final = final_message(text)
     return None if final is None else final[0]
@@ -108,7 +108,7 @@ def generate_completions(model, tokenizer, prompts: list[str], max_new_tokens: i
 
 def decisions(prompts, texts: list[str]):
     """Adds `completion`, `action` (None when invalid) and `final_answer` to the prompts frame."""
-    from tes_grpo.harmony import parse_action
+    from tes_grpo.task.harmony import parse_action
 
     result = prompts.copy()
     result["completion"] = texts
@@ -129,8 +129,8 @@ def print_decisions(result) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tes_grpo.fileio import InputError, write_csv_atomic
-    from tes_grpo.script_config import resolve
+    from tes_grpo.run.fileio import InputError, write_csv_atomic
+    from tes_grpo.run.script_config import resolve
 
     s = resolve(globals(), argv)
     try:

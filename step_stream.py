@@ -32,7 +32,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from tes_grpo.presets import presets_for
+from tes_grpo.run.presets import presets_for
 
 
 class StepStream:
@@ -106,7 +106,7 @@ GRADIENT_ACCUMULATION_STEPS = 4  # as train_grpo.py: micro-steps whose prompts a
 GENERATION_STEPS = 1  # as train_grpo.py: optimizer steps one generation batch feeds (their prompts drawn together)
 SEED = 42  # as train_grpo.py
 
-# the settings above that MODEL_ID=tiny replaces, from train_grpo.py's table (tes_grpo/presets.py)
+# the settings above that MODEL_ID=tiny replaces, from train_grpo.py's table (tes_grpo/run/presets.py)
 PRESETS = presets_for(globals())
 
 
@@ -134,8 +134,8 @@ def preview(settings) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tes_grpo.fileio import InputError
-    from tes_grpo.script_config import resolve
+    from tes_grpo.run.fileio import InputError
+    from tes_grpo.run.script_config import resolve
 
     settings = resolve(globals(), argv, presets=PRESETS)
     if settings.STEPS < 1:

@@ -29,7 +29,7 @@ import math
 import sys
 from pathlib import Path
 
-from tes_grpo import tes_env
+from tes_grpo.task import tes_env
 
 ADAPTER_PATH = "runs/grpo-gpt-oss-20b"  # LoRA adapter folder: train_grpo.py's OUT or one of its checkpoint-* folders
 PROMPT_PATH = "data/eval"  # a *_harmony.csv or a folder of them (default: the evaluation split)
@@ -62,7 +62,7 @@ _SUMMARY_COLUMNS = ("model", "completions", "prompts", "valid_rate", "optimal_sh
 
 def check_q_columns(raw, path) -> dict[str, list[float]]:
     """The q_action_0..3 columns as floats; InputError naming file, row (first data row = 1), column and value."""
-    from tes_grpo.fileio import InputError, parse_finite
+    from tes_grpo.run.fileio import InputError, parse_finite
 
     missing = [c for c in _Q_COLUMNS if c not in raw.columns]
     if missing:
@@ -85,9 +85,9 @@ def load_eval_prompts(path: str | Path, max_prompts: int = 0, reasoning_effort: 
     import pandas as pd
 
     from data_reward import check_frame
-    from tes_grpo.fileio import InputError, read_csv_table
-    from tes_grpo.harmony import set_reasoning_effort
-    from tes_grpo.llm_policy import prompt_files
+    from tes_grpo.model.llm_policy import prompt_files
+    from tes_grpo.run.fileio import InputError, read_csv_table
+    from tes_grpo.task.harmony import set_reasoning_effort
 
     frames = []
     for file in prompt_files(path):
@@ -170,7 +170,7 @@ def format_summary(summary) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 def default_out_dir(adapter_path: str, quantized: bool) -> Path:
-    from tes_grpo.run_folder import adapter_run_name
+    from tes_grpo.run.run_folder import adapter_run_name
 
     return Path("runs") / f"adapter-test-{adapter_run_name(adapter_path)}{'-mxfp4' if quantized else ''}"
 
@@ -180,9 +180,9 @@ def run_adapter_test(s):
     completions)."""
     import pandas as pd
 
-    from tes_grpo.fileio import write_csv_atomic
-    from tes_grpo.llm_policy import generate, load_policy_model
-    from tes_grpo.run_folder import checked_training_settings, from_training_run, lora_adapter_config
+    from tes_grpo.model.llm_policy import generate, load_policy_model
+    from tes_grpo.run.fileio import write_csv_atomic
+    from tes_grpo.run.run_folder import checked_training_settings, from_training_run, lora_adapter_config
 
     lora_adapter_config(s.ADAPTER_PATH)  # a missing or unusable adapter fails before anything is read or loaded
     sampling = checked_training_settings(s, ("MAX_COMPLETION_LEN", "TEMPERATURE"), s.ADAPTER_PATH)
@@ -219,8 +219,8 @@ def run_adapter_test(s):
 
 def main(argv: list[str] | None = None, quantized: bool = False) -> int:
     """Command-line entry; quantized=True is test_lora_adapter_quantized.py (QUANTIZED's default becomes True)."""
-    from tes_grpo.fileio import InputError
-    from tes_grpo.script_config import resolve
+    from tes_grpo.run.fileio import InputError
+    from tes_grpo.run.script_config import resolve
 
     # a copy of the constants with QUANTIZED's default changed: --help shows it, --QUANTIZED still overrides it
     settings = resolve({**globals(), "QUANTIZED": True} if quantized else globals(), argv)

@@ -31,13 +31,21 @@ import os
 import sys
 from pathlib import Path
 
-from tes_grpo import choices
-from tes_grpo.fileio import InputError
-from tes_grpo.harmony import REASONING_EFFORTS as _EFFORTS
-from tes_grpo.model_loading import EXPERTS_CHOICES as _EXPERTS_CHOICES
-from tes_grpo.presets import presets_for
-from tes_grpo.processes import is_main_process, process_count, say
-from tes_grpo.script_config import ConfigError, Settings, SettingsError, check_choices, parse_bool, resolve, save_config
+from tes_grpo.model.model_loading import EXPERTS_CHOICES as _EXPERTS_CHOICES
+from tes_grpo.run import choices
+from tes_grpo.run.fileio import InputError
+from tes_grpo.run.presets import presets_for
+from tes_grpo.run.processes import is_main_process, process_count, say
+from tes_grpo.run.script_config import (
+    ConfigError,
+    Settings,
+    SettingsError,
+    check_choices,
+    parse_bool,
+    resolve,
+    save_config,
+)
+from tes_grpo.task.harmony import REASONING_EFFORTS as _EFFORTS
 
 MODEL_ID = "openai/gpt-oss-20b"  # hub id or local folder of an MXFP4 gpt-oss checkpoint; "tiny" = embedded tiny model
 OUT_DIR = "runs/grpo-gpt-oss-20b"  # run folder: adapter, checkpoints, train_config.json, metrics.jsonl, completions.csv
@@ -88,7 +96,7 @@ REPORT_TO = ["tensorboard"]  # trackers besides metrics.jsonl: TRL's report_to n
 RESUME = ""  # "" = new run; "1" = continue from the newest complete checkpoint in OUT_DIR; or a checkpoint folder
 
 # MODEL_ID=tiny replaces these defaults unless given (printed at start, listed by --help): a few-minute CPU run on
-# the embedded tiny gpt-oss. The table lives in tes_grpo/presets.py, shared with step_stream.py's preview; why its
+# the embedded tiny gpt-oss. The table lives in tes_grpo/run/presets.py, shared with step_stream.py's preview; why its
 # values were chosen is said there, and the runs behind them are in BENCHMARKS.md ("The tiny run's preset").
 PRESETS = presets_for(globals())
 
@@ -112,7 +120,7 @@ CHOICES = {
 
 def default_settings(**overrides) -> Settings:
     """This module's constants as Settings with overrides applied (and the tiny preset when MODEL_ID=tiny)."""
-    from tes_grpo.script_config import settings_from
+    from tes_grpo.run.script_config import settings_from
 
     try:
         return settings_from(globals(), overrides, PRESETS)  # check_settings checks CHOICES
@@ -127,8 +135,9 @@ def _need(ok: bool, name: str, value, rule: str) -> None:
 
 def check_settings(s) -> None:
     """Raises SettingsError naming the setting and value for settings that cannot work (before anything slow)."""
-    from tes_grpo import fast_paths, sampling_fidelity
-    from tes_grpo.trackers import report_to_problem
+    from tes_grpo.run.trackers import report_to_problem
+    from tes_grpo.sampling import sampling_fidelity
+    from tes_grpo.training import fast_paths
 
     for name in ("MAX_PROMPT_LEN", "MAX_COMPLETION_LEN", "TOTAL_STEPS", "SAVE_STEPS", "LORA_R", "LOGGING_STEPS",
                  "PROMPTS_PER_STEP", "GRADIENT_ACCUMULATION_STEPS", "GENERATION_STEPS", "TRAIN_TOKENS_PER_PASS"):
@@ -240,7 +249,7 @@ def build_grpo_config(s, layout: dict, cuda: bool):
     """TRL 1.16 GRPOConfig for the settings and batch layout."""
     from trl import GRPOConfig
 
-    from tes_grpo.trackers import report_to
+    from tes_grpo.run.trackers import report_to
 
     vllm = {}
     if s.USE_VLLM:
@@ -286,11 +295,12 @@ def build_trainer(s, model, tokenizer, train_dataset, layout: dict, completion_l
     from trl import GRPOTrainer
 
     from data_reward import bind_reward
-    from tes_grpo import fast_paths, sampler
-    from tes_grpo.callbacks import JsonlMetricsCallback, ProgressLineCallback, ZeroPaddedCheckpointNames
-    from tes_grpo.model_loading import cuda_available
+    from tes_grpo.model.model_loading import cuda_available
     from tes_grpo.patches import fixes
-    from tes_grpo.sampling_fidelity import Correction
+    from tes_grpo.run.callbacks import JsonlMetricsCallback, ProgressLineCallback, ZeroPaddedCheckpointNames
+    from tes_grpo.sampling import sampler
+    from tes_grpo.sampling.sampling_fidelity import Correction
+    from tes_grpo.training import fast_paths
 
     out, cuda = Path(s.OUT_DIR), cuda_available()
     out.mkdir(parents=True, exist_ok=True)
@@ -343,16 +353,16 @@ def train(s, environ=None, callbacks=()) -> Path:
     from transformers import AutoConfig
 
     from data_reward import CompletionLog
-    from tes_grpo.memory_plan import batch_layout, check_generation_cadence, plan_run
-    from tes_grpo.model_loading import (
+    from tes_grpo.model.model_loading import (
         check_machine,
         load_tokenizer_for,
         load_training_model,
         resolve_experts,
         resolve_model_path,
     )
-    from tes_grpo.processes import start_process_group
-    from tes_grpo.run_folder import prepare_resume, run_summary
+    from tes_grpo.run.processes import start_process_group
+    from tes_grpo.run.run_folder import prepare_resume, run_summary
+    from tes_grpo.training.memory_plan import batch_layout, check_generation_cadence, plan_run
 
     check_settings(s)
     env = read_environment(os.environ if environ is None else environ)
@@ -422,9 +432,9 @@ def main(argv: list[str] | None = None, callbacks=()) -> int:
     settings = resolve(globals(), argv, presets=PRESETS, allow_nan={"INVALID_REWARD"}, choices=CHOICES)
     import torch  # after resolve: --help needs no torch
 
-    from tes_grpo.memory_plan import no_plan_reason
-    from tes_grpo.oom import StepWatch, out_of_memory_message, use_expandable_segments
     from tes_grpo.patches.torch_patches import leave_process_group
+    from tes_grpo.run.oom import StepWatch, out_of_memory_message, use_expandable_segments
+    from tes_grpo.training.memory_plan import no_plan_reason
 
     use_expandable_segments(say, torch.cuda.is_available(), torch.cuda.is_initialized(), vllm=settings.USE_VLLM)
     watch = StepWatch()

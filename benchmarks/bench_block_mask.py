@@ -26,7 +26,7 @@ import sys
 import time
 
 from benchmarks.timing import timed_ms
-from tes_grpo.script_config import resolve
+from tes_grpo.run.script_config import resolve
 
 SHAPES = ("8x4869", "4x4869", "64x2048", "16x2335")  # rows x tokens: 20B and 120B passes at 4,000, a prefill, 1,024
 SLIDING_WINDOW = 128  # gpt-oss's sliding layers' window
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     s = resolve(globals(), argv)
     import torch
 
-    from tes_grpo.gpt_oss_shapes import stack_versions
+    from tes_grpo.model.gpt_oss_shapes import stack_versions
 
     print(stack_versions())
     device = torch.device(s.DEVICE)

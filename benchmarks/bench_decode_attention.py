@@ -27,7 +27,7 @@ _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))
 import functools
 import sys
 
-from tes_grpo.script_config import resolve
+from tes_grpo.run.script_config import resolve
 
 ROWS = 64  # sequences decoded together (4 prompts x 16 at the reference recipe)
 LENGTHS = (1536, 2560, 3584, 5376)  # cache lengths (a decode step attends over its 512-slot bucket of the cache)
@@ -70,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     from torch._dynamo.utils import counters
 
     from benchmarks.timing import timed_ms
-    from tes_grpo import decode_math
-    from tes_grpo.gpt_oss_shapes import stack_versions
+    from tes_grpo.model.gpt_oss_shapes import stack_versions
+    from tes_grpo.sampling import decode_math
 
     print(stack_versions())
     heads, kv_heads, dim = 64, 8, 64
@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         kernel = functools.partial(decode_math.flex_decode_kernel, kernel_options=options or None)
         implementations[f"flex {entry}"] = torch.compile(
             functools.partial(decode_math.attention_with_sinks, kernel=kernel), fullgraph=True)
-    from tes_grpo import decode_attention, decode_glue
+    from tes_grpo.layers import decode_glue
+    from tes_grpo.sampling import decode_attention
     sink_step = decode_glue.compiled(decode_glue.with_sinks)
     for entry, tile in tiles.items():
         kernel = functools.partial(decode_attention.attention, tiles=tile)

@@ -26,7 +26,7 @@ _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))
 
 import sys
 
-from tes_grpo.script_config import resolve
+from tes_grpo.run.script_config import resolve
 
 ROWS = 64  # rows a decode step multiplies (the sequences decoded together)
 LORA_R = 4  # LoRA rank of each attention projection (the recipe's)
@@ -87,8 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch
 
-    from tes_grpo import decode_glue, decode_linear, decode_math
-    from tes_grpo.gpt_oss_shapes import stack_versions
+    from tes_grpo.layers import decode_glue
+    from tes_grpo.model.gpt_oss_shapes import stack_versions
+    from tes_grpo.sampling import decode_linear, decode_math
 
     print(stack_versions())
     torch.manual_seed(0)

@@ -26,7 +26,7 @@ import math
 import sys
 
 from benchmarks.timing import timed_ms
-from tes_grpo.script_config import resolve
+from tes_grpo.run.script_config import resolve
 
 ROWS = 16  # sequences in the micro-batch (TRAIN_BATCH_SIZE=auto picks 16 at 1,024-token completions)
 LENGTH = 2335  # tokens per sequence (1,311-token prompt + 1,024 completion)
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.nn.attention.flex_attention import create_block_mask
     from transformers.integrations.flex_attention import flex_attention_forward
 
-    from tes_grpo.gpt_oss_shapes import stack_versions
+    from tes_grpo.model.gpt_oss_shapes import stack_versions
 
     print(stack_versions())
     # each entry x layer x grad mode is a new compilation; past the limit (8) flex attention would run unfused

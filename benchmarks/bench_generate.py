@@ -58,8 +58,8 @@ import contextlib
 import sys
 import time
 
-from tes_grpo.gpt_oss_shapes import build_random_model, stack_versions
-from tes_grpo.script_config import resolve
+from tes_grpo.model.gpt_oss_shapes import build_random_model, stack_versions
+from tes_grpo.run.script_config import resolve
 
 NUM_SEQS = 64  # sequences decoded together
 NUM_PROMPTS = 0  # distinct prompts among them, each repeated NUM_SEQS/NUM_PROMPTS times in a row (TRL); 0 = all
@@ -160,7 +160,7 @@ def run_generate(model, input_ids, attention_mask, new_tokens: int, variant: str
 
     flags = variant_flags(variant)
     if flags is not None:
-        from tes_grpo import graph_decode
+        from tes_grpo.sampling import graph_decode
         config = GenerationConfig(max_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_p=1.0,
                                   pad_token_id=token_ids(model)[1], eos_token_id=None)
         return graph_decode.generate(model, input_ids, attention_mask, config, graphs=variant.startswith("graphs"),
@@ -272,7 +272,8 @@ def count_prefill_compiles(model, settings) -> list[tuple]:
     from torch._dynamo.utils import counters
 
     from benchmarks.decode_compare import prefill_shapes
-    from tes_grpo import decode_cache, lm_head
+    from tes_grpo.sampling import decode_cache
+    from tes_grpo.training import lm_head
 
     torch._logging.set_logs(recompiles=True)
     span = min(300, settings.PROMPT_LEN // 2)

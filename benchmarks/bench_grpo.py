@@ -44,15 +44,15 @@ _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))
 import math
 from pathlib import Path
 
-from tes_grpo import memory_plan
-from tes_grpo.processes import (
+from tes_grpo.run.processes import (
     is_main_process,
     local_rank,
     process_count,
     say,
     start_process_group,
 )
-from tes_grpo.script_config import resolve
+from tes_grpo.run.script_config import resolve
+from tes_grpo.training import memory_plan
 
 STEPS = 2  # optimizer steps to time (the first includes compilation and warm-up); a multiple of GENERATION_STEPS
 GENERATION_STEPS = 1  # train_grpo's GENERATION_STEPS: optimizer steps whose completions one generation batch samples
@@ -206,10 +206,10 @@ def main(argv: list[str] | None = None) -> None:
     import train_grpo
     from benchmarks.decode_limit import DecodeLimit, copy_rate_line, experts_format, measure_copy_rate
     from benchmarks.grpo_timers import GenerationTimer, StepTimer, generation_cycles
-    from tes_grpo import fast_paths
-    from tes_grpo.gpt_oss_shapes import build_random_model, stack_versions
-    from tes_grpo.oom import use_expandable_segments
-    from tes_grpo.sampling_fidelity import GEN_KL, LOGP_MAX, LOGP_MEAN
+    from tes_grpo.model.gpt_oss_shapes import build_random_model, stack_versions
+    from tes_grpo.run.oom import use_expandable_segments
+    from tes_grpo.sampling.sampling_fidelity import GEN_KL, LOGP_MAX, LOGP_MEAN
+    from tes_grpo.training import fast_paths
 
     use_expandable_segments(say, torch.cuda.is_available(), torch.cuda.is_initialized())  # as train_grpo.main
     start_process_group()
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     say(stack_versions())
     copy_rate = measure_copy_rate()  # before the model: the copy's 2 GiB are free now
     say(copy_rate_line(copy_rate, torch.cuda.get_device_name()))
-    from tes_grpo.harmony import load_tokenizer
+    from tes_grpo.task.harmony import load_tokenizer
 
     settings = train_grpo.default_settings(
         OUT_DIR=bench.OUT_DIR, TOTAL_STEPS=bench.STEPS, MAX_COMPLETION_LEN=bench.MAX_COMPLETION_LEN,
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     layout = memory_plan.batch_layout(settings, max(lengths), None, plan)
     say(f"prompts: {len(frame)} rows, mean {prompt_tokens} tokens, longest {max(lengths)}; layout {layout}")
     if bench.EXPERTS == "mxfp4":
-        from tes_grpo.mxfp4_experts import ResidentSummary, residency_line
+        from tes_grpo.experts.mxfp4_experts import ResidentSummary, residency_line
 
         say(residency_line(ResidentSummary.of(model)))
     model.config.use_cache = True

@@ -43,7 +43,7 @@ import sys
 import time
 from pathlib import Path
 
-from tes_grpo.script_config import resolve
+from tes_grpo.run.script_config import resolve
 
 ROWS = [1, 2, 4, 8]  # completions a pass (micro-batch sizes) to measure
 COMPLETION_LENS = [1024, 4000]  # tokens per completion
@@ -122,7 +122,7 @@ def run_budget(s, trainer, shape, settings) -> dict:
     runs the planned pass; returns the plan's line and the measured peak (GiB, whole process)."""
     import torch
 
-    from tes_grpo import memory_plan
+    from tes_grpo.training import memory_plan
 
     budgeted = settings.replace(MEMORY_BUDGET_GB=s.MEMORY_BUDGET_GB, MAX_COMPLETION_LEN=max(s.COMPLETION_LENS))
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
@@ -142,8 +142,8 @@ def weights_table(cards_gb=CARDS_GB, lora_r: int = 4) -> str:
     activations (the weights and, with resident experts, one layer's experts dequantized for training: what
     memory_plan checks under FSDP; on one GPU with bf16 experts, graph_decode's MXFP4 decode copy instead), and for
     each card size whether that fits."""
-    from tes_grpo import memory_plan
-    from tes_grpo.gpt_oss_shapes import SIZES, gpt_oss_config
+    from tes_grpo.model.gpt_oss_shapes import SIZES, gpt_oss_config
+    from tes_grpo.training import memory_plan
 
     gib = memory_plan.gib
     lines = [f"{'model':<6}{'experts':<8}{'layout':<14}{'weights GiB':>12}{'needs GiB':>10}  "
@@ -176,10 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import train_grpo
-    from tes_grpo import memory_plan
-    from tes_grpo.gpt_oss_shapes import build_random_model, stack_versions
-    from tes_grpo.harmony import load_tokenizer
-    from tes_grpo.lm_head import describe_lm_head, fused_head_tile, use_full_logits
+    from tes_grpo.model.gpt_oss_shapes import build_random_model, stack_versions
+    from tes_grpo.task.harmony import load_tokenizer
+    from tes_grpo.training import memory_plan
+    from tes_grpo.training.lm_head import describe_lm_head, fused_head_tile, use_full_logits
 
     print(stack_versions(), flush=True)
     # each (rows, length) is a new shape for torch.compile's flex attention; past the default recompile limit (8)

@@ -1,4 +1,4 @@
-"""One gpt-oss-20b MoE layer at decode sizes: the MXFP4 experts kernel (tes_grpo/mxfp4_decode.py) against
+"""One gpt-oss-20b MoE layer at decode sizes: the MXFP4 experts kernel (tes_grpo/experts/mxfp4_decode.py) against
 transformers' bf16 grouped_mm, on one GPU. Run on the GPU machine (the numbers go to BENCHMARKS.md):
 
     python benchmarks/bench_mxfp4_decode.py
@@ -35,7 +35,7 @@ _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))
 
 import sys
 
-from tes_grpo.script_config import resolve
+from tes_grpo.run.script_config import resolve
 
 TOKENS = (16, 64, 128, 256)  # tokens per decode step (= sequences decoded together)
 REPS = 50  # graph replays timed per measurement
@@ -57,7 +57,7 @@ def one_layer(seed: int):
     import torch
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
-    from tes_grpo.gpt_oss_shapes import gpt_oss_20b_config, random_mxfp4_experts
+    from tes_grpo.model.gpt_oss_shapes import gpt_oss_20b_config, random_mxfp4_experts
 
     config = gpt_oss_20b_config()
     config._experts_implementation = "grouped_mm"
@@ -123,9 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch
 
-    from tes_grpo import mxfp4_decode
-    from tes_grpo.gpt_oss_shapes import stack_versions
-    from tes_grpo.moe_routing import MAX_ROWS as route_limit
+    from tes_grpo.experts import mxfp4_decode
+    from tes_grpo.experts.moe_routing import MAX_ROWS as route_limit
+    from tes_grpo.model.gpt_oss_shapes import stack_versions
 
     try:  # each entry's Tiles (their own checks) before the GPU work
         sweep_tiles_of = {config: mxfp4_decode.Tiles(**fields) for config, fields in configs.items()}

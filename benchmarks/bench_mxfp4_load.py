@@ -42,7 +42,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from benchmarks.timing import timed_ms
-from tes_grpo.script_config import resolve
+from tes_grpo.run.script_config import resolve
 
 MODEL_SIZE = "20b"  # gpt-oss shapes: 20b or 120b (gpt_oss_shapes.py)
 LOAD = True  # write the random checkpoint (once) and time loading it
@@ -63,7 +63,7 @@ PRESETS = {"MODEL_SIZE": {"120b": {"LOAD_BF16": False}}}  # 216 GiB of dequantiz
 
 
 def model_config(s):
-    from tes_grpo.gpt_oss_shapes import gpt_oss_config
+    from tes_grpo.model.gpt_oss_shapes import gpt_oss_config
 
     return gpt_oss_config(s.MODEL_SIZE, **(json.loads(s.OVERRIDES) if s.OVERRIDES else {}))
 
@@ -125,9 +125,9 @@ def write_checkpoint(s, folder: Path) -> None:
 
     import torch
 
-    from tes_grpo.gpt_oss_shapes import build_random_model
-    from tes_grpo.mxfp4 import write_mxfp4_checkpoint
-    from tes_grpo.mxfp4_experts import expected_shapes, is_resident, resident_state
+    from tes_grpo.experts.mxfp4 import write_mxfp4_checkpoint
+    from tes_grpo.experts.mxfp4_experts import expected_shapes, is_resident, resident_state
+    from tes_grpo.model.gpt_oss_shapes import build_random_model
 
     if (folder / "config.json").is_file():
         print(f"checkpoint: reusing {folder}")
@@ -163,7 +163,7 @@ def load_once(s, experts: str) -> dict:
     import torch
     import transformers  # noqa: F401  (imported before the baseline, like the CUDA context: the load's own memory)
 
-    from tes_grpo.model_loading import load_training_model
+    from tes_grpo.model.model_loading import load_training_model
 
     if torch.cuda.is_available():  # the CUDA context before the baseline: the load's own memory is what counts
         torch.cuda.init()
@@ -211,8 +211,8 @@ def one_layer(s):
     import torch
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
-    from tes_grpo.gpt_oss_shapes import random_resident_blocks
-    from tes_grpo.mxfp4_experts import dequantize_experts, make_resident
+    from tes_grpo.experts.mxfp4_experts import dequantize_experts, make_resident
+    from tes_grpo.model.gpt_oss_shapes import random_resident_blocks
 
     config = model_config(s)
     config._experts_implementation = "grouped_mm"
@@ -238,8 +238,8 @@ def dequantization(s, blocks) -> list[dict]:
     import torch
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from tes_grpo import mxfp4_experts as mx
-    from tes_grpo.mxfp4 import to_hopper_layout
+    from tes_grpo.experts import mxfp4_experts as mx
+    from tes_grpo.experts.mxfp4 import to_hopper_layout
 
     projections = ("gate_up_proj", "down_proj")
     stored = {p: (to_hopper_layout(blocks[f"{p}_blocks"], "blocks"), to_hopper_layout(blocks[f"{p}_scales"], "scales"),
@@ -298,7 +298,7 @@ def layer_pass(mlp, hidden, grad):
 def training_pass(s, mlp, resident) -> list[dict]:
     import torch
 
-    from tes_grpo.fused_experts import use_fused_experts
+    from tes_grpo.experts.fused_experts import use_fused_experts
 
     g = torch.Generator(device=device()).manual_seed(s.SEED + 1)
     shape = (1, s.TOKENS, mlp.router.hidden_dim)
@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print("RESULT " + json.dumps(load_once(s, s.PHASE.removeprefix("load-"))), flush=True)
         return 0
-    from tes_grpo.gpt_oss_shapes import stack_versions
+    from tes_grpo.model.gpt_oss_shapes import stack_versions
 
     print(stack_versions(), flush=True)
     config = model_config(s)

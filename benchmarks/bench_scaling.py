@@ -28,7 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tes_grpo.script_config import resolve
+from tes_grpo.run.script_config import resolve
 
 RUNS = "single,ddp,fsdp2"  # which runs, in order: single (python, 1 GPU), ddp, fsdp2 (accelerate launch)
 PROCESSES = 2  # GPUs for the ddp and fsdp2 runs

@@ -26,7 +26,7 @@ import sys
 import time
 
 from benchmarks.timing import timed_ms  # warms up once, then times reps calls by CUDA events
-from tes_grpo.script_config import resolve
+from tes_grpo.run.script_config import resolve
 
 LAYERS = 4  # decoder layers built (alternating sliding / full attention, as gpt-oss-20b's 24)
 ROWS = 16  # sequences in the micro-batch (TRAIN_BATCH_SIZE=auto picks 16 at 1,024-token completions)
@@ -47,7 +47,7 @@ def build(s):
     from peft import get_peft_model
 
     import train_grpo
-    from tes_grpo.gpt_oss_shapes import build_random_model
+    from tes_grpo.model.gpt_oss_shapes import build_random_model
 
     model = build_random_model(num_hidden_layers=s.LAYERS,
                                layer_types=["sliding_attention", "full_attention"] * (s.LAYERS // 2)
@@ -68,8 +68,8 @@ def build(s):
 def set_variant(model, variant: str) -> None:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    from tes_grpo import train_glue
-    from tes_grpo.fused_experts import use_fused_experts, uses_fused_experts
+    from tes_grpo.experts.fused_experts import use_fused_experts, uses_fused_experts
+    from tes_grpo.layers import train_glue
     from tes_grpo.patches.transformers_patches import (
         flex_masks_with_padding_bounds,
         flex_sinks_in_training,
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     s = resolve(globals(), argv)
     import torch
 
-    from tes_grpo.gpt_oss_shapes import stack_versions
+    from tes_grpo.model.gpt_oss_shapes import stack_versions
 
     print(stack_versions())
     # the probe compiles flex attention for several masks and autocast states; past the default limit (8) torch

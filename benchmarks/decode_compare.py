@@ -15,7 +15,8 @@ import contextlib
 
 import torch
 
-from tes_grpo import decode_cache, decode_math, lm_head
+from tes_grpo.sampling import decode_cache, decode_math
+from tes_grpo.training import lm_head
 
 
 @torch.no_grad()

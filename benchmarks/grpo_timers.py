@@ -11,7 +11,7 @@ import torch
 from transformers import TrainerCallback
 
 from benchmarks.decode_limit import DecodeLimit
-from tes_grpo.processes import gather_on_main, process_count, uses_fsdp
+from tes_grpo.run.processes import gather_on_main, process_count, uses_fsdp
 
 
 def attention_gflop_per_row(length: int, config) -> float:

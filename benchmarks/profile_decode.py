@@ -49,7 +49,7 @@ import re
 import time
 
 from benchmarks import decode_limit
-from tes_grpo.script_config import resolve
+from tes_grpo.run.script_config import resolve
 
 NUM_SEQS = 64  # sequences decoded together
 NUM_PROMPTS = 4  # distinct prompts among them, each repeated NUM_SEQS / NUM_PROMPTS times (GRPO's groups)
@@ -243,7 +243,7 @@ def site_probes(decode_math, lm, cache, weights, slot: int, length: int, autocas
     """{group: {kernel name: us a step}} of each call site of the decode step, probed on its own (see probe)."""
     import torch
 
-    from tes_grpo.mxfp4_decode import moe_forward
+    from tes_grpo.experts.mxfp4_decode import moe_forward
 
     config = lm.config
     batch = cache.keys[0].shape[0]
@@ -359,8 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import GenerationConfig
 
     from benchmarks.bench_generate import autocast_dtype, grpo_prompts, grpo_state, token_ids
-    from tes_grpo import decode_cache, decode_math, graph_decode, lm_head
-    from tes_grpo.gpt_oss_shapes import build_random_model, stack_versions
+    from tes_grpo.model.gpt_oss_shapes import build_random_model, stack_versions
+    from tes_grpo.sampling import decode_cache, decode_math, graph_decode
+    from tes_grpo.training import lm_head
 
     device = torch.device(s.DEVICE)
     cuda = device.type == "cuda"

@@ -16,6 +16,6 @@ def one_torch_thread():
 @pytest.fixture(scope="session")
 def tokenizer():
     """gpt-oss's tokenizer from harmony (GPT_OSS_TOKENIZER or ../shared/gpt-oss-tokenizer)."""
-    from tes_grpo.harmony import load_tokenizer
+    from tes_grpo.task.harmony import load_tokenizer
 
     return load_tokenizer()

@@ -9,7 +9,7 @@ import torch
 from transformers import GenerationConfig, GptOssConfig, GptOssForCausalLM
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
-from tes_grpo.mxfp4 import fake_quantize_expert_param
+from tes_grpo.experts.mxfp4 import fake_quantize_expert_param
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="CUDA only: compiled Triton kernels and CUDA graphs need a GPU (the CPU tests "
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 
 def test_triton_dequantization_equals_torchs_codec_bit_for_bit():
     pytest.importorskip("triton", reason="requirements-gpu.txt installs triton")
-    from tes_grpo.mxfp4_experts import dequantize_with_torch, dequantize_with_triton
+    from tes_grpo.experts.mxfp4_experts import dequantize_with_torch, dequantize_with_triton
 
     generator = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, 256, (4, 96, 5, 16), dtype=torch.uint8, generator=generator).cuda()
@@ -40,8 +40,8 @@ HOPPER_DEQUANTIZE_CASES = [
 def test_triton_dequantization_from_the_hopper_layout_equals_torchs_codec_bit_for_bit(shape, program):
     """What a resident layer runs on the GPU: the compiled kernel on the Hopper layout, bf16 and float32."""
     pytest.importorskip("triton", reason="requirements-gpu.txt installs triton")
-    from tes_grpo.mxfp4 import to_hopper_layout
-    from tes_grpo.mxfp4_experts import dequantize_with_torch, dequantize_with_triton
+    from tes_grpo.experts.mxfp4 import to_hopper_layout
+    from tes_grpo.experts.mxfp4_experts import dequantize_with_torch, dequantize_with_triton
 
     generator = torch.Generator().manual_seed(0)
     if shape == "every":
@@ -64,8 +64,8 @@ def test_bits_upcast_equals_the_codec_on_cuda():
     against the codec. The CPU test checks the arithmetic; this one the GPU's bf16 multiplies (the code 0.5 passes
     through a bf16 subnormal, which a multiply that flushed subnormals would turn into 0)."""
     pytest.importorskip("triton", reason="requirements-gpu.txt installs triton")
-    from tes_grpo import mxfp4_decode as md
-    from tes_grpo.mxfp4 import dequantize_mxfp4
+    from tes_grpo.experts import mxfp4_decode as md
+    from tes_grpo.experts.mxfp4 import dequantize_mxfp4
 
     blocks = torch.arange(256, dtype=torch.uint8, device="cuda").reshape(1, 16, 16).expand(16, 16, 16).contiguous()
     for first in range(1, 255, 16):  # a row: all 256 bytes under one scale
@@ -105,7 +105,7 @@ def test_mxfp4_decode_kernel_matches_the_mlp_on_cuda(tokens, routing, variant):
     program, against transformers' own MLP on the same GPU. Tensor-core sums run in another order than cuBLAS's, so
     this is to bf16 rounding, not bit for bit (the CPU test is bit for bit, interpreted)."""
     pytest.importorskip("triton", reason="requirements-gpu.txt installs triton")
-    from tes_grpo import mxfp4_decode as md
+    from tes_grpo.experts import mxfp4_decode as md
 
     mlp = exact_mxfp4_mlp(96, 160, seed=0)
     x = torch.randn(1, tokens, 96, device="cuda").to(torch.bfloat16)
@@ -120,7 +120,7 @@ def test_the_hopper_unpackings_equal_the_bits_upcast_bit_for_bit_on_cuda():
     interpreter never runs), the same unpacked by Triton's bit operations (as on older GPUs), and the bits upcast on
     a tile-order copy give the same output bit for bit: the same bf16 weights, the same sums."""
     pytest.importorskip("triton", reason="requirements-gpu.txt installs triton")
-    from tes_grpo import mxfp4_decode as md
+    from tes_grpo.experts import mxfp4_decode as md
 
     mlp = exact_mxfp4_mlp(256, 384, seed=1)
     with torch.no_grad():
@@ -140,7 +140,7 @@ def test_the_hopper_unpackings_equal_the_bits_upcast_bit_for_bit_on_cuda():
 ])
 def test_routing_kernel_equals_torch_on_cuda(tokens, top_k, experts):
     pytest.importorskip("triton", reason="requirements-gpu.txt installs triton")
-    from tes_grpo.moe_routing import route_with_torch, route_with_triton
+    from tes_grpo.experts.moe_routing import route_with_torch, route_with_triton
 
     generator = torch.Generator().manual_seed(tokens)
     indices = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)]).cuda()
@@ -160,7 +160,7 @@ def test_fused_top_k_and_routing_equal_torch_on_cuda(tokens, experts):
     gets the same experts in the same order; a token with ties the same experts in some order, unless the tie is at
     the k-th place (then which of the equal ones is picked is each implementation's own)."""
     pytest.importorskip("triton", reason="requirements-gpu.txt installs triton")
-    from tes_grpo.moe_routing import route_with_torch, top_k_route_with_triton
+    from tes_grpo.experts.moe_routing import route_with_torch, top_k_route_with_triton
 
     generator = torch.Generator(device="cuda").manual_seed(tokens + experts)
     logits = torch.randn(tokens, experts, generator=generator, device="cuda").to(torch.bfloat16)
@@ -225,7 +225,7 @@ def generation_config(**changes) -> GenerationConfig:
 ])
 def test_decode_attention_kernel_matches_float64_and_flex_on_cuda(batch, length, seen):
     pytest.importorskip("triton", reason="requirements-gpu.txt installs triton")
-    from tes_grpo import decode_attention, decode_math
+    from tes_grpo.sampling import decode_attention, decode_math
 
     g = torch.Generator(device="cuda").manual_seed(0)
     query = torch.randn(batch, 64, 1, 64, generator=g, device="cuda").to(torch.bfloat16)
@@ -262,7 +262,8 @@ def test_decode_linear_rounds_as_peft_and_no_further_from_exact_than_cublas_on_c
     elements off than what decode_math computed before with cuBLAS (F.linear with the bias, LowRank, the LoRA add),
     which at o_proj's shape sums less exactly."""
     pytest.importorskip("triton", reason="requirements-gpu.txt installs triton")
-    from tes_grpo import decode_glue, decode_linear, decode_math
+    from tes_grpo.layers import decode_glue
+    from tes_grpo.sampling import decode_linear, decode_math
 
     g = torch.Generator(device="cuda").manual_seed(0)
     sizes, k = {"qkv": ((4096, 512, 512), 2880), "o": ((2880,), 4096), "router": ((32,), 2880)}[product]
@@ -296,7 +297,7 @@ def test_graph_decode_replays_its_steps_as_cuda_graphs_from_the_models_best_firs
     (from graph_decode's prefill, left padding included) must be one the model's own forward rates within bf16
     rounding of its best; a bf16 near tie made it differ from generate's pick once. The CPU tests compare
     graph_decode's steps with generate's token for token in float32."""
-    from tes_grpo import graph_decode
+    from tes_grpo.sampling import graph_decode
 
     model = small_cuda_model(experts_mxfp4=experts != "model")
     ids, mask = left_padded_ids()
@@ -322,7 +323,7 @@ def test_graph_decode_stops_when_every_row_ended_and_draws_no_random_numbers_pas
     Sampled with graphs: once without end tokens, then with end tokens taken from that run so every row ends early;
     the tokens must be the first run's up to each row's end, and the random state the one that exactly as many
     draws leave (a run of that many tokens with no end token)."""
-    from tes_grpo import graph_decode
+    from tes_grpo.sampling import graph_decode
 
     model = small_cuda_model()
     ids, mask = left_padded_ids()
@@ -352,7 +353,7 @@ def test_graph_decode_stops_when_every_row_ended_and_draws_no_random_numbers_pas
 def test_mxfp4_codec_on_cuda_gives_the_cpus_codes():
     """quantize_mxfp4 packs a non-resident layer for the decode kernel on the GPU (mxfp4_decode.pack_experts): its
     codes and scales must be the CPU's, and exactly MXFP4 weights must come back bit for bit."""
-    from tes_grpo.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+    from tes_grpo.experts.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
     generator = torch.Generator().manual_seed(0)
     weight = (torch.randn(8, 160, 96, generator=generator) * 0.1).to(torch.bfloat16)  # [E, in, out]
@@ -414,7 +415,7 @@ def test_compiled_glue_equals_the_eager_glue_on_cuda(name, autocast):
     most 1 ulp, on at most 1 % of the elements (a float32 ulp moves a bf16 rounding on ~2^-16 of values; 1 % leaves
     room for a whole row's mean moving at once, and still fails if a bf16 rounding were skipped, which moves far more
     elements). Without autocast the compiled glue's sink step is the eager one (decode_glue.SinksUnderAutocast)."""
-    from tes_grpo import decode_glue
+    from tes_grpo.layers import decode_glue
 
     compiled = getattr(decode_glue.decide_glue("cuda", "compiled"), name)
     eager = getattr(decode_glue.EAGER, name)
@@ -438,7 +439,7 @@ def test_compiled_glue_equals_the_eager_glue_on_cuda(name, autocast):
 def test_a_compiled_glue_function_takes_more_batch_sizes_than_dynamos_default_limit():
     """Each batch size is one more graph of a compiled glue function (fixed shapes); dynamo's default limit of 8 would
     fail a fullgraph function at the ninth (decode_glue.GRAPHS_PER_FUNCTION raises it)."""
-    from tes_grpo import decode_glue
+    from tes_grpo.layers import decode_glue
 
     rms_norm = decode_glue.compiled(decode_glue.rms_norm)
     weight = torch.ones(64, dtype=torch.bfloat16, device="cuda")
@@ -452,7 +453,8 @@ def test_compiled_glue_decodes_the_eager_glues_tokens_on_cuda():
     graphs, under the trainer's bf16 autocast: the same tokens for the first 10 of every row (the compiled norm and
     sink step may differ by one bf16 ulp on a few elements, see above, which can flip a bf16 near tie later on), and
     each said how its glue ran."""
-    from tes_grpo import decode_glue, graph_decode
+    from tes_grpo.layers import decode_glue
+    from tes_grpo.sampling import graph_decode
 
     model = small_cuda_model()
     ids, mask = left_padded_ids()
@@ -500,7 +502,7 @@ def test_compiled_training_glue_equals_the_eager_forward_and_its_gradients_on_cu
     decode_glue's, above). Backward: eager autograd rounds
     each step's gradient to bf16, the compiled backward keeps float32 between steps and rounds once, so the gradients
     agree within a few bf16 ulps (the LoRA add's backward is one multiplication: bit for bit)."""
-    from tes_grpo import train_glue
+    from tes_grpo.layers import train_glue
 
     compiled, eager = train_glue.decide("cuda", "compiled"), train_glue.EAGER
     assert compiled.how.startswith("compiled")
@@ -551,7 +553,7 @@ def test_training_glue_gives_a_lora_model_the_eager_loss_and_gradients_on_cuda()
     the installed glue really ran (its compiled functions hold graphs)."""
     from peft import LoraConfig, get_peft_model
 
-    from tes_grpo import train_glue
+    from tes_grpo.layers import train_glue
     from tes_grpo.patches.transformers_patches import flex_sinks_in_training, rotary_embedding_in_training
 
     base = small_cuda_model()
@@ -599,7 +601,7 @@ def test_flex_attention_with_the_training_sink_step_equals_transformers_on_cuda(
 
     from transformers.integrations.flex_attention import flex_attention_forward
 
-    from tes_grpo import train_glue
+    from tes_grpo.layers import train_glue
 
     g = torch.Generator().manual_seed(3)
     q, k, v = ((torch.randn(2, heads, 300, 64, generator=g)).to(torch.bfloat16).cuda() for heads in (16, 4, 4))

@@ -35,7 +35,7 @@ run_pytest() {  # a part's pytest, stopped at 590 s so the part ends within 10 m
 at_once() {  # the given parts side by side, a log each under LOG_DIR, after building the tiny model once
   local logs=${LOG_DIR:-runs/gpu-suite} pids=() code=0 each pid
   mkdir -p "$logs"
-  python3 -m tes_grpo.tiny_model > "$logs/tiny-model.log" 2>&1 || { echo "error: building the tiny model failed (see $logs/tiny-model.log)" >&2; exit 1; }
+  python3 -m tes_grpo.model.tiny_model > "$logs/tiny-model.log" 2>&1 || { echo "error: building the tiny model failed (see $logs/tiny-model.log)" >&2; exit 1; }
   for each in "$@"; do
     OMP_NUM_THREADS=${THREADS_PER_PART:-8} bash "$self" "$each" "$tok" > "$logs/$each.log" 2>&1 &
     pids+=($!)

@@ -29,7 +29,7 @@ def fixture_series():
     """A fixed 4-day tes_env.Series: CO2 factors with a daily dip, cooling load in business hours."""
     import math
 
-    from tes_grpo import tes_env
+    from tes_grpo.task import tes_env
     start = datetime(2024, 7, 1)
     hours = range(tes_env.SERIES_HOURS)
     co2 = tuple(round(0.40 + 0.07 * math.cos(2 * math.pi * (h % 24 - 13) / 24) + 0.01 * (h // 24), 3) for h in hours)
@@ -40,8 +40,8 @@ def fixture_series():
 
 
 def harmony_prompt(tokenizer, timestep: int, energy: float, reasoning_effort: str = "medium") -> str:
-    from tes_grpo import task_prompt
-    from tes_grpo.harmony import render_harmony_prompt
+    from tes_grpo.task import task_prompt
+    from tes_grpo.task.harmony import render_harmony_prompt
 
     system, user = task_prompt.build_prompt(fixture_series(), timestep, energy)
     return render_harmony_prompt(system, user, tokenizer, reasoning_effort)
@@ -76,7 +76,7 @@ def write_fixture_data(root: Path, tokenizer) -> Path:
 
 def rewards_by_prompt(tokenizer, reasoning_effort: str) -> dict[str, tuple[list[float], int]]:
     """prompt text as training sees it (reasoning effort applied) -> (its rewards, its optimal action)."""
-    from tes_grpo.harmony import set_reasoning_effort
+    from tes_grpo.task.harmony import set_reasoning_effort
 
     return {set_reasoning_effort(harmony_prompt(tokenizer, t, e), reasoning_effort):
             (r, max(range(4), key=r.__getitem__))

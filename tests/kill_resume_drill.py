@@ -39,7 +39,7 @@ sys.path.insert(0, str(_REPO))
 
 from transformers import TrainerCallback  # noqa: E402
 
-from tes_grpo.script_config import resolve  # noqa: E402
+from tes_grpo.run.script_config import resolve  # noqa: E402
 
 MODEL_ID = "tiny"  # train_grpo.py's MODEL_ID
 OUT_DIR = "runs/kill-resume-drill"  # one folder per run under it (emptied first)

@@ -13,10 +13,10 @@ import torch
 
 import test_lora_adapter as adapter_test
 import test_lora_adapter_quantized
-from tes_grpo import llm_policy
-from tes_grpo.fileio import InputError
-from tes_grpo.llm_policy import Completion
-from tes_grpo.run_folder import checked_training_settings, from_training_run
+from tes_grpo.model import llm_policy
+from tes_grpo.model.llm_policy import Completion
+from tes_grpo.run.fileio import InputError
+from tes_grpo.run.run_folder import checked_training_settings, from_training_run
 
 REPO = Path(__file__).resolve().parents[1]
 EVAL_DIR = REPO / "data" / "eval"
@@ -46,7 +46,7 @@ def make_lora_adapter(base: Path, folder: Path, b_std: float, seed: int = 1) -> 
 
 @pytest.fixture(scope="module")
 def tiny_base() -> Path:
-    from tes_grpo.tiny_model import ensure_tiny_checkpoint
+    from tes_grpo.model.tiny_model import ensure_tiny_checkpoint
 
     return ensure_tiny_checkpoint()
 
@@ -331,7 +331,7 @@ EXPERT_LAYER_CASES = [
 
 @pytest.mark.parametrize("targets, layers", EXPERT_LAYER_CASES)
 def test_adapter_expert_layers(tmp_path, targets, layers):
-    from tes_grpo.run_folder import adapter_expert_layers
+    from tes_grpo.run.run_folder import adapter_expert_layers
 
     (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "target_parameters": targets}))
     assert adapter_expert_layers(tmp_path) == layers
@@ -341,7 +341,7 @@ def test_an_expert_lora_adapter_evaluates_on_dequantized_experts_and_says_so(tin
     """PEFT adapts bf16 expert parameters only: quantized evaluation says it FELL BACK, and why."""
     from peft import LoraConfig, get_peft_model
 
-    from tes_grpo.model_loading import load_training_model
+    from tes_grpo.model.model_loading import load_training_model
 
     peft_model = get_peft_model(load_training_model(str(tiny_base), experts="bf16"), LoraConfig(
         r=4, lora_alpha=8, lora_dropout=0.0, target_modules=[], target_parameters=["layers.1.mlp.experts.down_proj"]))

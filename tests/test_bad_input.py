@@ -24,8 +24,8 @@ import check_data
 import convert_to_harmony
 import make_q_dataset
 import make_series
-from tes_grpo import fileio
-from tes_grpo.harmony import parse_action
+from tes_grpo.run import fileio
+from tes_grpo.task.harmony import parse_action
 
 REPO = Path(__file__).resolve().parents[1]
 SERIES_TEXT = next(iter(make_series.generate_windows(n_windows=1, seed=5, start_date="2024-06-03").values()))

@@ -140,7 +140,7 @@ def test_mxfp4_variant_sweep_list_parses_and_covers_every_variant():
     """SWEEP_LIST=variants' entries (checked here, not first on the GPU machine) name every kernel variant, and both
     token-tile heights where the weights are the left operand."""
     from benchmarks.bench_mxfp4_decode import _VARIANT_SWEEP, SWEEP_VARIANTS, sweep_tiles
-    from tes_grpo.mxfp4_decode import Tiles
+    from tes_grpo.experts.mxfp4_decode import Tiles
 
     tiles = [Tiles(**sweep_tiles(entry)) for entry in _VARIANT_SWEEP]
     assert {(t.upcast, t.swap, t.ptx) for t in tiles} == {(t.upcast, t.swap, t.ptx) for t in

@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 
 import calculate_reward as cr
-from tes_grpo import tes_env
-from tes_grpo.fileio import InputError
+from tes_grpo.run.fileio import InputError
+from tes_grpo.task import tes_env
 
 REPO = Path(__file__).resolve().parents[1]
 

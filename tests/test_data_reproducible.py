@@ -9,7 +9,7 @@ import pytest
 
 import check_data
 import make_example_data
-from tes_grpo import tes_env
+from tes_grpo.task import tes_env
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 

@@ -19,8 +19,8 @@ from data_reward import (
     load_training_frames,
     reward_fn,
 )
-from tes_grpo.fileio import InputError
-from tes_grpo.harmony import set_reasoning_effort
+from tes_grpo.run.fileio import InputError
+from tes_grpo.task.harmony import set_reasoning_effort
 
 A_F = "<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>final<|message|>"
 

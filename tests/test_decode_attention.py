@@ -8,7 +8,7 @@ import pytest
 import torch
 from triton_interpreter import interpreted
 
-from tes_grpo import decode_math
+from tes_grpo.sampling import decode_math
 
 pytest.importorskip("triton", reason="requirements-test.txt installs triton (its interpreter runs these on CPU)")
 pytestmark = [
@@ -24,12 +24,12 @@ MASKED = torch.finfo(torch.float32).min  # decode_cache's masked value
 @pytest.fixture(scope="module", autouse=True)
 def triton_interpreter():
     global da
-    with interpreted("tes_grpo.decode_attention") as module:
+    with interpreted("tes_grpo.sampling.decode_attention") as module:
         da = module
         yield
 
 
-da = None  # tes_grpo.decode_attention, set by triton_interpreter
+da = None  # tes_grpo.sampling.decode_attention, set by triton_interpreter
 
 
 def inputs(batch, heads, kv_heads, dim, length, padded=0, seed=0, spare=7):

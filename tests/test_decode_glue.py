@@ -16,7 +16,7 @@ from transformers.models.gpt_oss.modeling_gpt_oss import (
     apply_rotary_pos_emb,
 )
 
-from tes_grpo import decode_glue
+from tes_grpo.layers import decode_glue
 
 DTYPES = [torch.float32, torch.bfloat16]
 AUTOCAST = [None, torch.bfloat16]  # as the decode step runs: without autocast, or under the trainer's bf16
@@ -161,7 +161,7 @@ def test_cuda_glue_is_compiled_unless_inductor_cannot_keep_the_roundings(monkeyp
 def test_bench_generate_times_the_glue_eager_with_the_eagerglue_flag(monkeypatch):
     # one run times both: graphs_mxfp4 (the glue compiled on CUDA, train_grpo's default) and graphs_mxfp4_eagerglue
     import benchmarks.bench_generate as bench
-    from tes_grpo import graph_decode
+    from tes_grpo.sampling import graph_decode
 
     calls = []
     monkeypatch.setattr(graph_decode, "generate", lambda *args, **kwargs: calls.append(kwargs))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from benchmarks import decode_limit as dl
-from tes_grpo.gpt_oss_shapes import gpt_oss_config
+from tes_grpo.model.gpt_oss_shapes import gpt_oss_config
 
 
 def distinct_by_enumeration(tokens: int, top_k: int, experts: int) -> Fraction:

@@ -16,12 +16,12 @@ SMALL_TILES = (16, 64, 4, 1)  # (BLOCK_N, BLOCK_K, warps, stages): small tiles k
 @pytest.fixture(scope="module", autouse=True)
 def triton_interpreter():
     global dl
-    with interpreted("tes_grpo.decode_linear") as module:
+    with interpreted("tes_grpo.sampling.decode_linear") as module:
         dl = module
         yield
 
 
-dl = None  # tes_grpo.decode_linear, set by triton_interpreter
+dl = None  # tes_grpo.sampling.decode_linear, set by triton_interpreter
 
 
 def integers(g, *shape, low=-8, high=8):

@@ -30,7 +30,7 @@ from grpo_fixtures import rewards_by_prompt, write_fixture_data
 from versions import older_than
 
 import train_grpo
-from tes_grpo.model_loading import (
+from tes_grpo.model.model_loading import (
     check_visible_gpus,
     empty_policy_model,
     load_training_model,
@@ -39,7 +39,7 @@ from tes_grpo.model_loading import (
     resolve_model_path,
 )
 from tes_grpo.patches.accelerate_patches import give_trainable_weights_storage
-from tes_grpo.run_folder import check_resume_processes
+from tes_grpo.run.run_folder import check_resume_processes
 
 REPO = Path(__file__).resolve().parents[1]
 PROCESSES, GENERATIONS, ACCUMULATION, SAVE_AT, RESUMED_TO = 2, 4, 2, 2, 3
@@ -245,7 +245,7 @@ def test_adapter_saved_once_loads_on_one_process(run):
 # ---------------------------------------------------------------------------------------------------------------
 
 def test_one_process_helpers_act_like_plain_code(capsys, monkeypatch):
-    from tes_grpo import processes
+    from tes_grpo.run import processes
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "ACCELERATE_USE_FSDP"):
         monkeypatch.delenv(name, raising=False)
     assert (processes.process_count(), processes.process_rank(), processes.is_main_process()) == (1, 0, True)
@@ -278,7 +278,7 @@ def test_model_device_map(cuda, fsdp, processes, rank, expected):
 
 
 def test_synced_generate_keeps_processes_stepping_together():
-    from tes_grpo.sampler import SyncedGenerate
+    from tes_grpo.sampling.sampler import SyncedGenerate
 
     calls = []
     synced = SyncedGenerate(lambda *args, **kwargs: calls.append(kwargs))
@@ -349,7 +349,7 @@ RESUME_PROCESSES = [
 
 @pytest.mark.parametrize("files, processes, refused", RESUME_PROCESSES)
 def test_resume_needs_the_same_number_of_processes(tmp_path, files, processes, refused):
-    from tes_grpo.fileio import InputError
+    from tes_grpo.run.fileio import InputError
 
     for name in files:
         (tmp_path / name).write_bytes(b"")
@@ -415,7 +415,7 @@ def test_resident_model_has_only_floating_point_parameters():
     uint8 parameter; and what checkpoints need: nothing of the frozen experts in a state dict or an adapter."""
     from peft import get_peft_model, get_peft_model_state_dict
 
-    from tes_grpo.mxfp4_experts import resident_layers, resident_state
+    from tes_grpo.experts.mxfp4_experts import resident_layers, resident_state
 
     model = load_training_model(resolve_model_path("tiny"), experts="mxfp4", say=lambda line: None)
     assert resident_layers(model) == [0, 1]
@@ -447,8 +447,8 @@ def fsdp2_worker() -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.tensor import DTensor
 
-    from tes_grpo.model_loading import load_resident_model
-    from tes_grpo.mxfp4_experts import resident_state
+    from tes_grpo.experts.mxfp4_experts import resident_state
+    from tes_grpo.model.model_loading import load_resident_model
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -63,9 +63,22 @@ def test_no_issue_numbers(page):
     assert not found, f"{page.name} cites issue numbers {found}; name the BENCHMARKS.md section instead"
 
 
-def test_the_package_docstring_lists_every_module():
+def listed_names(docstring: str) -> list[str]:
+    return sorted(set(re.findall(r"^- (\w+):", docstring, flags=re.MULTILINE)))
+
+
+def test_the_package_docstring_lists_every_sub_package():
     import tes_grpo
 
-    modules = sorted([p.stem for p in (REPO / "tes_grpo").glob("*.py") if p.stem != "__init__"] + ["patches"])
-    listed = sorted(set(re.findall(r"^- (\w+):", tes_grpo.__doc__, flags=re.MULTILINE)))
-    assert listed == modules
+    packages = sorted(p.parent.name for p in (REPO / "tes_grpo").glob("*/__init__.py"))
+    modules = sorted(p.stem for p in (REPO / "tes_grpo").glob("*.py") if p.stem != "__init__")
+    assert listed_names(tes_grpo.__doc__) == sorted(packages + modules)
+
+
+@pytest.mark.parametrize("package", sorted(p.parent.name for p in (REPO / "tes_grpo").glob("*/__init__.py")))
+def test_each_sub_package_docstring_lists_its_modules(package):
+    import importlib
+
+    docstring = importlib.import_module(f"tes_grpo.{package}").__doc__
+    modules = sorted(p.stem for p in (REPO / "tes_grpo" / package).glob("*.py") if p.stem != "__init__")
+    assert listed_names(docstring) == modules

@@ -11,9 +11,9 @@ import pandas as pd
 import pytest
 
 import evaluate_policy as ev
-from tes_grpo import tes_env
-from tes_grpo.harmony import parse_action
-from tes_grpo.llm_policy import Completion
+from tes_grpo.model.llm_policy import Completion
+from tes_grpo.task import tes_env
+from tes_grpo.task.harmony import parse_action
 
 REPO = Path(__file__).resolve().parents[1]
 EVAL_DIR = REPO / "data" / "eval"
@@ -173,7 +173,7 @@ def test_votes_pick_the_majority_and_count_invalid_samples(eval_series, tmp_path
 
 
 def test_llm_prompts_are_the_datasets_prompts(eval_series):
-    from tes_grpo.harmony import load_tokenizer
+    from tes_grpo.task.harmony import load_tokenizer
 
     series = eval_series[0]
     frame = pd.read_csv(EVAL_DIR / f"{series.name}_q_dataset_harmony.csv")
@@ -199,7 +199,7 @@ def decide_optimally(decider, optimal, states):
 def test_end_to_end_with_the_tiny_model(tmp_path, capsys):
     from test_adapter_eval import make_lora_adapter
 
-    from tes_grpo.tiny_model import ensure_tiny_checkpoint
+    from tes_grpo.model.tiny_model import ensure_tiny_checkpoint
 
     adapter = make_lora_adapter(ensure_tiny_checkpoint(), tmp_path / "adapter", b_std=0.05)
     out = tmp_path / "eval"

@@ -16,9 +16,9 @@ import torch
 from safetensors import safe_open
 
 import export_quantized_model as export
-from tes_grpo import mxfp4
-from tes_grpo.mxfp4 import SafetensorsCheckpoint, write_mxfp4_checkpoint
-from tes_grpo.script_config import settings_from
+from tes_grpo.experts import mxfp4
+from tes_grpo.experts.mxfp4 import SafetensorsCheckpoint, write_mxfp4_checkpoint
+from tes_grpo.run.script_config import settings_from
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 201088  # the real o200k_harmony vocabulary, so the shared tokenizer works with the tiny model
@@ -154,7 +154,7 @@ def test_run_exported_model_generates_and_parses(attention_export, tmp_path, cap
     import pandas as pd
 
     import run_exported_model as run
-    from tes_grpo.harmony import load_tokenizer
+    from tes_grpo.task.harmony import load_tokenizer
 
     tokenizer = load_tokenizer()
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"Hour {h}: answer [k] with k in 0..3."}],
@@ -196,7 +196,7 @@ def test_load_prompts_rejects_legacy_prompts(tmp_path):
     import pandas as pd
 
     import run_exported_model as run
-    from tes_grpo.fileio import InputError
+    from tes_grpo.run.fileio import InputError
 
     csv = tmp_path / "x_harmony.csv"
     pd.DataFrame({"prompt": ["system: be an operator\nuser: hour 1"]}).to_csv(csv, index=False)

@@ -10,10 +10,11 @@ import torch
 from transformers import GptOssConfig, GptOssForCausalLM
 
 import train_grpo
-from tes_grpo import fast_paths, sampler
-from tes_grpo.graph_decode import GraphDecodeGenerate
-from tes_grpo.sampler import RecordingGenerate, SamplerSpec, SyncedGenerate
-from tes_grpo.script_config import SettingsError
+from tes_grpo.run.script_config import SettingsError
+from tes_grpo.sampling import sampler
+from tes_grpo.sampling.graph_decode import GraphDecodeGenerate
+from tes_grpo.sampling.sampler import RecordingGenerate, SamplerSpec, SyncedGenerate
+from tes_grpo.training import fast_paths
 
 
 def small_model(experts: str = "grouped_mm", dropout: float = 0.0):

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tes_grpo import fileio
-from tes_grpo.fileio import (
+from tes_grpo.run import fileio
+from tes_grpo.run.fileio import (
     InputError,
     OutputError,
     atomic_output,

@@ -12,7 +12,7 @@ from transformers.integrations.moe import grouped_mm_experts_forward
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 from versions import older_than
 
-from tes_grpo import fused_experts as fe
+from tes_grpo.experts import fused_experts as fe
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -22,8 +22,9 @@ from benchmarks.decode_compare import (
     transformers_logprobs,
 )
 from data_reward import CompletionLog
-from tes_grpo import decode_cache, decode_math, graph_decode, lm_head, memory_plan
-from tes_grpo.model_loading import load_training_model, resolve_model_path
+from tes_grpo.model.model_loading import load_training_model, resolve_model_path
+from tes_grpo.sampling import decode_cache, decode_math, graph_decode
+from tes_grpo.training import lm_head, memory_plan
 
 PAD, VOCAB = 5, 512
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops on a shared CPU: one thread is as fast
@@ -431,7 +432,8 @@ def test_the_gpus_projection_kernel_gives_the_trainers_projections(monkeypatch):
             bias = getattr(attn, name).base_layer.bias
             bias.copy_(torch.randn(bias.shape, generator=g))
     x, attended = (torch.randn(6, 1, 64, generator=g).to(BF16) for _ in range(2))
-    with interpreted("tes_grpo.decode_linear") as decode_linear, torch.no_grad(), torch.autocast("cpu", dtype=BF16):
+    with (interpreted("tes_grpo.sampling.decode_linear") as decode_linear, torch.no_grad(),
+          torch.autocast("cpu", dtype=BF16)):
         expected = [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), attn.o_proj(attended)]
         chosen = []
         monkeypatch.setattr(decode_math, "projection_linear",
@@ -670,7 +672,7 @@ def test_wrapper_uses_transformers_for_unsupported_calls_and_says_so(model):
     ("compiled", "eager (DECODE_GLUE=compiled compiles only on CUDA; this is cpu)"),  # reached, and said why not
 ])
 def test_the_wrapper_passes_its_glue_setting_to_the_decode_step(model, monkeypatch, glue, words):
-    from tes_grpo import decode_glue
+    from tes_grpo.layers import decode_glue
 
     monkeypatch.setattr(decode_glue, "_DECIDED", {})
     said = []
@@ -685,7 +687,7 @@ def test_the_wrapper_passes_its_glue_setting_to_the_decode_step(model, monkeypat
 def test_a_batch_split_by_the_memory_plan_gives_the_same_tokens_and_logprobs(model, max_batch):
     """Greedy decoding depends on no random draw, so rows generated in several calls equal rows generated at once;
     the calls end at different lengths and are padded as generate() pads a finished row."""
-    from tes_grpo.token_sampling import SampledLogprobs
+    from tes_grpo.sampling.token_sampling import SampledLogprobs
 
     ids, mask = left_padded_prompts()
     config = trl_config(do_sample=False, eos_token_id=[int(ids[0, -1])])  # some row may end early

@@ -18,9 +18,9 @@ from openai_harmony import Conversation, DeveloperContent, Message, ReasoningEff
 
 import convert_to_harmony as ch
 import make_series
-from tes_grpo import harmony, task_prompt, tes_env
-from tes_grpo.fileio import InputError
-from tes_grpo.harmony import harmony_encoding
+from tes_grpo.run.fileio import InputError
+from tes_grpo.task import harmony, task_prompt, tes_env
+from tes_grpo.task.harmony import harmony_encoding
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE_ONLY_SUFFIX = "\n\n"  # the named difference (module docstring)
@@ -202,7 +202,7 @@ def test_a_tokenizer_that_cannot_load_names_the_setting(tmp_path):
 
 def test_the_random_gpt_oss_shapes_use_harmonys_special_tokens():
     """gpt_oss_shapes' configs (benchmarks' random models) end generation on harmony's <|return|>, not a copied id."""
-    from tes_grpo.gpt_oss_shapes import gpt_oss_config
+    from tes_grpo.model.gpt_oss_shapes import gpt_oss_config
 
     for size in ("20b", "120b"):
         config = gpt_oss_config(size)

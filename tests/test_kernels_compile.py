@@ -23,20 +23,20 @@ GPT_OSS_ATTENTION = dict(KV_HEADS=8, GROUP=8, ROWS=16, DIM=64, DIM_PAD=64, BLOCK
 
 # (module, kernel, its arguments' types, constants: compile-time values and arguments Triton made constants of)
 CASES = [
-    ("decode_attention", "attention_kernel", ATTENTION, {**GPT_OSS_ATTENTION, "HAS_SEEN": True, "FINAL": True}),
-    ("decode_attention", "attention_kernel", ATTENTION, {**GPT_OSS_ATTENTION, "HAS_SEEN": False, "FINAL": False}),
-    ("decode_attention", "attention_kernel", ATTENTION,  # one slot, one part's worth: counts of 1 made constants
+    ("sampling.decode_attention", "attention_kernel", ATTENTION, {**GPT_OSS_ATTENTION, "HAS_SEEN": True, "FINAL": True}),
+    ("sampling.decode_attention", "attention_kernel", ATTENTION, {**GPT_OSS_ATTENTION, "HAS_SEEN": False, "FINAL": False}),
+    ("sampling.decode_attention", "attention_kernel", ATTENTION,  # one slot, one part's worth: counts of 1 made constants
      {**GPT_OSS_ATTENTION, "HAS_SEEN": False, "FINAL": True, "length": 1, "per_split": 1}),
-    ("decode_attention", "combine_kernel", COMBINE, {"DIM": 64, "DIM_PAD": 64}),
-    ("decode_linear", "linear_kernel", LINEAR, QKV),  # gpt-oss's q, k, v with LoRA, its scaling folded
-    ("decode_linear", "linear_kernel", LINEAR, {**QKV, "RANK": 4, "HAS_SCALE": True, "BLOCK_N": 32}),  # o_proj
-    ("decode_linear", "linear_kernel", LINEAR,  # one row, one tile, no adapter: counts of 1 made constants
+    ("sampling.decode_attention", "combine_kernel", COMBINE, {"DIM": 64, "DIM_PAD": 64}),
+    ("sampling.decode_linear", "linear_kernel", LINEAR, QKV),  # gpt-oss's q, k, v with LoRA, its scaling folded
+    ("sampling.decode_linear", "linear_kernel", LINEAR, {**QKV, "RANK": 4, "HAS_SCALE": True, "BLOCK_N": 32}),  # o_proj
+    ("sampling.decode_linear", "linear_kernel", LINEAR,  # one row, one tile, no adapter: counts of 1 made constants
      {**QKV, "HAS_LORA": False, "RANK": 0, "BLOCK_M": 16, "M": 1, "tiles0": 1}),
-    ("moe_routing", "_top_k_route_kernel", ROUTE,  # gpt-oss-20b's decode step: 64 tokens, top-4 of 32
+    ("experts.moe_routing", "_top_k_route_kernel", ROUTE,  # gpt-oss-20b's decode step: 64 tokens, top-4 of 32
      {"TOKENS": 64, "EXPERTS_BLOCK": 32, "TOP_K": 4, "K_BLOCK": 4}),
-    ("moe_routing", "_top_k_route_kernel", ROUTE,  # gpt-oss-120b's 128 experts
+    ("experts.moe_routing", "_top_k_route_kernel", ROUTE,  # gpt-oss-120b's 128 experts
      {"TOKENS": 64, "EXPERTS_BLOCK": 128, "TOP_K": 4, "K_BLOCK": 4}),
-    ("moe_routing", "_top_k_route_kernel", ROUTE,  # one token: the count made a constant
+    ("experts.moe_routing", "_top_k_route_kernel", ROUTE,  # one token: the count made a constant
      {"TOKENS": 16, "EXPERTS_BLOCK": 32, "TOP_K": 4, "K_BLOCK": 4, "tokens": 1}),
 ]
 

@@ -1,5 +1,5 @@
-"""The LM head in training (tes_grpo/lm_head.py): TRL 1.16's fused head gives the log-probabilities, entropies and
-gradients of the full logits without ever building a micro-batch's [rows, tokens, vocabulary] logits.
+"""The LM head in training (tes_grpo/training/lm_head.py): TRL 1.16's fused head gives the log-probabilities,
+entropies and gradients of the full logits without ever building a micro-batch's [rows, tokens, vocabulary] logits.
 
 Tolerances. float32 (the tiny model on the CPU) against the full logits' log-softmax in float64: TRL sums the
 201,088 exponentials in float32 tiles into a running log-sum-exp; measured errors ~2e-6 for log-probabilities and
@@ -47,7 +47,7 @@ def tiny_lora():
     from peft import get_peft_model
 
     import train_grpo
-    from tes_grpo.model_loading import load_training_model, resolve_model_path
+    from tes_grpo.model.model_loading import load_training_model, resolve_model_path
 
     # PEFT draws the A matrices from torch's global generator: seeded here, so the gradients compared do not depend
     # on which tests ran before (some draws leave a gradient whose float32 sums cancel near the tolerance)
@@ -154,7 +154,7 @@ def test_no_micro_batch_logits(tiny_lora, monkeypatch, one_torch_thread, path, r
                                builds_logits):
     import trl.trainer.utils as trl_utils
 
-    from tes_grpo.lm_head import full_logits_logps_and_entropies, fused_head_tile
+    from tes_grpo.training.lm_head import full_logits_logps_and_entropies, fused_head_tile
 
     monkeypatch.setattr(trl_utils, "_use_triton", lambda device: compact)
     ids, mask, completion_mask, advantages = batch(rows, prompt, completion, 0)
@@ -215,7 +215,7 @@ def test_tiled_head_matches_full_head(monkeypatch, tokens, hidden, vocab, token_
 def test_describe_lm_head_says_whether_the_head_is_fused(tiny_lora):
     from trl.trainer.utils import add_fused_lm_head
 
-    from tes_grpo.lm_head import describe_lm_head, fused_head_tile, uses_fused_lm_head
+    from tes_grpo.training.lm_head import describe_lm_head, fused_head_tile, uses_fused_lm_head
 
     assert fused_head_tile() == (4096, 32768)  # TRL 1.16; another TRL: recheck lm_head.py's notes
     add_fused_lm_head(tiny_lora.get_base_model(), outputs=("log_probs", "entropy"))

@@ -1,5 +1,5 @@
-"""tes_grpo/memory_plan.py: completions a training pass and sequences a generate call from (made-up) free memory,
-the errors when nothing fits, and the formula against the H100's measured peaks and autograd's saved tensors."""
+"""tes_grpo/training/memory_plan.py: completions a training pass and sequences a generate call from (made-up) free
+memory, the errors when nothing fits, and the formula against the H100's measured peaks and autograd's saved tensors."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import train_grpo
-from tes_grpo import memory_plan
-from tes_grpo.gpt_oss_shapes import gpt_oss_20b_config, gpt_oss_120b_config
-from tes_grpo.memory_plan import GIB, MemoryFacts, ModelShape, SettingsError, plan_memory
+from tes_grpo.model.gpt_oss_shapes import gpt_oss_20b_config, gpt_oss_120b_config
+from tes_grpo.training import memory_plan
+from tes_grpo.training.memory_plan import GIB, MemoryFacts, ModelShape, SettingsError, plan_memory
 
 M20B = ModelShape.from_config(gpt_oss_20b_config())
 MXFP4_WEIGHTS = memory_plan.weights_bytes(M20B, experts_mxfp4=True) / GIB  # 13.1 GiB: experts resident as MXFP4
@@ -238,7 +238,7 @@ def test_layer_term_matches_autograd_saved_tensors(one_torch_thread, hidden, int
     from peft import get_peft_model
     from transformers import AttentionInterface, GptOssConfig, GptOssForCausalLM
 
-    from tes_grpo.fused_experts import use_fused_experts
+    from tes_grpo.experts.fused_experts import use_fused_experts
 
     AttentionInterface.register("census", census_attention)
     config = GptOssConfig(vocab_size=512, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=1,
@@ -301,7 +301,7 @@ RECIPES = [
 def test_mxfp4_expert_bytes_are_the_padded_layout_s():
     """The resident experts and the decoding copy are kept in the Hopper layout: each matrix padded to whole
     128 x 128 tiles (20B: 2,880 -> 2,944 inputs, down's 2,880 outputs too), 17 bytes a 32-block."""
-    from tes_grpo.mxfp4 import TILE
+    from tes_grpo.experts.mxfp4 import TILE
 
     assert TILE == (128, 128)
     per_expert = (5760 * 2944 + 2944 * 2944) * 17 // 32
@@ -335,7 +335,7 @@ def _train_on_a_made_up_gpu(monkeypatch, tmp_path, tokenizer, free_gib: float, o
     trainer are stand-ins that record what reaches them (the trainer stops the run)."""
     from grpo_fixtures import write_fixture_data
 
-    from tes_grpo import model_loading
+    from tes_grpo.model import model_loading
 
     seen = {"loaded": False, "plans": []}
     plan_run = memory_plan.plan_run
@@ -517,7 +517,7 @@ def test_fewest_fsdp_processes():
 def _fsdp_gpu(monkeypatch, free_gib: float, processes: int = 2, rank: int = 1, vllm: bool = False):
     """This process as rank `rank` of an FSDP launch of `processes` on a GPU with free_gib free; records which device
     the memory was read from."""
-    from tes_grpo import model_loading
+    from tes_grpo.model import model_loading
 
     seen = []
 
@@ -562,7 +562,7 @@ def test_fsdp_plan_run_says_the_weights(monkeypatch):
     (False, False, True, None),
 ])
 def test_no_plan_reason(monkeypatch, fsdp, vllm, cuda, reason):
-    from tes_grpo import model_loading
+    from tes_grpo.model import model_loading
 
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true" if fsdp else "false")
     monkeypatch.setattr(model_loading, "cuda_available", lambda: cuda)

@@ -212,8 +212,8 @@ def chat_template_like_ollama(folder: Path) -> str:
 
 def written_like_the_export_20b(folder: Path) -> Path:
     """openai/gpt-oss-20b's config (gpt_oss_shapes) written as the export writes it (no weights, no tokenizer)."""
-    from tes_grpo.gpt_oss_shapes import gpt_oss_20b_config
-    from tes_grpo.mxfp4 import write_config_json
+    from tes_grpo.experts.mxfp4 import write_config_json
+    from tes_grpo.model.gpt_oss_shapes import gpt_oss_20b_config
 
     folder.mkdir(parents=True)
     write_config_json(gpt_oss_20b_config(), folder)
@@ -240,7 +240,7 @@ def ollama_folder(request, tmp_path):
         return written_like_the_export_20b(tmp_path / "gpt-oss-20b")
     if kind == "tiny-export":
         return request.getfixturevalue("modelfile_exports")["model_dir"]
-    from tes_grpo.tiny_model import ensure_tiny_checkpoint
+    from tes_grpo.model.tiny_model import ensure_tiny_checkpoint
 
     return ensure_tiny_checkpoint()
 

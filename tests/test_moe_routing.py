@@ -18,13 +18,13 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module", autouse=True)
 def triton_interpreter():
-    """tes_grpo.moe_routing imported under TRITON_INTERPRET=1 for this module's tests."""
+    """tes_grpo.experts.moe_routing imported under TRITON_INTERPRET=1 for this module's tests."""
     global mr
-    with interpreted("tes_grpo.moe_routing") as mr:
+    with interpreted("tes_grpo.experts.moe_routing") as mr:
         yield
 
 
-mr = None  # tes_grpo.moe_routing, set by triton_interpreter
+mr = None  # tes_grpo.experts.moe_routing, set by triton_interpreter
 
 
 def router(tokens, k, experts, generator):

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, GptOssConfig, GptOssForCausalLM, Mxfp4Config
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from tes_grpo.mxfp4 import (
+from tes_grpo.experts.mxfp4 import (
     FP4_VALUES,
     MODULES_TO_NOT_CONVERT,
     SafetensorsCheckpoint,
@@ -203,7 +203,7 @@ HOPPER_BITS_CASES = [
 
 @pytest.mark.parametrize("word_bytes, word", HOPPER_BITS_CASES)
 def test_hopper_bits_place_each_code(word_bytes, word):
-    from tes_grpo.mxfp4 import _hopper_bits, _hopper_unbits
+    from tes_grpo.experts.mxfp4 import _hopper_bits, _hopper_unbits
 
     data = torch.tensor([word_bytes], dtype=torch.uint8)
     placed = _hopper_bits(data)
@@ -212,7 +212,7 @@ def test_hopper_bits_place_each_code(word_bytes, word):
 
 
 def test_hopper_bits_round_trip_every_byte_in_every_place():
-    from tes_grpo.mxfp4 import _hopper_bits, _hopper_unbits
+    from tes_grpo.experts.mxfp4 import _hopper_bits, _hopper_unbits
 
     every = torch.arange(256, dtype=torch.uint8)
     data = torch.stack([every, every.roll(1), every.roll(2), every.roll(3)], dim=-1)
@@ -290,7 +290,7 @@ def test_passthrough_copies_blocks_bit_for_bit_and_shards(tmp_path):
 
 
 def gpt_oss_20b():
-    from tes_grpo.gpt_oss_shapes import gpt_oss_20b_config
+    from tes_grpo.model.gpt_oss_shapes import gpt_oss_20b_config
 
     return gpt_oss_20b_config()
 
@@ -342,7 +342,7 @@ def test_written_config_reads_back_into_the_same_config(tmp_path, make_config):
 def test_tokenizer_files_carry_the_chat_template_in_tokenizer_config(tmp_path):
     from transformers import AutoTokenizer
 
-    from tes_grpo.harmony import load_tokenizer
+    from tes_grpo.task.harmony import load_tokenizer
 
     tokenizer = load_tokenizer()
     save_tokenizer_files(tokenizer, tmp_path)

@@ -16,7 +16,7 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 from triton_interpreter import interpreted
 from versions import older_than
 
-from tes_grpo.mxfp4 import fake_quantize_expert_param
+from tes_grpo.experts.mxfp4 import fake_quantize_expert_param
 
 pytest.importorskip("triton", reason="requirements-test.txt installs triton (its interpreter runs these on CPU)")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -50,16 +50,16 @@ bf16_constants = pytest.mark.skipif(
 
 @pytest.fixture(scope="module", autouse=True)
 def triton_interpreter():
-    """tes_grpo.mxfp4_decode with its kernels (tes_grpo.mxfp4_kernels) under Triton's interpreter for this module's
-    tests."""
+    """tes_grpo.experts.mxfp4_decode with its kernels (tes_grpo.experts.mxfp4_kernels) under Triton's interpreter for
+    this module's tests."""
     global md
-    with interpreted("tes_grpo.mxfp4_kernels"):
-        md = importlib.import_module("tes_grpo.mxfp4_decode")
+    with interpreted("tes_grpo.experts.mxfp4_kernels"):
+        md = importlib.import_module("tes_grpo.experts.mxfp4_decode")
         assert md.interpreted()
         yield
 
 
-md = None  # tes_grpo.mxfp4_decode, set by triton_interpreter
+md = None  # tes_grpo.experts.mxfp4_decode, set by triton_interpreter
 
 
 def mlp_config(hidden=96, inter=160, experts=8, top_k=4) -> GptOssConfig:
@@ -156,7 +156,7 @@ UPCAST_SCALES = (1, 2, 50, 100, 110, 118, 121, 125, 126, 127, 128, 129, 135, 160
 def test_bits_upcast_equals_the_codec():
     """Tiles.upcast="bits"'s integer upcast gives dequantize_mxfp4's bf16 values, bit for bit (signed zeros and the
     subnormal code 0.5 included), for all 16 codes in both nibbles times every scale of the table."""
-    from tes_grpo.mxfp4 import dequantize_mxfp4
+    from tes_grpo.experts.mxfp4 import dequantize_mxfp4
 
     blocks = torch.arange(256, dtype=torch.uint8).reshape(1, 16, 16).expand(16, 16, 16).contiguous()
     group = torch.arange(16)
@@ -168,7 +168,7 @@ def test_bits_upcast_equals_the_codec():
 @bf16_constants
 def test_bits_upcast_of_an_all_zero_group_at_scale_0_is_the_codecs():
     # quantize_mxfp4 writes scale 0 for an all-zero group; its codes are +0 (0x0) and -0 (0x8) in either nibble
-    from tes_grpo.mxfp4 import dequantize_mxfp4
+    from tes_grpo.experts.mxfp4 import dequantize_mxfp4
 
     blocks = torch.tensor([0x00, 0x08, 0x80, 0x88] * 4, dtype=torch.uint8).reshape(1, 1, 16)
     scales = torch.zeros(1, 1, dtype=torch.uint8)
@@ -205,7 +205,7 @@ UPCAST_EXACT_CASES = [
 def test_upcast_is_exact(scale, byte, exact):
     """The same answer from the checkpoint's layout and tile order, and from a pack in the Hopper layout
     (pack_is_exact); upcast_is_exact refuses the Hopper layout, whose bytes it would pair with the wrong scales."""
-    from tes_grpo.mxfp4 import to_hopper_layout, to_tile_order
+    from tes_grpo.experts.mxfp4 import to_hopper_layout, to_tile_order
 
     blocks = torch.full((2, 64, 4, 16), 0x35, dtype=torch.uint8)
     scales = torch.full((2, 64, 4), 120, dtype=torch.uint8)
@@ -285,7 +285,7 @@ def small_bf16_model(seed=0) -> GptOssForCausalLM:
 @runs_kernel
 @pytest.mark.slow
 def test_graph_decode_samples_the_same_tokens_with_mxfp4_experts():
-    from tes_grpo import graph_decode
+    from tes_grpo.sampling import graph_decode
 
     model = small_bf16_model()
     ids = torch.randint(10, 512, (4, 11), generator=torch.Generator().manual_seed(2))
@@ -332,8 +332,8 @@ def test_the_memory_plan_counts_the_packs_bytes():
     and down pad differently (hidden 96, intermediate 160: 2 x 160 = 320 -> 384 and 160 -> 256, 96 -> 128)."""
     from dataclasses import replace
 
-    from tes_grpo import memory_plan
-    from tes_grpo.gpt_oss_shapes import gpt_oss_20b_config
+    from tes_grpo.model.gpt_oss_shapes import gpt_oss_20b_config
+    from tes_grpo.training import memory_plan
 
     mlp = random_mlp(hidden=96, inter=160, experts=8)
     pack = md.pack_experts(mlp.experts)
@@ -356,7 +356,7 @@ def test_experts_matmul_refuses_weights_in_another_layout():
 @pytest.mark.slow
 def test_layers_that_cannot_be_packed_decode_with_their_own_experts():
     from benchmarks.decode_compare import decode_logprobs
-    from tes_grpo import decode_math
+    from tes_grpo.sampling import decode_math
 
     model = small_bf16_model()
     with torch.no_grad():
@@ -379,7 +379,7 @@ def test_layers_that_cannot_be_packed_decode_with_their_own_experts():
 def tiny_bf16():
     """The tiny MXFP4 checkpoint loaded in bf16 (the GPU's dtype, which the kernel takes) both ways: resident, and
     dequantized."""
-    from tes_grpo.model_loading import load_training_model, resolve_model_path
+    from tes_grpo.model.model_loading import load_training_model, resolve_model_path
 
     path = resolve_model_path("tiny")
     return path, {experts: load_training_model(path, dtype=torch.bfloat16, experts=experts, say=lambda line: None)
@@ -387,7 +387,7 @@ def tiny_bf16():
 
 
 def test_resident_layers_are_packed_as_they_are(tiny_bf16):
-    from tes_grpo.mxfp4 import SafetensorsCheckpoint, to_hopper_layout
+    from tes_grpo.experts.mxfp4 import SafetensorsCheckpoint, to_hopper_layout
 
     path, models = tiny_bf16
     said = []
@@ -423,8 +423,8 @@ def test_a_resident_pack_is_redone_when_its_scales_change_in_place(tiny_bf16):
 def test_a_resident_layer_the_bits_upcasts_cannot_give_exactly_gets_a_tile_order_copy(tiny_bf16):
     """A resident group at scale 0 under nonzero codes: the pack is a tile-order copy run with DOT_SCALED (said,
     with its size); the resident buffers stay as they were."""
-    from tes_grpo.model_loading import load_training_model
-    from tes_grpo.mxfp4_experts import checkpoint_tensor, put_checkpoint_tensor
+    from tes_grpo.experts.mxfp4_experts import checkpoint_tensor, put_checkpoint_tensor
+    from tes_grpo.model.model_loading import load_training_model
 
     path, _ = tiny_bf16
     model = load_training_model(path, dtype=torch.bfloat16, experts="mxfp4", say=lambda line: None)
@@ -445,7 +445,7 @@ def test_a_resident_layer_the_bits_upcasts_cannot_give_exactly_gets_a_tile_order
 
 
 def test_resident_float32_experts_are_not_packed(tiny_bf16):
-    from tes_grpo.model_loading import load_training_model
+    from tes_grpo.model.model_loading import load_training_model
 
     path, _ = tiny_bf16
     model = load_training_model(path, experts="mxfp4", say=lambda line: None)  # float32 on the CPU
@@ -458,7 +458,7 @@ def test_resident_float32_experts_are_not_packed(tiny_bf16):
 def test_graph_decode_samples_the_same_tokens_from_resident_experts(tiny_bf16):
     """The resident model through the MXFP4 kernel and through its own (dequantizing) MLP, against the dequantized
     load's: the same tokens from the same random numbers."""
-    from tes_grpo import graph_decode
+    from tes_grpo.sampling import graph_decode
 
     _, models = tiny_bf16
     ids = torch.randint(10, 201088, (4, 11), generator=torch.Generator().manual_seed(2))
@@ -494,7 +494,7 @@ def test_the_fused_routing_gives_the_routers_output_bit_for_bit():
     logits = torch.nn.functional.linear(x, mlp.router.weight, mlp.router.bias)
     top = logits.float().topk(mlp.router.top_k + 1).values
     assert (top[:, :-1] > top[:, 1:]).all()  # no ties: torch.topk's order is the only one
-    with interpreted("tes_grpo.moe_routing"):
+    with interpreted("tes_grpo.experts.moe_routing"):
         fused = md.moe_forward(mlp, pack, x, routing="fused")
     assert torch.equal(fused, md.moe_forward(mlp, pack, x, routing="torch"))
 
@@ -512,7 +512,7 @@ def test_a_router_with_hooks_is_called_as_a_module(monkeypatch):
     reference = md.moe_forward(mlp, pack, x, routing="torch")
     calls.clear()
     monkeypatch.setattr(md, "routing_for", lambda device_type, rows: "fused")
-    with interpreted("tes_grpo.moe_routing"):
+    with interpreted("tes_grpo.experts.moe_routing"):
         out = md.moe_forward(mlp, pack, x)
     assert calls == [1] and torch.equal(out, reference)
     with pytest.raises(ValueError, match="routing='fused' computes GptOssTopKRouter's forward"):

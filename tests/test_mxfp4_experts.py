@@ -21,10 +21,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tes_grpo import memory_plan
-from tes_grpo import mxfp4_experts as mx
-from tes_grpo.model_loading import load_training_model, resolve_attention, resolve_experts, resolve_model_path
-from tes_grpo.script_config import SettingsError
+from tes_grpo.experts import mxfp4_experts as mx
+from tes_grpo.model.model_loading import load_training_model, resolve_attention, resolve_experts, resolve_model_path
+from tes_grpo.run.script_config import SettingsError
+from tes_grpo.training import memory_plan
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 # load_training_model loads onto the GPU where there is one (in bf16): these tests then check the GPU's kernels
@@ -70,11 +70,11 @@ def test_dequantize_equals_transformers_for_every_byte_and_scale(dtype):
 
 @pytest.fixture
 def kernels():
-    """tes_grpo.mxfp4_kernels under Triton's interpreter (compiled again after the test, for the CUDA tests)."""
+    """tes_grpo.experts.mxfp4_kernels under Triton's interpreter (compiled again after the test, for the CUDA tests)."""
     pytest.importorskip("triton")
     from triton_interpreter import interpreted
 
-    with interpreted("tes_grpo.mxfp4_kernels") as module:
+    with interpreted("tes_grpo.experts.mxfp4_kernels") as module:
         yield module
 
 
@@ -106,7 +106,7 @@ def test_dequantize_equals_transformers(layout, shape, tile, program, kernels):
     float32 and a converted dtype) and torch's codec."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from tes_grpo.mxfp4 import to_hopper_layout, to_tile_order
+    from tes_grpo.experts.mxfp4 import to_hopper_layout, to_tile_order
 
     blocks, scales = every_byte_and_scale() if shape == "every" else random_blocks(*shape, seed=1)
     rows, cols = blocks.shape[1], blocks.shape[2] * 32
@@ -124,8 +124,8 @@ GUARDED_DEQUANTIZE = """
 import sys, torch
 from guard_pages import ending_at_a_guard_page
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-from tes_grpo import mxfp4_experts as mx
-from tes_grpo.mxfp4 import quantize_mxfp4, to_hopper_layout
+from tes_grpo.experts import mxfp4_experts as mx
+from tes_grpo.experts.mxfp4 import quantize_mxfp4, to_hopper_layout
 blocks, scales = quantize_mxfp4(torch.randn(1, 300, 128))  # 300 rows padded to 384: three 128-row pieces
 kept = [ending_at_a_guard_page(to_hopper_layout(t, part)) for t, part in ((blocks, "blocks"), (scales, "scales"))]
 out = mx.dequantize_with_triton(kept[0][0], kept[1][0], torch.bfloat16, (256, 128, 8), size=(300, 128))
@@ -158,7 +158,7 @@ PUT_CASES = [
 
 @pytest.mark.parametrize("name, tensor, words", PUT_CASES)
 def test_put_checkpoint_tensor(tiny, name, tensor, words):
-    from tes_grpo.mxfp4 import to_hopper_layout
+    from tes_grpo.experts.mxfp4 import to_hopper_layout
 
     experts = load(tiny, "mxfp4").model.layers[0].mlp.experts
     if words is None:
@@ -171,7 +171,7 @@ def test_put_checkpoint_tensor(tiny, name, tensor, words):
 
 
 def test_loader_names_the_checkpoint_tensor_a_resident_module_refuses(tiny):
-    from tes_grpo.model_loading import _place
+    from tes_grpo.model.model_loading import _place
 
     experts = load(tiny, "mxfp4").model.layers[1].mlp.experts
     name = "model.layers.1.mlp.experts.down_proj_scales"
@@ -181,7 +181,7 @@ def test_loader_names_the_checkpoint_tensor_a_resident_module_refuses(tiny):
 
 
 def test_dequantize_refuses_what_is_not_a_layout_it_reads():
-    from tes_grpo.mxfp4 import to_hopper_layout
+    from tes_grpo.experts.mxfp4 import to_hopper_layout
 
     blocks, scales = every_byte_and_scale()
     with pytest.raises(ValueError, match="not a \\[E, 256, 512\\] weight in tile order"):
@@ -204,7 +204,7 @@ def lora_pass(path, experts, dtype, checkpointing, fused, expert_layers=()):
     the resident layers."""
     from peft import get_peft_model
 
-    from tes_grpo.fused_experts import use_fused_experts
+    from tes_grpo.experts.fused_experts import use_fused_experts
     from train_grpo import build_lora_config
 
     model = load(path, experts, dtype, expert_layers)
@@ -374,7 +374,7 @@ class FloatShapes(TorchDispatchMode):
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])
 def test_loader_builds_no_bf16_expert_and_matches_from_pretrained(tiny, dtype):
-    from tes_grpo.mxfp4 import SafetensorsCheckpoint, padded_bytes, to_hopper_layout
+    from tes_grpo.experts.mxfp4 import SafetensorsCheckpoint, padded_bytes, to_hopper_layout
 
     said = []
     with FloatShapes() as created:
@@ -467,7 +467,7 @@ def test_peft_adapter_loads_on_the_resident_model(tiny, tmp_path):
 
 def test_dtype_changes_follow_to():
     """model.to(dtype) changes what the experts dequantize to, as it would change their parameters."""
-    from tes_grpo.gpt_oss_shapes import build_random_model
+    from tes_grpo.model.gpt_oss_shapes import build_random_model
 
     model = build_random_model("eager", "cpu", resident=True, dtype=torch.float32, **SMALL)
     experts = model.model.layers[0].mlp.experts
@@ -485,7 +485,7 @@ SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=64, vocab_si
 
 
 def test_120b_config_is_openais():
-    from tes_grpo.gpt_oss_shapes import gpt_oss_120b_config
+    from tes_grpo.model.gpt_oss_shapes import gpt_oss_120b_config
 
     c = gpt_oss_120b_config()
     assert (c.num_hidden_layers, c.num_local_experts, c.num_experts_per_tok, c.hidden_size, c.intermediate_size,
@@ -501,7 +501,7 @@ def test_120b_shaped_model_builds_resident_and_trains_one_step():
     from peft import get_peft_model
     from transformers import GptOssForCausalLM
 
-    from tes_grpo.gpt_oss_shapes import build_random_model, gpt_oss_config
+    from tes_grpo.model.gpt_oss_shapes import build_random_model, gpt_oss_config
     from train_grpo import build_lora_config
 
     with FloatShapes() as created:

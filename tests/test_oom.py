@@ -1,4 +1,4 @@
-"""A run that runs out of GPU memory mid-run (tes_grpo/oom.py, train_grpo.main): one message naming the step and
+"""A run that runs out of GPU memory mid-run (tes_grpo/run/oom.py, train_grpo.main): one message naming the step and
 the settings to lower, a non-zero exit, and a run folder that --RESUME=1 continues. The allocator's failure is
 mocked on the CPU: a callback raises torch.OutOfMemoryError when the failing step begins."""
 
@@ -13,7 +13,7 @@ from grpo_fixtures import write_fixture_data
 from transformers import TrainerCallback
 
 import train_grpo
-from tes_grpo.oom import out_of_memory_message, settings_to_lower
+from tes_grpo.run.oom import out_of_memory_message, settings_to_lower
 
 FAIL_AT, SAVE_STEPS, TOTAL = 3, 2, 3
 ALLOCATOR_SAYS = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB"
@@ -118,7 +118,7 @@ ALLOCATOR_CASES = [
 def test_use_expandable_segments(monkeypatch, before, gpu, started, vllm, effect, after, words):
     import os
 
-    from tes_grpo.oom import ALLOCATOR_VARIABLE, GENERAL_VARIABLE, use_expandable_segments
+    from tes_grpo.run.oom import ALLOCATOR_VARIABLE, GENERAL_VARIABLE, use_expandable_segments
 
     for variable, value in zip((ALLOCATOR_VARIABLE, GENERAL_VARIABLE), before, strict=True):
         monkeypatch.setenv(variable, value or "")  # recorded: whatever the call sets is undone after the test
@@ -133,7 +133,7 @@ def test_use_expandable_segments(monkeypatch, before, gpu, started, vllm, effect
 def test_train_grpo_sets_the_allocator_before_training(monkeypatch):
     """train_grpo.main decides the allocator before train() can touch CUDA, with the run's USE_VLLM."""
     import train_grpo
-    from tes_grpo import oom
+    from tes_grpo.run import oom
 
     calls = []
     monkeypatch.setattr(oom, "use_expandable_segments",

@@ -87,7 +87,7 @@ def test_ready_made_restores_and_says_when_generate_did_not_ask():
 
 @pytest.mark.slow
 def test_the_whole_flow_on_cpu(tmp_path, capsys, monkeypatch):
-    from tes_grpo import decode_glue
+    from tes_grpo.layers import decode_glue
 
     monkeypatch.setattr(decode_glue, "_DECIDED", {})  # said once a process: an earlier test may have decided it
     probes = []

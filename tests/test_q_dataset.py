@@ -11,7 +11,7 @@ import pytest
 
 import make_q_dataset
 import make_series
-from tes_grpo import task_prompt, tes_env
+from tes_grpo.task import task_prompt, tes_env
 
 REPO = Path(__file__).resolve().parents[1]
 

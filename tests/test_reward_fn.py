@@ -7,7 +7,7 @@ import math
 import pytest
 
 from data_reward import reward_fn
-from tes_grpo.harmony import parse_action
+from tes_grpo.task.harmony import parse_action
 
 A = "<|channel|>analysis<|message|>"
 F = "<|start|>assistant<|channel|>final<|message|>"

@@ -1,4 +1,4 @@
-"""tes_grpo/run_folder.py: checkpoint names, which checkpoint a resume takes, and logs trimmed on resume, torn files
+"""tes_grpo/run/run_folder.py: checkpoint names, which checkpoint a resume takes, and logs trimmed on resume, torn files
 included (a run killed mid-write: disk full, SIGKILL). Table-driven; no model."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tes_grpo.fileio import InputError
-from tes_grpo.run_folder import (
+from tes_grpo.run.fileio import InputError
+from tes_grpo.run.run_folder import (
     checkpoints_in,
     drop_log_rows_after,
     prepare_resume,
@@ -160,7 +160,7 @@ def test_prepare_resume_trims_before_any_model_load(tmp_path, total_steps, trimm
 
 
 def test_zero_padded_checkpoint_rename(tmp_path):
-    from tes_grpo.callbacks import ZeroPaddedCheckpointNames
+    from tes_grpo.run.callbacks import ZeroPaddedCheckpointNames
 
     make_checkpoint(tmp_path, 30, padded=False)
     state = SimpleNamespace(global_step=30, is_world_process_zero=True)
@@ -179,7 +179,7 @@ PROGRESS_TIMES = [
 
 
 def test_progress_line_gives_the_latest_steps_seconds_then_the_average():
-    from tes_grpo.callbacks import ProgressLineCallback
+    from tes_grpo.run.callbacks import ProgressLineCallback
 
     line = ProgressLineCallback()
     line.started = line.last = 100.0
@@ -234,7 +234,7 @@ def bad_adapter(tmp_path: Path, case: str) -> Path:
 
 @pytest.mark.parametrize("case, message, file", BAD_ADAPTERS)
 def test_lora_adapter_config_names_the_file_and_the_problem(tmp_path, case, message, file):
-    from tes_grpo.run_folder import lora_adapter_config
+    from tes_grpo.run.run_folder import lora_adapter_config
 
     folder = bad_adapter(tmp_path, case)
     with pytest.raises(InputError) as caught:
@@ -244,7 +244,7 @@ def test_lora_adapter_config_names_the_file_and_the_problem(tmp_path, case, mess
 
 
 def test_lora_adapter_config_returns_the_config_of_a_good_folder(tmp_path):
-    from tes_grpo.run_folder import adapter_base_model, lora_adapter_config
+    from tes_grpo.run.run_folder import adapter_base_model, lora_adapter_config
 
     folder = make_adapter(tmp_path / "adapter", LORA)
     assert lora_adapter_config(folder) == LORA
@@ -256,9 +256,9 @@ def test_evaluation_and_both_exporters_refuse_a_bad_adapter_with_the_same_words(
     """One check: each consumer reports lora_adapter_config's own message, before any model is loaded."""
     import export_gguf_adapter
     import export_quantized_model
-    from tes_grpo import llm_policy
-    from tes_grpo.run_folder import lora_adapter_config
-    from tes_grpo.script_config import settings_from
+    from tes_grpo.model import llm_policy
+    from tes_grpo.run.run_folder import lora_adapter_config
+    from tes_grpo.run.script_config import settings_from
 
     folder = bad_adapter(tmp_path, case)
     with pytest.raises(InputError) as expected:

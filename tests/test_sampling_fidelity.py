@@ -19,9 +19,11 @@ import torch
 from transformers import GenerationConfig, GptOssConfig, GptOssForCausalLM
 
 import train_grpo
-from tes_grpo import graph_decode, memory_plan, sampler, sampling_fidelity, trackers
-from tes_grpo.sampler import RecordingGenerate, SamplerSpec
-from tes_grpo.sampling_fidelity import GEN_KL, LOGP_MAX, LOGP_MEAN, Correction, FidelityHook
+from tes_grpo.run import trackers
+from tes_grpo.sampling import graph_decode, sampler, sampling_fidelity
+from tes_grpo.sampling.sampler import RecordingGenerate, SamplerSpec
+from tes_grpo.sampling.sampling_fidelity import GEN_KL, LOGP_MAX, LOGP_MEAN, Correction, FidelityHook
+from tes_grpo.training import memory_plan
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PAD = 5
@@ -432,7 +434,7 @@ def test_gap_summary_for_the_completion_log():
 def test_detach_gives_back_what_install_wrapped():
     """bench_grpo's SAMPLING_METRICS=0 times a step without the measurement: detach restores the trainer's methods
     and the model's generate()."""
-    from tes_grpo.lm_head import causal_lm
+    from tes_grpo.training.lm_head import causal_lm
 
     model = bf16_lora_model()
     trainer = vllm_trainer(model, None)

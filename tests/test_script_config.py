@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tes_grpo.script_config import (
+from tes_grpo.run.script_config import (
     ConfigError,
     Settings,
     constants_of,

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from step_stream import StepStream
-from tes_grpo import memory_plan
+from tes_grpo.training import memory_plan
 
 ROWS = [{"prompt": f"prompt {i}", "reward_action_0": i / 10, "reward_action_1": 1 - i / 10, "optimal_action": i % 4}
         for i in range(7)]
@@ -104,8 +104,8 @@ def test_grpo_trainer_sees_each_prompt_num_generations_times_with_its_rewards(tm
 
     import train_grpo
     from data_reward import reward_fn
-    from tes_grpo.harmony import load_tokenizer
-    from tes_grpo.tiny_model import current_settings, tiny_config
+    from tes_grpo.model.tiny_model import current_settings, tiny_config
+    from tes_grpo.task.harmony import load_tokenizer
 
     tokenizer = load_tokenizer()
     model = GptOssForCausalLM(tiny_config(len(tokenizer), {**current_settings(), "NUM_LAYERS": 1}))
@@ -190,7 +190,7 @@ def test_preview_with_generation_steps_is_the_runs_stream(capsys):
 def test_step_stream_and_train_grpo_share_one_preset_table():
     import step_stream
     import train_grpo
-    from tes_grpo import presets
+    from tes_grpo.run import presets
 
     assert train_grpo.PRESETS == presets.TRAINING_PRESETS  # every preset name is a train_grpo setting
     tiny_stream = step_stream.PRESETS["MODEL_ID"]["tiny"]

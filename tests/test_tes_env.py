@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tes_grpo import task_prompt, tes_env
-from tes_grpo.fileio import InputError
+from tes_grpo.run.fileio import InputError
+from tes_grpo.task import task_prompt, tes_env
 
 START = datetime(2024, 6, 3)
 

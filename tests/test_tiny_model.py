@@ -1,4 +1,5 @@
-"""tes_grpo/tiny_model.py: the tiny checkpoint is built once when several processes ask for it at the same time."""
+"""tes_grpo/model/tiny_model.py: the tiny checkpoint is built once when several processes ask for it at the same
+time."""
 
 import subprocess
 import sys
@@ -13,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_processes_asking_at_once_build_the_tiny_checkpoint_once(tmp_path):
     # two test runs (or two launches) start together on a fresh machine: without the lock each built the folder
     # and replaced it while the other's processes loaded from it
-    command = [sys.executable, "-m", "tes_grpo.tiny_model", f"--TINY_DIR={tmp_path / 'tiny'}", "--WARMUP_STEPS=0"]
+    command = [sys.executable, "-m", "tes_grpo.model.tiny_model", f"--TINY_DIR={tmp_path / 'tiny'}", "--WARMUP_STEPS=0"]
     running = [subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                for _ in range(2)]
     outputs = [process.communicate(timeout=300)[0] for process in running]

@@ -1,4 +1,4 @@
-"""tes_grpo/train_glue.py on the CPU: installed on a LoRA gpt-oss, the training glue (run eagerly here, as
+"""tes_grpo/layers/train_glue.py on the CPU: installed on a LoRA gpt-oss, the training glue (run eagerly here, as
 TRAIN_GLUE=compiled runs it off CUDA) gives the libraries' loss and gradients bit for bit, and it is really called;
 where it would compute something else (no gradients, PEFT's input cast that autocast does not undo, dropout) the
 libraries' forward runs; the sink step on the transposed output is transformers' sink step; the library patches it
@@ -14,7 +14,7 @@ import transformers.models.gpt_oss.modeling_gpt_oss as modeling_gpt_oss
 from peft import LoraConfig, get_peft_model
 from transformers import GptOssConfig, GptOssForCausalLM
 
-from tes_grpo import decode_glue, train_glue
+from tes_grpo.layers import decode_glue, train_glue
 from tes_grpo.patches.transformers_patches import flex_sinks_in_training, rotary_embedding_in_training
 
 

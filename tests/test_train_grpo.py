@@ -19,8 +19,8 @@ from transformers import TrainerCallback
 
 import train_grpo
 from data_reward import LOG_COLUMNS
-from tes_grpo import memory_plan
-from tes_grpo.model_loading import load_training_model, resolve_model_path
+from tes_grpo.model.model_loading import load_training_model, resolve_model_path
+from tes_grpo.training import memory_plan
 
 FIRST_STEPS, SAVE_STEPS, RESUMED_TO = 20, 10, 12
 
@@ -135,7 +135,7 @@ def test_bad_settings(overrides, words):
 
 
 def test_nan_invalid_reward_is_a_valid_setting():
-    from tes_grpo.script_config import resolve
+    from tes_grpo.run.script_config import resolve
 
     settings = resolve(vars(train_grpo), ["--INVALID_REWARD=nan"], allow_nan={"INVALID_REWARD"})
     assert settings.INVALID_REWARD != settings.INVALID_REWARD  # nan
@@ -239,7 +239,7 @@ def test_generation_steps_reach_grpo_config_and_the_stream(tmp_path, overrides, 
 
 @pytest.mark.parametrize("device, expected", [("cuda", "flex_attention"), ("cpu", "eager")])
 def test_attention_and_dtype_by_device(device, expected):
-    from tes_grpo.model_loading import resolve_attention, resolve_dtype
+    from tes_grpo.model.model_loading import resolve_attention, resolve_dtype
 
     assert resolve_attention("auto", device) == expected
     assert resolve_attention("sdpa", device) == "sdpa"
@@ -277,7 +277,7 @@ def test_cpu_scoring_patch_is_idempotent():
 def test_tiny_checkpoint_is_in_the_real_mxfp4_layout():
     from safetensors import safe_open
 
-    from tes_grpo.mxfp4 import fake_quantize_expert_param
+    from tes_grpo.experts.mxfp4 import fake_quantize_expert_param
 
     folder = Path(resolve_model_path("tiny"))
     config = json.loads((folder / "config.json").read_text())
@@ -293,7 +293,7 @@ def test_tiny_checkpoint_is_in_the_real_mxfp4_layout():
     # through Mxfp4Config(dequantize=True), like the 20B with EXPERTS=bf16
     model = load_training_model(resolve_model_path("tiny"), experts="bf16")
     experts = model.model.layers[0].mlp.experts.gate_up_proj.detach()
-    from tes_grpo.model_loading import resolve_attention, resolve_dtype
+    from tes_grpo.model.model_loading import resolve_attention, resolve_dtype
 
     device = model.device.type  # the loader's choice: CUDA where there is one
     assert model.dtype == resolve_dtype("auto", device)
@@ -329,10 +329,10 @@ def test_generation_uses_kv_cache_with_gradient_checkpointing(tmp_path, tokenize
     assert generation[1:] == [1] * (len(generation) - 1)  # one new token per step: the cache holds the prefix
     assert any(grad and length > prompt_len for length, grad in calls)  # then the training forward
     assert trainer.model.base_model.model.is_gradient_checkpointing
-    from tes_grpo.fused_experts import uses_fused_experts
+    from tes_grpo.experts.fused_experts import uses_fused_experts
 
     assert all(uses_fused_experts(layer.mlp.experts) for layer in trainer.model.base_model.model.model.layers)
-    from tes_grpo.train_glue import uses_train_glue
+    from tes_grpo.layers.train_glue import uses_train_glue
 
     layer = trainer.model.base_model.model.model.layers[0]
     assert uses_train_glue(layer.input_layernorm) and uses_train_glue(layer.self_attn.q_proj)
@@ -532,7 +532,7 @@ def test_run_writes_adapter_checkpoints_config_and_logs(run):
     assert list((out / "tensorboard").rglob("events.out.tfevents.*"))
     config = json.loads((out / "train_config.json").read_text())
     assert config["MODEL_ID"] == "tiny" and config["NUM_GENERATIONS"] == 16 and config["REASONING_EFFORT"] == "medium"
-    from tes_grpo.model_loading import resolve_attention
+    from tes_grpo.model.model_loading import resolve_attention
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     assert config["derived"]["completions_per_step"] == 16
@@ -591,7 +591,7 @@ def answer_contexts(log: pd.DataFrame, table: dict, per_prompt: int = 8) -> list
 
     The analysis text before the answer is kept as it was sampled, so the policies compared below see the same contexts.
     """
-    from tes_grpo.harmony import FINAL_HEADER
+    from tes_grpo.task.harmony import FINAL_HEADER
 
     contexts = []
     for prompt, rows in log[log["action"] != ""].groupby("prompt", sort=True):
@@ -667,7 +667,7 @@ def test_resuming_a_finished_run_changes_nothing(run):
 
 
 def test_settings_that_conflict_stop_before_the_model_loads(tmp_path, tokenizer, capsys, monkeypatch):
-    from tes_grpo import model_loading
+    from tes_grpo.model import model_loading
 
     monkeypatch.setattr(model_loading, "load_training_model", lambda *args, **kwargs: pytest.fail("model loaded"))
     data = write_fixture_data(tmp_path, tokenizer)
@@ -683,7 +683,7 @@ def test_settings_that_conflict_stop_before_the_model_loads(tmp_path, tokenizer,
 def test_a_model_that_cannot_be_loaded_is_one_error_line(tmp_path, capsys, monkeypatch, model_id, words):
     import huggingface_hub.constants
 
-    from tes_grpo import model_loading
+    from tes_grpo.model import model_loading
 
     # offline mode as HF_HUB_OFFLINE=1 sets it at import: the same answer as no network, without its retries
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
@@ -749,8 +749,8 @@ def config_reads(monkeypatch) -> list[str]:
 
 
 def test_a_run_reads_the_checkpoints_config_once_and_hands_it_to_the_loader(tmp_path, tokenizer, monkeypatch):
-    from tes_grpo import model_loading
-    from tes_grpo.harmony import load_tokenizer
+    from tes_grpo.model import model_loading
+    from tes_grpo.task.harmony import load_tokenizer
 
     seen = {}
 

@@ -11,8 +11,8 @@ import transformers.models.gpt_oss.modeling_gpt_oss as modeling_gpt_oss
 from torch.nn.attention import flex_attention as torch_flex_attention
 from transformers.integrations import TensorBoardCallback
 
-from tes_grpo.lm_head import causal_lm
-from tes_grpo.processes import say as _say
+from tes_grpo.run.processes import say as _say
+from tes_grpo.training.lm_head import causal_lm
 
 
 def keep_grouped_mm_experts_for_decode(model, say=_say) -> bool:
@@ -262,7 +262,7 @@ def rotary_embedding_in_training(glue, say=_say) -> bool:
     training forward's. For the process; installing again swaps the glue; glue None puts the library's function
     back. Returns False, and says so, if this transformers' gpt-oss has no such function.
     """
-    from tes_grpo.train_glue import RopeForTraining
+    from tes_grpo.layers.train_glue import RopeForTraining
 
     current = getattr(modeling_gpt_oss, "apply_rotary_pos_emb", None)
     if current is None:
@@ -284,7 +284,7 @@ def flex_sinks_in_training(glue, say=_say) -> bool:
     """
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from tes_grpo.train_glue import SinksInTraining
+    from tes_grpo.layers.train_glue import SinksInTraining
 
     try:
         current = ALL_ATTENTION_FUNCTIONS["flex_attention"]

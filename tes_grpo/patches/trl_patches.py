@@ -7,7 +7,7 @@ import warnings
 
 import trl.trainer.utils as trl_utils
 
-from tes_grpo.processes import say as _say
+from tes_grpo.run.processes import say as _say
 
 
 class CompletionPositionsOnly:

@@ -1,7 +1,7 @@
 """Builds the embedded tiny gpt-oss: a 2-layer `GptOssForCausalLM` in the real MXFP4 checkpoint layout.
 
-    .venv/bin/python -m tes_grpo.tiny_model             # build runs/tiny-gpt-oss/ (once; ~1.5 min on 2 CPU cores)
-    .venv/bin/python -m tes_grpo.tiny_model --REBUILD   # build it again
+    .venv/bin/python -m tes_grpo.model.tiny_model             # build runs/tiny-gpt-oss/ (once; ~1.5 min on 2 CPU cores)
+    .venv/bin/python -m tes_grpo.model.tiny_model --REBUILD   # build it again
 
 `train_grpo.py --MODEL_ID=tiny` calls `ensure_tiny_checkpoint()`, so you rarely run this yourself.
 
@@ -45,14 +45,16 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from tes_grpo import harmony  # the module, not its constants: current_settings() reads this module's UPPER_CASE names
-from tes_grpo.fileio import give_default_modes, temporary_folder
-from tes_grpo.script_config import constants_of
+from tes_grpo.run.fileio import give_default_modes, temporary_folder
+from tes_grpo.run.script_config import constants_of
+from tes_grpo.task import (
+    harmony,  # the module, not its constants: current_settings() reads this module's UPPER_CASE names
+)
 
 if typing.TYPE_CHECKING:  # annotations only; torch is imported where it is used, so --help stays fast
     import torch
 
-_REPO_ROOT = Path(__file__).resolve().parents[1]
+_REPO_ROOT = Path(__file__).resolve().parents[2]
 
 TINY_DIR = str(_REPO_ROOT / "runs" / "tiny-gpt-oss")  # where the tiny checkpoint is built and cached
 SEED = 1234  # seeds the random weights, the warm-up prompts and the warm-up actions
@@ -103,7 +105,7 @@ def build_tiny_model(config, seed: int):
     import torch
     from transformers import GptOssForCausalLM
 
-    from tes_grpo.mxfp4 import fake_quantize_expert_param
+    from tes_grpo.experts.mxfp4 import fake_quantize_expert_param
 
     torch.manual_seed(seed)
     model = GptOssForCausalLM(config).to(torch.float32)
@@ -129,7 +131,7 @@ def random_series(rng: torch.Generator):
 
     import torch
 
-    from tes_grpo import tes_env
+    from tes_grpo.task import tes_env
     start = datetime(2024, 6, 1) + timedelta(days=int(torch.randint(0, 90, (1,), generator=rng)))
     hours = tes_env.SERIES_HOURS
     phase = float(torch.rand(1, generator=rng)) * 6.28
@@ -151,7 +153,7 @@ def warmup_prompt(tokenizer, rng: torch.Generator) -> str:
     """
     import torch
 
-    from tes_grpo import task_prompt, tes_env
+    from tes_grpo.task import task_prompt, tes_env
 
     series = random_series(rng)
     decisions = [t for t in range(tes_env.EPISODE_HOURS) if tes_env.is_business_hour(t)]
@@ -233,7 +235,7 @@ def write_tiny_checkpoint(model, tokenizer, out_dir: str | os.PathLike, info: di
     """MXFP4 checkpoint (mxfp4.write_mxfp4_checkpoint) + tokenizer + generation config + build info, in out_dir."""
     from transformers import GenerationConfig
 
-    from tes_grpo.mxfp4 import save_tokenizer_files, write_mxfp4_checkpoint
+    from tes_grpo.experts.mxfp4 import save_tokenizer_files, write_mxfp4_checkpoint
 
     out_dir = Path(out_dir)
     model.config.architectures = ["GptOssForCausalLM"]  # as in openai/gpt-oss-20b's config.json
@@ -323,8 +325,8 @@ def ensure_tiny_checkpoint(out_dir: str | os.PathLike | None = None, rebuild: bo
         if is_finished_checkpoint(out_dir) and not rebuild:
             reason = stale_reason(out_dir, settings)
             if reason is None:
-                print(f"using the cached tiny gpt-oss at {out_dir} (python -m tes_grpo.tiny_model --REBUILD builds "
-                      f"it again)")
+                print(f"using the cached tiny gpt-oss at {out_dir} (python -m tes_grpo.model.tiny_model --REBUILD "
+                      f"builds it again)")
                 return out_dir
             print(f"rebuilding the tiny gpt-oss at {out_dir}: {reason}")
         return build_tiny_checkpoint(out_dir, settings)
@@ -333,7 +335,7 @@ def ensure_tiny_checkpoint(out_dir: str | os.PathLike | None = None, rebuild: bo
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tes_grpo.script_config import resolve
+    from tes_grpo.run.script_config import resolve
 
     settings = resolve(globals(), argv)
     ensure_tiny_checkpoint(settings.TINY_DIR, rebuild=settings.REBUILD, settings=settings)

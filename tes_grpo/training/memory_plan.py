@@ -83,10 +83,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tes_grpo import model_loading  # the module: tests stand in for its cuda_available
-from tes_grpo.mxfp4 import padded_bytes
-from tes_grpo.processes import local_rank, process_count, uses_fsdp
-from tes_grpo.script_config import SettingsError
+from tes_grpo.experts.mxfp4 import padded_bytes
+from tes_grpo.model import model_loading  # the module: tests stand in for its cuda_available
+from tes_grpo.run.processes import local_rank, process_count, uses_fsdp
+from tes_grpo.run.script_config import SettingsError
 
 GIB = 2**30
 MARGIN_FRACTION = 0.10  # of the room: the caching allocator's fragmentation (BENCHMARKS.md: reserved vs allocated)

@@ -32,7 +32,7 @@ import types
 import torch
 from transformers.integrations.moe import _grouped_linear
 
-from tes_grpo.mxfp4_experts import is_resident
+from tes_grpo.experts.mxfp4_experts import is_resident
 
 __all__ = ["bias_swiglu", "bias_swiglu_backward", "bias_weight_combine", "bias_weight_combine_backward",
            "fused_experts_forward", "fusable", "use_fused_experts", "uses_fused_experts"]

@@ -28,7 +28,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from tes_grpo.fileio import InputError, atomic_write_text
+from tes_grpo.run.fileio import InputError, atomic_write_text
 
 CHECKPOINT_DIGITS = 6  # checkpoint-000020
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")

@@ -56,8 +56,8 @@ import torch
 from peft.tuners.lora.layer import Linear as LoraLinear
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm, apply_rotary_pos_emb
 
-from tes_grpo import decode_glue
-from tes_grpo.decode_math import lora_parts
+from tes_grpo.layers import decode_glue
+from tes_grpo.sampling.decode_math import lora_parts
 
 __all__ = ["EAGER", "GLUE_MODES", "RopeForTraining", "SinksInTraining", "TrainGlue", "add_scaled", "compiled",
            "decide", "drop_train_glue", "lora_training_forward", "norm_training_forward", "rms_norm", "rope",

@@ -32,7 +32,7 @@ import typing
 from collections.abc import Mapping
 from pathlib import Path
 
-from tes_grpo.fileio import atomic_write_text
+from tes_grpo.run.fileio import atomic_write_text
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}

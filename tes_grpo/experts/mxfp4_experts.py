@@ -70,7 +70,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tes_grpo.mxfp4 import (
+from tes_grpo.experts.mxfp4 import (
     BLOCK_SIZE,
     HOPPER_WARPS,
     TILE,
@@ -83,7 +83,7 @@ from tes_grpo.mxfp4 import (
     to_hopper_layout,
 )
 from tes_grpo.patches.torch_patches import saved_tensors_hooks_now, saved_tensors_hooks_readable
-from tes_grpo.processes import say
+from tes_grpo.run.processes import say
 
 PROJECTIONS = ("gate_up_proj", "down_proj")
 # the dequantization kernel's program: rows (outputs) x columns (inputs), warps; benchmarks/bench_mxfp4_load.py times
@@ -162,7 +162,7 @@ def dequantize_with_triton(blocks: torch.Tensor, scales: torch.Tensor, dtype: to
     if layout.hopper and (block_r % (32 * HOPPER_WARPS) or block_c % 64):
         raise ValueError(f"dequantize_with_triton: a program reads the Hopper layout in pieces of {32 * HOPPER_WARPS} "
                          f"rows and 64 columns, got {program}")
-    from tes_grpo import mxfp4_kernels  # Triton is optional on the CPU; only this path needs it
+    from tes_grpo.experts import mxfp4_kernels  # Triton is optional on the CPU; only this path needs it
 
     experts = blocks.shape[0]
     out = torch.empty(experts, layout.cols, layout.rows, dtype=dtype, device=blocks.device)

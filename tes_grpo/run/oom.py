@@ -25,7 +25,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from tes_grpo.run_folder import checkpoint_step, newest_complete_checkpoint
+from tes_grpo.run.run_folder import checkpoint_step, newest_complete_checkpoint
 
 ALLOCATOR_VARIABLE = "PYTORCH_CUDA_ALLOC_CONF"  # torch's setting of its CUDA caching allocator
 GENERAL_VARIABLE = "PYTORCH_ALLOC_CONF"  # torch >= 2.9: the same for every device, read before the CUDA one

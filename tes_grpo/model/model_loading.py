@@ -21,11 +21,18 @@ import copy
 import importlib.util
 from pathlib import Path
 
-from tes_grpo.harmony import load_tokenizer, tokenizer_source
-from tes_grpo.presets import TINY_MODEL_ID
-from tes_grpo.processes import is_main_process, local_rank, process_count, process_rank, uses_fsdp, wait_for_everyone
-from tes_grpo.script_config import SettingsError
-from tes_grpo.tiny_model import ensure_tiny_checkpoint
+from tes_grpo.model.tiny_model import ensure_tiny_checkpoint
+from tes_grpo.run.presets import TINY_MODEL_ID
+from tes_grpo.run.processes import (
+    is_main_process,
+    local_rank,
+    process_count,
+    process_rank,
+    uses_fsdp,
+    wait_for_everyone,
+)
+from tes_grpo.run.script_config import SettingsError
+from tes_grpo.task.harmony import load_tokenizer, tokenizer_source
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "bfloat16", "float32", "float16")
@@ -260,7 +267,7 @@ def resident_skeleton(config, dtype, attn: str, keep_bf16_layers):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tes_grpo.mxfp4_experts import expected_shapes, expert_layer_index, make_resident
+    from tes_grpo.experts.mxfp4_experts import expected_shapes, expert_layer_index, make_resident
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
@@ -282,8 +289,8 @@ def resident_skeleton(config, dtype, attn: str, keep_bf16_layers):
 def fill_resident_experts(model, folder, device) -> None:
     """Reads the resident experts' blocks and scales of a skeleton (resident_skeleton) from the checkpoint in
     `folder` onto `device`."""
-    from tes_grpo.mxfp4 import SafetensorsCheckpoint
-    from tes_grpo.mxfp4_experts import resident_state
+    from tes_grpo.experts.mxfp4 import SafetensorsCheckpoint
+    from tes_grpo.experts.mxfp4_experts import resident_state
 
     checkpoint = SafetensorsCheckpoint(folder)
     modules = dict(model.named_modules())
@@ -300,7 +307,7 @@ def _place(module, attr: str, tensor, device, name: str) -> None:
     layout (mxfp4_experts.put_checkpoint_tensor)."""
     import torch
 
-    from tes_grpo.mxfp4_experts import expected_shapes, is_resident, put_checkpoint_tensor
+    from tes_grpo.experts.mxfp4_experts import expected_shapes, is_resident, put_checkpoint_tensor
 
     if is_resident(module) and attr in expected_shapes(module):
         try:
@@ -337,8 +344,8 @@ def load_resident_model(path: str, dtype, attn: str, device: str = "cpu", keep_b
     import torch
     from transformers import GenerationConfig
 
-    from tes_grpo.mxfp4 import CHECKPOINT_EXPERT_RE, SafetensorsCheckpoint
-    from tes_grpo.mxfp4_experts import ResidentSummary, dequantize_experts, is_resident, residency_line
+    from tes_grpo.experts.mxfp4 import CHECKPOINT_EXPERT_RE, SafetensorsCheckpoint
+    from tes_grpo.experts.mxfp4_experts import ResidentSummary, dequantize_experts, is_resident, residency_line
 
     keep = dict(keep_bf16_layers or {})
     folder = checkpoint_folder(path)

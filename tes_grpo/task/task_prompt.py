@@ -9,7 +9,7 @@ evaluate_policy.py and the tiny model's warm-up build the same prompts for the s
 
 from __future__ import annotations
 
-from tes_grpo.tes_env import (
+from tes_grpo.task.tes_env import (
     BUSINESS_HOURS,
     CAPACITY_KWH,
     COP,

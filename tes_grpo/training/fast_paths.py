@@ -41,13 +41,14 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-from tes_grpo import decode_math, graph_decode, train_glue
-from tes_grpo.fused_experts import use_fused_experts
-from tes_grpo.lm_head import causal_lm
+from tes_grpo.experts.fused_experts import use_fused_experts
+from tes_grpo.layers import train_glue
 from tes_grpo.patches import transformers_patches, trl_patches
-from tes_grpo.processes import process_count, uses_fsdp
-from tes_grpo.sampler import SamplerSpec, training_autocast
-from tes_grpo.script_config import SettingsError
+from tes_grpo.run.processes import process_count, uses_fsdp
+from tes_grpo.run.script_config import SettingsError
+from tes_grpo.sampling import decode_math, graph_decode
+from tes_grpo.sampling.sampler import SamplerSpec, training_autocast
+from tes_grpo.training.lm_head import causal_lm
 
 
 def check_settings(s) -> None:

@@ -21,10 +21,10 @@ import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers import LogitsProcessorList
 
-from tes_grpo import sampling_fidelity
-from tes_grpo.graph_decode import GraphDecodeGenerate
-from tes_grpo.lm_head import causal_lm
-from tes_grpo.token_sampling import SampledLogprobs, logits_warpers, recording_blockers
+from tes_grpo.sampling import sampling_fidelity
+from tes_grpo.sampling.graph_decode import GraphDecodeGenerate
+from tes_grpo.sampling.token_sampling import SampledLogprobs, logits_warpers, recording_blockers
+from tes_grpo.training.lm_head import causal_lm
 
 BACKENDS = ("graph_decode", "generate", "vllm")
 

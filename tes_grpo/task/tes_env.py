@@ -33,7 +33,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Callable, Sequence
 
-from tes_grpo.fileio import InputError, parse_finite, read_csv_rows
+from tes_grpo.run.fileio import InputError, parse_finite, read_csv_rows
 
 RATED_KW = 100.0  # ASHP rated cooling output (kW); one hour at ratio 1 schedules 100 kWh
 COP = 4.0  # ASHP coefficient of performance (kWh cooling per kWh electricity), constant

@@ -32,10 +32,10 @@ from __future__ import annotations
 import torch
 import transformers
 
-from tes_grpo.decode_cache import decode_steps, prefill
-from tes_grpo.decode_math import decode_weights
-from tes_grpo.lm_head import causal_lm
-from tes_grpo.token_sampling import SampledLogprobs, draw, logits_warpers
+from tes_grpo.sampling.decode_cache import decode_steps, prefill
+from tes_grpo.sampling.decode_math import decode_weights
+from tes_grpo.sampling.token_sampling import SampledLogprobs, draw, logits_warpers
+from tes_grpo.training.lm_head import causal_lm
 
 # generate() options this path implements, with the values it accepts (None = any value)
 _ACCEPTED = {

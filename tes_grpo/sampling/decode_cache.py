@@ -19,7 +19,7 @@ import contextlib
 import torch
 from transformers import DynamicCache
 
-from tes_grpo.decode_math import DecodeWeights, autocast_context, decode_step, head_logits
+from tes_grpo.sampling.decode_math import DecodeWeights, autocast_context, decode_step, head_logits
 
 BUCKET_TOKENS = 512  # full-attention layers attend over the cache rounded up to this many slots (one graph each)
 PREFILL_BUCKET_TOKENS = 256  # prompts are left-padded to a multiple of this before prefill (bounded flex shapes)

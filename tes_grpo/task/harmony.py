@@ -21,10 +21,10 @@ import sys
 from datetime import date as _date
 from pathlib import Path
 
-from tes_grpo.tes_env import N_ACTIONS
+from tes_grpo.task.tes_env import N_ACTIONS
 
 HUB_ID = "openai/gpt-oss-20b"
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SHARED_TOKENIZER = REPO_ROOT.parent / "shared" / "gpt-oss-tokenizer"
 
 # o200k_harmony's special tokens that this project reads or writes, with their ids (checked at every tokenizer load).

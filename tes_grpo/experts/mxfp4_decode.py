@@ -51,8 +51,8 @@ import torch
 import triton
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
 
-from tes_grpo import moe_routing, mxfp4_kernels
-from tes_grpo.mxfp4 import (
+from tes_grpo.experts import moe_routing, mxfp4_kernels
+from tes_grpo.experts.mxfp4 import (
     BLOCK_SIZE,
     HOPPER_WARPS,
     TILE,
@@ -65,7 +65,7 @@ from tes_grpo.mxfp4 import (
     to_hopper_layout,
     to_tile_order,
 )
-from tes_grpo.mxfp4_experts import is_resident, matrix_sizes
+from tes_grpo.experts.mxfp4_experts import is_resident, matrix_sizes
 
 UPCASTS = ("dot_scaled", "bits", "hopper")  # Tiles.upcast
 

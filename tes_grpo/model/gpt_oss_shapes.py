@@ -20,9 +20,9 @@ import torch
 import transformers
 from transformers import GptOssConfig, GptOssForCausalLM
 
-from tes_grpo.harmony import BOS_ID, PAD_ID, RETURN_ID
-from tes_grpo.mxfp4 import BLOCK_SIZE, E8M0_BIAS, mxfp4_to_expert_param
-from tes_grpo.mxfp4_experts import expected_shapes, is_resident, make_resident, resident_bytes
+from tes_grpo.experts.mxfp4 import BLOCK_SIZE, E8M0_BIAS, mxfp4_to_expert_param
+from tes_grpo.experts.mxfp4_experts import expected_shapes, is_resident, make_resident, resident_bytes
+from tes_grpo.task.harmony import BOS_ID, PAD_ID, RETURN_ID
 
 # openai/gpt-oss-20b's config.json, less the quantization block (these weights are bf16 from the start); its
 # special token ids are harmony's (eos: <|return|>).

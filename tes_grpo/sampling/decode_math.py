@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
-from tes_grpo.decode_glue import EAGER, Glue, glue_for, with_sinks
+from tes_grpo.layers.decode_glue import EAGER, Glue, glue_for, with_sinks
 
 
 def one_query_attention(query, keys, values, mask, sinks, scaling: float, seen=None) -> torch.Tensor:
@@ -222,7 +222,7 @@ def projection_linear(parts: list, autocast: torch.dtype | None, kernel: str = "
     if (projection_kernel_blocker(parts[0][0].device.type, autocast, kernel) is not None
             or not projection_parts_fit(parts, autocast)):
         return None
-    from tes_grpo import decode_linear  # Triton: only where a GPU decodes
+    from tes_grpo.sampling import decode_linear  # Triton: only where a GPU decodes
 
     return decode_linear.linear
 
@@ -364,7 +364,7 @@ def attention_function(like: torch.Tensor, glue: Glue = EAGER, kernel: str = "tr
     if like.device.type != "cuda":
         return one_query_attention
     if kernel == "triton":
-        from tes_grpo import decode_attention  # Triton: only where a GPU decodes
+        from tes_grpo.sampling import decode_attention  # Triton: only where a GPU decodes
 
         return functools.partial(attention_with_sinks, kernel=decode_attention.attention, sink_step=glue.with_sinks)
     if not _COMPILED_ATTENTION:
@@ -398,7 +398,7 @@ def _decode_hidden(lm, cache, tokens, slot, length: int, weights: DecodeWeights)
     full_mask, ring_mask = cache.masks(slot, length)
     batch = tokens.shape[0]
     if packs is not None:
-        from tes_grpo.mxfp4_decode import moe_forward  # Triton: only where the MXFP4 experts decode
+        from tes_grpo.experts.mxfp4_decode import moe_forward  # Triton: only where the MXFP4 experts decode
     attend = attention_function(hidden, glue, weights.attention_kernel)
     seen = slot + 1  # the full layers' slots this token may see: the kernel reads none past them
     # each residual add is fused with the norm that reads its sum: the post-attention norm, the next layer's input
@@ -434,7 +434,7 @@ def expert_packs(lm, experts: str, say=print) -> list | None:
         return None
     if experts != "mxfp4":
         raise ValueError(f"graph_decode: experts must be 'model' or 'mxfp4', got {experts!r}")
-    from tes_grpo import mxfp4_decode  # Triton: only where the MXFP4 experts decode
+    from tes_grpo.experts import mxfp4_decode  # Triton: only where the MXFP4 experts decode
 
     return mxfp4_decode.pack_model(lm.model.layers, say=say)
 

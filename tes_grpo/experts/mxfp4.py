@@ -1,7 +1,7 @@
 """MXFP4 codec and checkpoint writer in OpenAI's gpt-oss layout (no GPU, no triton needed).
 
 Library module, not a script. Used by the tiny-model builder and by `export_quantized_model.py`:
-    from tes_grpo.mxfp4 import quantize_mxfp4, dequantize_mxfp4, write_mxfp4_checkpoint
+    from tes_grpo.experts.mxfp4 import quantize_mxfp4, dequantize_mxfp4, write_mxfp4_checkpoint
 
 Format (as in openai/gpt-oss-20b and transformers' `integrations/mxfp4.py`):
 - a weight `[..., rows, cols]` is cut into blocks of 32 consecutive values along `cols`;

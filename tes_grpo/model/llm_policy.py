@@ -29,9 +29,7 @@ import torch
 from peft import PeftModel
 from tqdm import tqdm
 
-from tes_grpo.fileio import InputError
-from tes_grpo.harmony import HARMONY_GLOB, STOP_TOKEN_IDS, harmony_csv_files, parse_action
-from tes_grpo.model_loading import (
+from tes_grpo.model.model_loading import (
     dtype_name,
     load_for_inference,
     load_tokenizer_for,
@@ -40,7 +38,9 @@ from tes_grpo.model_loading import (
     resolve_dtype,
 )
 from tes_grpo.patches.transformers_patches import grouped_mm_experts_for_decode
-from tes_grpo.run_folder import adapter_base_model, adapter_expert_layers, lora_adapter_config
+from tes_grpo.run.fileio import InputError
+from tes_grpo.run.run_folder import adapter_base_model, adapter_expert_layers, lora_adapter_config
+from tes_grpo.task.harmony import HARMONY_GLOB, STOP_TOKEN_IDS, harmony_csv_files, parse_action
 
 # From this many sequences per generate call on a GPU, the dequantized experts keep grouped_mm while decoding instead of
 # transformers' switch to batched_mm, which was faster only below it (BENCHMARKS.md, "Generation alone: which experts

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 import trl
 
-from tes_grpo.choices import IS_MODES
+from tes_grpo.run.choices import IS_MODES
 
 TRL_SERVED = "1.16"  # the TRL version whose private GRPOTrainer methods these hooks replace
 LOGP_MEAN = "sampling/sampling_logp_difference/mean"

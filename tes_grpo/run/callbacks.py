@@ -10,8 +10,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from tes_grpo.processes import wait_for_everyone
-from tes_grpo.run_folder import rename_checkpoint
+from tes_grpo.run.processes import wait_for_everyone
+from tes_grpo.run.run_folder import rename_checkpoint
 
 
 class JsonlMetricsCallback(TrainerCallback):

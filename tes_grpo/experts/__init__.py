@@ -1,0 +1,9 @@
+"""gpt-oss's MoE experts: the MXFP4 format, the frozen experts kept resident in it, and the kernels that read it.
+
+- mxfp4: the MXFP4 codec and checkpoint writer
+- mxfp4_experts: the frozen experts resident as MXFP4, for training and sampling (EXPERTS)
+- mxfp4_kernels: the MXFP4 experts' Triton kernels: decoding's experts product, training's dequantization
+- mxfp4_decode: the MoE experts read as MXFP4 while decoding (Triton)
+- moe_routing: the decode step's router top-k and its rows sorted by expert in one Triton program, as torch gives them
+- fused_experts: the MoE experts' elementwise work fused for the training forward and backward
+"""

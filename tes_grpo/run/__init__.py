@@ -1,0 +1,14 @@
+"""Settings, files and runs: what every script needs before any model is loaded (none of it imports torch at
+import time).
+
+- script_config: --NAME=value overrides resolved once into one Settings object; the settings table's choices
+- presets: the MODEL_ID=tiny preset train_grpo.py and step_stream.py share
+- choices: the training settings' fixed value sets
+- fileio: the one CSV reader, atomic writes, input errors that name file, row, column and value
+- run_folder: checkpoints, resume (torn files included), log trimming; the adapter check and the training run's
+  settings that evaluation and export follow
+- callbacks: metrics.jsonl, one progress line per step, zero-padded checkpoint names
+- processes: rank-aware helpers for accelerate launch, and saying a thing once
+- trackers: where the metrics go besides metrics.jsonl (REPORT_TO)
+- oom: a run out of GPU memory: one message naming the step, the setting to lower and where --RESUME=1 continues
+"""

@@ -1,0 +1,6 @@
+"""Training with GRPO on one GPU (or several): which fast paths a run takes, the LM head, the memory plan.
+
+- fast_paths: which sampler and kernels a run takes, decided once
+- lm_head: TRL's fused LM head, which never builds a micro-batch's logits
+- memory_plan: completions a training pass and sequences a generate call from the GPU's memory; the batch layout
+"""
