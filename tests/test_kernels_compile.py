@@ -21,22 +21,24 @@ QKV = dict(RANK=12, RANK_PAD=16, HAS_BIAS=True, HAS_LORA=True, HAS_SCALE=False, 
            INTERPRETED=False)
 GPT_OSS_ATTENTION = dict(KV_HEADS=8, GROUP=8, ROWS=16, DIM=64, DIM_PAD=64, BLOCK_N=64, INTERPRETED=False)
 
+ATTN, LIN, ROUTING = "sampling.decode_attention", "sampling.decode_linear", "experts.moe_routing"
+
 # (module, kernel, its arguments' types, constants: compile-time values and arguments Triton made constants of)
 CASES = [
-    ("sampling.decode_attention", "attention_kernel", ATTENTION, {**GPT_OSS_ATTENTION, "HAS_SEEN": True, "FINAL": True}),
-    ("sampling.decode_attention", "attention_kernel", ATTENTION, {**GPT_OSS_ATTENTION, "HAS_SEEN": False, "FINAL": False}),
-    ("sampling.decode_attention", "attention_kernel", ATTENTION,  # one slot, one part's worth: counts of 1 made constants
+    (ATTN, "attention_kernel", ATTENTION, {**GPT_OSS_ATTENTION, "HAS_SEEN": True, "FINAL": True}),
+    (ATTN, "attention_kernel", ATTENTION, {**GPT_OSS_ATTENTION, "HAS_SEEN": False, "FINAL": False}),
+    (ATTN, "attention_kernel", ATTENTION,  # one slot, one part's worth: counts of 1 made constants
      {**GPT_OSS_ATTENTION, "HAS_SEEN": False, "FINAL": True, "length": 1, "per_split": 1}),
-    ("sampling.decode_attention", "combine_kernel", COMBINE, {"DIM": 64, "DIM_PAD": 64}),
-    ("sampling.decode_linear", "linear_kernel", LINEAR, QKV),  # gpt-oss's q, k, v with LoRA, its scaling folded
-    ("sampling.decode_linear", "linear_kernel", LINEAR, {**QKV, "RANK": 4, "HAS_SCALE": True, "BLOCK_N": 32}),  # o_proj
-    ("sampling.decode_linear", "linear_kernel", LINEAR,  # one row, one tile, no adapter: counts of 1 made constants
+    (ATTN, "combine_kernel", COMBINE, {"DIM": 64, "DIM_PAD": 64}),
+    (LIN, "linear_kernel", LINEAR, QKV),  # gpt-oss's q, k, v with LoRA, its scaling folded
+    (LIN, "linear_kernel", LINEAR, {**QKV, "RANK": 4, "HAS_SCALE": True, "BLOCK_N": 32}),  # o_proj
+    (LIN, "linear_kernel", LINEAR,  # one row, one tile, no adapter: counts of 1 made constants
      {**QKV, "HAS_LORA": False, "RANK": 0, "BLOCK_M": 16, "M": 1, "tiles0": 1}),
-    ("experts.moe_routing", "_top_k_route_kernel", ROUTE,  # gpt-oss-20b's decode step: 64 tokens, top-4 of 32
+    (ROUTING, "_top_k_route_kernel", ROUTE,  # gpt-oss-20b's decode step: 64 tokens, top-4 of 32
      {"TOKENS": 64, "EXPERTS_BLOCK": 32, "TOP_K": 4, "K_BLOCK": 4}),
-    ("experts.moe_routing", "_top_k_route_kernel", ROUTE,  # gpt-oss-120b's 128 experts
+    (ROUTING, "_top_k_route_kernel", ROUTE,  # gpt-oss-120b's 128 experts
      {"TOKENS": 64, "EXPERTS_BLOCK": 128, "TOP_K": 4, "K_BLOCK": 4}),
-    ("experts.moe_routing", "_top_k_route_kernel", ROUTE,  # one token: the count made a constant
+    (ROUTING, "_top_k_route_kernel", ROUTE,  # one token: the count made a constant
      {"TOKENS": 16, "EXPERTS_BLOCK": 32, "TOP_K": 4, "K_BLOCK": 4, "tokens": 1}),
 ]
 
