@@ -1,21 +1,26 @@
-"""The README and docs/ stay readable and connected: every relative link resolves, the README stays short, and
-no page cites issue numbers (BENCHMARKS.md's sections are cited by their headings)."""
+"""The README and docs/ stay readable and connected: every relative link resolves, the README stays short, no page
+cites issue numbers (BENCHMARKS.md's sections are cited by their headings, and every heading cited exists), and no
+page or module dates work by "session", which a reader cannot look up (a date and a commit, or the change itself)."""
 
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
-PAGES = [README, REPO / "BENCHMARKS.md", *sorted((REPO / "docs").glob("*.md"))]
+PAGES = [README, REPO / "BENCHMARKS.md", REPO / "TESTING.md", *sorted((REPO / "docs").glob("*.md"))]
 README_MAX_LINES = 300
 
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")  # [text](target); images are not used
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 ISSUE = re.compile(r"\bissues?\s+#?\d+|\(#\d+\)|\bissue\s+\d+", re.I)
+SESSION = re.compile(r"\bsessions?\b", re.I)
+SESSION_ALLOWED = re.compile(r"""scope=["']session["']""")  # pytest's fixture scope, not a date
+CITED_SECTION = re.compile(r'BENCHMARKS\.md,?\s*\(?"([^"]+)"')  # BENCHMARKS.md, "Heading" or BENCHMARKS.md ("Heading")
 
 
 def prose(path: Path) -> str:
@@ -82,3 +87,45 @@ def test_each_sub_package_docstring_lists_its_modules(package):
     docstring = importlib.import_module(f"tes_grpo.{package}").__doc__
     modules = sorted(p.stem for p in (REPO / "tes_grpo" / package).glob("*.py") if p.stem != "__init__")
     assert listed_names(docstring) == modules
+
+
+def tracked(*patterns: str) -> list[Path]:
+    """The repository's tracked files matching the git pathspecs (every matching file outside runs/ and hidden
+    folders where git is not available)."""
+    try:
+        names = subprocess.run(["git", "ls-files", "-z", "--", *patterns], cwd=REPO, capture_output=True,
+                               check=True).stdout.decode().split("\0")
+        return [REPO / name for name in names if name and (REPO / name).is_file()]
+    except (OSError, subprocess.CalledProcessError):
+        return [p for pattern in patterns for p in REPO.rglob(pattern)
+                if not any(part.startswith(".") or part == "runs" for part in p.relative_to(REPO).parts)]
+
+
+def test_nothing_is_dated_by_session():
+    """"The third session" names nothing a reader can find; a date and a commit, or the change itself, do."""
+    found = []
+    for path in tracked("*.md", "*.py"):
+        if path == Path(__file__).resolve():
+            continue
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if SESSION.search(SESSION_ALLOWED.sub("", line)):
+                found.append(f"{path.relative_to(REPO)}:{number}: {line.strip()[:100]}")
+    assert not found, "dated by session (name the date and commit instead):\n" + "\n".join(found)
+
+
+def plain(text: str) -> str:
+    """A heading or a cited name with code marks, line breaks and comment markers taken out."""
+    return " ".join(re.sub(r"\n\s*#?", " ", text).replace("`", "").split())
+
+
+def test_every_cited_benchmarks_section_exists():
+    """A page or module that names a BENCHMARKS.md section by its heading names one that exists (a prefix of it)."""
+    headings = [plain(line.lstrip("#")) for line in prose(REPO / "BENCHMARKS.md").splitlines() if line.startswith("#")]
+    missing = []
+    for path in tracked("*.md", "*.py"):
+        if path == Path(__file__).resolve():
+            continue
+        for cited in CITED_SECTION.findall(path.read_text(encoding="utf-8")):
+            if not any(heading.startswith(plain(cited)) for heading in headings):
+                missing.append(f"{path.relative_to(REPO)}: {plain(cited)!r}")
+    assert not missing, "BENCHMARKS.md has no such heading: " + "; ".join(missing)

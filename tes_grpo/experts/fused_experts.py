@@ -7,8 +7,8 @@ all S = tokens x 4 routed rows: a gather of the bias rows, `add_`, two clamps, `
 `+ 1`; then the down bias, the routing weight, a gather back to token order and the top-k sum. At a training
 micro-batch (16 x 2,335 tokens, S = 149,440 rows of 5,760 / 2,880 bf16 values) that is ~28 GB of memory traffic a
 layer forward, about as much again backward, and it runs twice under gradient checkpointing: a profile put this
-elementwise work at several times the grouped GEMMs' share of a micro-batch's GPU time (BENCHMARKS.md, "Speed at
-the recipe, second session").
+elementwise work at several times the grouped GEMMs' share of a micro-batch's GPU time (BENCHMARKS.md, "Where a
+training micro-batch went").
 
 Here the grouped GEMMs stay transformers' (`_grouped_linear`, so its CPU fallback too) and each side of them is one
 autograd Function whose forward and backward are one compiled kernel (torch.compile / inductor):

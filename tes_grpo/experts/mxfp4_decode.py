@@ -7,7 +7,7 @@ times it against the bf16 experts:
 
 Why: at 64 sequences x top-4 of 32 experts nearly every expert is hit at every decode step, so a step reads all the
 expert weights, the larger part of a decode step's memory traffic. gpt-oss ships them as MXFP4 (4.25 bits a value),
-~3.7x fewer bytes than bf16 (BENCHMARKS.md, "Speed at the recipe, second session", times both). When training holds
+~3.7x fewer bytes than bf16 (BENCHMARKS.md, "The experts read as MXFP4 while decoding", times both). When training holds
 bf16 experts (the checkpoint loaded dequantized), this module packs a second, MXFP4 copy of the frozen experts for
 sampling only (the experts' MXFP4 size again on the GPU; the memory plan counts it); when they are resident as MXFP4
 (mxfp4_experts.py), a layer's blocks and scales go to the kernel as they are, with no copy. Both are kept in
