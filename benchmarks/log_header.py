@@ -8,7 +8,7 @@ a log says which code, command and machine produced it. `header()` gives it; the
 
 The commit. In a git checkout: `git rev-parse --short HEAD`, and `git status --porcelain` for the changes. The GPU
 machine gets a copy of the working tree (tracked files and the untracked ones git does not ignore) without .git;
-there the commit comes from TREE_RECORD at the repo's root, which --WRITE_RECORD=1 writes here: the commit, the
+there the commit comes from .tree-record.json at the repo's root, which --WRITE_RECORD=1 writes here: the commit, the
 changes, and a hash of every file that travels. It is git-ignored, so name it in the run's carry. On the GPU machine
 the header hashes those files again and says whether the copy matches the record: a record left from an earlier
 tree shows as one. With neither: "commit: unknown (no .git ...)".
@@ -36,11 +36,11 @@ from pathlib import Path
 from tes_grpo.run.script_config import resolve
 
 COMMAND = ""  # the command line to name; empty: this process's own (sys.orig_argv)
-WRITE_RECORD = False  # write TREE_RECORD (commit, changes, file hashes) for a copy of this tree without .git
+WRITE_RECORD = False  # write .tree-record.json (commit, changes, file hashes) for a copy of this tree without .git
 
-REPO = Path(__file__).resolve().parents[1]
-TREE_RECORD = ".tree-record.json"  # at the repo root; .gitignore lists it
-SHOWN_PATHS = 5  # changed or differing paths named in a line before "and N more"
+_REPO = Path(__file__).resolve().parents[1]
+_TREE_RECORD = ".tree-record.json"  # at the repo root; .gitignore lists it
+_SHOWN_PATHS = 5  # changed or differing paths named in a line before "and N more"
 
 
 def _git(root: Path, *args: str) -> str | None:
@@ -52,7 +52,7 @@ def _git(root: Path, *args: str) -> str | None:
     return done.stdout if done.returncode == 0 else None
 
 
-def git_state(root: Path = REPO) -> tuple[str, list[str]] | None:
+def git_state(root: Path = _REPO) -> tuple[str, list[str]] | None:
     """(short commit, `git status --porcelain` lines) of the checkout whose top is `root`; None where root is not
     the top of one (a copy without .git inside some other repository is not that repository's tree)."""
     top = _git(root, "rev-parse", "--show-toplevel")
@@ -60,12 +60,12 @@ def git_state(root: Path = REPO) -> tuple[str, list[str]] | None:
         return None
     commit = (_git(root, "rev-parse", "--short", "HEAD") or "").strip() or "no commit yet"
     status = _git(root, "status", "--porcelain") or ""
-    return commit, [line.strip() for line in status.splitlines() if line and line[3:] != TREE_RECORD]
+    return commit, [line.strip() for line in status.splitlines() if line and line[3:] != _TREE_RECORD]
 
 
 def _some(items: list[str]) -> str:
-    shown = ", ".join(items[:SHOWN_PATHS])
-    return shown + (f" and {len(items) - SHOWN_PATHS} more" if len(items) > SHOWN_PATHS else "")
+    shown = ", ".join(items[:_SHOWN_PATHS])
+    return shown + (f" and {len(items) - _SHOWN_PATHS} more" if len(items) > _SHOWN_PATHS else "")
 
 
 def describe(commit: str, changes: list[str]) -> str:
@@ -75,7 +75,7 @@ def describe(commit: str, changes: list[str]) -> str:
     return f"{commit} with uncommitted changes in {len(changes)} path(s) ({_some(changes)})"
 
 
-def travelling_files(root: Path = REPO) -> list[str]:
+def travelling_files(root: Path = _REPO) -> list[str]:
     """What a copy of the working tree takes: tracked files and untracked ones git does not ignore (those present)."""
     listed = (_git(root, "ls-files", "-z", "--cached", "--others", "--exclude-standard") or "").split("\0")
     return sorted({name for name in listed if name and (root / name).is_file()})
@@ -85,22 +85,22 @@ def file_hash(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
-def write_record(root: Path = REPO) -> Path:
-    """Writes TREE_RECORD for the checkout at `root`: its commit, changes, time and each travelling file's hash."""
+def write_record(root: Path = _REPO) -> Path:
+    """Writes .tree-record.json for the checkout at `root`: its commit, changes, time, each travelling file's hash."""
     state = git_state(root)
     if state is None:
-        raise SystemExit(f"error: {root} is not the top of a git checkout: no commit to record in {TREE_RECORD}")
+        raise SystemExit(f"error: {root} is not the top of a git checkout: no commit to record in {_TREE_RECORD}")
     commit, changes = state
     record = {"commit": commit, "changes": changes,
               "written": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "files": {name: file_hash(root / name) for name in travelling_files(root) if name != TREE_RECORD}}
-    path = root / TREE_RECORD
+              "files": {name: file_hash(root / name) for name in travelling_files(root) if name != _TREE_RECORD}}
+    path = root / _TREE_RECORD
     path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     return path
 
 
 def from_record(path: Path) -> str:
-    """The commit line's text from a TREE_RECORD, with whether the files beside it still match it."""
+    """The commit line's text from a .tree-record.json, with whether the files beside it still match it."""
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
         commit, changes, written, files = record["commit"], record["changes"], record["written"], record["files"]
@@ -115,14 +115,14 @@ def from_record(path: Path) -> str:
             f"here: {_some(differ)}: the record is older than this tree)")
 
 
-def commit_line(root: Path = REPO) -> str:
+def commit_line(root: Path = _REPO) -> str:
     state = git_state(root)
     if state is not None:
         return "commit: " + describe(*state)
-    if (root / TREE_RECORD).is_file():
-        return "commit: " + from_record(root / TREE_RECORD)
+    if (root / _TREE_RECORD).is_file():
+        return "commit: " + from_record(root / _TREE_RECORD)
     why = "git is not installed" if shutil.which("git") is None and (root / ".git").exists() else "no .git"
-    return (f"commit: unknown ({why}, and no {TREE_RECORD}: write it with `python benchmarks/log_header.py "
+    return (f"commit: unknown ({why}, and no {_TREE_RECORD}: write it with `python benchmarks/log_header.py "
             "--WRITE_RECORD=1` before copying the tree)")
 
 
@@ -165,7 +165,7 @@ def command_line(command: str | None = None) -> str:
     return "command: " + text
 
 
-def header(command: str | None = None, copy_rate: float | None = None, device=None, root: Path = REPO) -> str:
+def header(command: str | None = None, copy_rate: float | None = None, device=None, root: Path = _REPO) -> str:
     """The lines a log begins with: command, commit, gpu, copy rate (when `copy_rate`, bytes/s, is given: the
     script measured it on `device`, decode_limit.measure_copy_rate; None: the current GPU) and versions."""
     import torch
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     s = resolve(globals(), argv)
     if s.WRITE_RECORD:
         path = write_record()
-        print(f"wrote {path}: {commit_line()}; name {TREE_RECORD} in the GPU run's carry")
+        print(f"wrote {path}: {commit_line()}; name {_TREE_RECORD} in the GPU run's carry")
         return 0
     print(header(s.COMMAND or None), flush=True)
     return 0

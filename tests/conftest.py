@@ -1,4 +1,4 @@
-"""Fixtures shared by several test modules."""
+"""Fixtures shared by several test modules, and the hooks of CI's check on skips and counts (skip_check.py)."""
 
 import pytest
 import torch

@@ -54,7 +54,7 @@ def test_changes_make_the_tree_dirty_and_are_named(checkout):
 
 
 def test_many_changes_are_counted_not_all_named(checkout):
-    for i in range(log_header.SHOWN_PATHS + 3):
+    for i in range(log_header._SHOWN_PATHS + 3):
         (checkout / f"n{i}.py").write_text("")
     assert log_header.commit_line(checkout).endswith(" and 3 more)")
 
@@ -78,7 +78,7 @@ def test_a_copy_with_the_record_names_the_commit_and_checks_the_files(checkout, 
     log_header.write_record(checkout)
     assert log_header.git_state(checkout)[1] == ["M a.txt"]  # the record itself is no change
     copy = copy_without_git(checkout, tmp_path / "copy")
-    shutil.copy(checkout / log_header.TREE_RECORD, copy)  # carried: git ignores it in the repo
+    shutil.copy(checkout / log_header._TREE_RECORD, copy)  # carried: git ignores it in the repo
     head = short_head(checkout)
     line = log_header.commit_line(copy)
     assert line.startswith(f"commit: {head} with uncommitted changes in 1 path(s) (M a.txt) (from .tree-record.json")
@@ -89,7 +89,7 @@ def test_a_copy_with_the_record_names_the_commit_and_checks_the_files(checkout, 
 
 
 def test_a_broken_record_says_so(tmp_path):
-    (tmp_path / log_header.TREE_RECORD).write_text("{not json")
+    (tmp_path / log_header._TREE_RECORD).write_text("{not json")
     assert log_header.commit_line(tmp_path).startswith("commit: unknown (no .git; .tree-record.json is not a record")
 
 
