@@ -224,7 +224,8 @@ def main(argv: list[str] | None = None) -> None:
     start_process_group()
     torch.cuda.set_device(local_rank())
     copy_rate = measure_copy_rate()  # before the model: the copy's 2 GiB are free now
-    say(header(copy_rate=copy_rate))
+    if is_main_process():  # one header, as say() prints; the other ranks need not ask git
+        print(header(copy_rate=copy_rate), flush=True)
     for line in allocator:
         say(line)
     spec_tflops, spec_source = mfu.spec_peak(torch.cuda.get_device_name(), bench.SPEC_TFLOPS)
