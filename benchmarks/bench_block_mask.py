@@ -93,9 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     s = resolve(globals(), argv)
     import torch
 
+    from benchmarks.log_header import header
     from tes_grpo.model.gpt_oss_shapes import stack_versions
 
-    print(stack_versions())
+    print(header(), flush=True)
     device = torch.device(s.DEVICE)
     cuda = device.type == "cuda"
     results = []

@@ -69,11 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from torch._dynamo.utils import counters
 
+    from benchmarks.log_header import header
     from benchmarks.timing import timed_ms
-    from tes_grpo.model.gpt_oss_shapes import stack_versions
     from tes_grpo.sampling import decode_math
 
-    print(stack_versions())
+    print(header(), flush=True)
     heads, kv_heads, dim = 64, 8, 64
     torch.manual_seed(0)
     total = max(s.LENGTHS) + 512

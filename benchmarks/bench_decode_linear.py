@@ -87,11 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch
 
+    from benchmarks.log_header import header
     from tes_grpo.layers import decode_glue
-    from tes_grpo.model.gpt_oss_shapes import stack_versions
     from tes_grpo.sampling import decode_linear, decode_math
 
-    print(stack_versions())
+    print(header(), flush=True)
     torch.manual_seed(0)
     bf16 = torch.bfloat16
     hidden, q, kv = 2880, 4096, 512

@@ -74,9 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     from torch.nn.attention.flex_attention import create_block_mask
     from transformers.integrations.flex_attention import flex_attention_forward
 
-    from tes_grpo.model.gpt_oss_shapes import stack_versions
+    from benchmarks.log_header import header
 
-    print(stack_versions())
+    print(header(), flush=True)
     # each entry x layer x grad mode is a new compilation; past the limit (8) flex attention would run unfused
     torch._dynamo.config.recompile_limit = 256
     torch._dynamo.config.accumulated_recompile_limit = 4096

@@ -58,7 +58,7 @@ import contextlib
 import sys
 import time
 
-from tes_grpo.model.gpt_oss_shapes import build_random_model, stack_versions
+from tes_grpo.model.gpt_oss_shapes import build_random_model
 from tes_grpo.run.script_config import resolve
 
 NUM_SEQS = 64  # sequences decoded together
@@ -333,14 +333,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch
 
-    from benchmarks.decode_limit import DecodeLimit, copy_rate_line, measure_copy_rate
+    from benchmarks.decode_limit import DecodeLimit, measure_copy_rate
+    from benchmarks.log_header import header
 
     torch.manual_seed(settings.SEED)
-    print(stack_versions())
     # before the model, while the copy's 2 GiB are free; without a CUDA device (the CPU test) there is no rate
     copy_rate = measure_copy_rate() if torch.cuda.is_available() else None
-    print(copy_rate_line(copy_rate, torch.cuda.get_device_name()) if copy_rate
-          else "copy rate: none (no CUDA device): no decode limit")
+    print(header(copy_rate=copy_rate), flush=True)
+    if not copy_rate:
+        print("copy rate: none (no CUDA device): no decode limit")
     model = build_random_model(attn_implementation=settings.ATTN).requires_grad_(False)  # nothing trains here
     config = model.config
     if settings.LORA_R:

@@ -22,8 +22,10 @@ MAX_COMPLETION_LEN: the worst case. Per step it prints generation and training t
 peak memory, the sampler-trainer gap (sampling_fidelity.py's metrics: mean |log p difference| and gen-KL estimate),
 and the ratios to the limits (decode: the decode limit of the step's generate calls over its generation time,
 decode_limit.py: the experts hit, the other weights and the KV cache at the mean cache length, at the copy rate
-measured on this GPU at the start; training: ~22 GFLOP a token against ~800 TFLOP/s of bf16 matrix rate, and
-"+attn" with attention's own matmuls counted too, grpo_timers.attention_gflop_per_row). GENERATION_STEPS=k
+measured on this GPU at the start; training, train MFU: ~22 GFLOP a token a training second against the GPU's spec
+dense bf16 peak, 989 TFLOP/s on an H100 SXM or an H200 (mfu.py; SPEC_TFLOPS for another GPU), and "+attn" with
+attention's own matmuls counted too, grpo_timers.attention_gflop_per_row; then the same against BF16_TFLOPS, the
+800 TFLOP/s bf16 matrix rate measured on an H100). GENERATION_STEPS=k
 (train_grpo's) samples k steps' completions in one generation batch: the first step of each k generates (its row says
 "new"), the others train on that batch ("reused", generation 0 s), and the mean step time over each k steps is
 printed after the table, the figure to compare with GENERATION_STEPS=1; last, what torch.compile spent (the first
@@ -69,7 +71,8 @@ MEMORY_BUDGET_GB = 0.0  # train_grpo's MEMORY_BUDGET_GB; > 0 also caps this proc
 PROMPT_TOKENS = 1316  # lengthen each data/ prompt to about this many tokens (BENCHMARKS.md's length); 0 = as is
 OUT_DIR = "runs/bench-grpo"  # run folder (adapter, logs) on the GPU machine
 RESULTS = "runs/bench-grpo/results.jsonl"  # one JSON line per timed step is appended here
-BF16_TFLOPS = 800.0  # measured bf16 matrix rate of the H100 here (KINDS.md)
+SPEC_TFLOPS = 0.0  # the GPU's spec dense bf16 peak (TFLOP/s), train MFU's denominator; 0: by its name (mfu.py)
+BF16_TFLOPS = 800.0  # measured bf16 matrix rate of the H100 here (KINDS.md): the second, "of measured" MFU column
 TRAIN_GFLOP_PER_TOKEN = 22.0  # forward + backward to activations + recomputation, 3.6 B active parameters
 # MODEL_SIZE=120b: 36 layers x 128 experts, 5.1 B active parameters (OpenAI's model card): 6 x 5.1 GFLOP a token, and
 # its experts exist only as resident MXFP4 (216 GiB in bf16)
@@ -201,22 +204,31 @@ def main(argv: list[str] | None = None) -> None:
     if bench.GENERATION_STEPS < 1 or bench.STEPS % bench.GENERATION_STEPS:
         raise SystemExit(f"error: STEPS={bench.STEPS}: must be a multiple of GENERATION_STEPS={bench.GENERATION_STEPS} "
                          "(>= 1), so every timed generation batch is trained to its end")
+    if bench.SPEC_TFLOPS < 0:
+        raise SystemExit(f"error: SPEC_TFLOPS={bench.SPEC_TFLOPS}: the GPU's dense bf16 peak in TFLOP/s, or 0 to look "
+                         "it up by the GPU's name (mfu.SPEC_BF16_TFLOPS)")
     import torch
 
     import train_grpo
+    from benchmarks import mfu
     from benchmarks.decode_limit import DecodeLimit, copy_rate_line, experts_format, measure_copy_rate
     from benchmarks.grpo_timers import GenerationTimer, StepTimer, generation_cycles
+    from benchmarks.log_header import header
     from tes_grpo.model.gpt_oss_shapes import build_random_model, stack_versions
     from tes_grpo.run.oom import use_expandable_segments
     from tes_grpo.sampling.sampling_fidelity import GEN_KL, LOGP_MAX, LOGP_MEAN
     from tes_grpo.training import fast_paths
 
-    use_expandable_segments(say, torch.cuda.is_available(), torch.cuda.is_initialized())  # as train_grpo.main
+    allocator = []  # its line goes after the header, which starts CUDA: the setting must come first
+    use_expandable_segments(allocator.append, torch.cuda.is_available(), torch.cuda.is_initialized())  # as train_grpo
     start_process_group()
     torch.cuda.set_device(local_rank())
-    say(stack_versions())
     copy_rate = measure_copy_rate()  # before the model: the copy's 2 GiB are free now
-    say(copy_rate_line(copy_rate, torch.cuda.get_device_name()))
+    if is_main_process():  # one header, as say() prints; the other ranks need not ask git
+        print(header(copy_rate=copy_rate), flush=True)
+    for line in allocator:
+        say(line)
+    spec_tflops, spec_source = mfu.spec_peak(torch.cuda.get_device_name(), bench.SPEC_TFLOPS)
     from tes_grpo.task.harmony import load_tokenizer
 
     settings = train_grpo.default_settings(
@@ -260,6 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     else:  # before the timer wraps generate(): detach gives back the generate() it wrapped
         trainer.sampling_fidelity.detach()
         say("sampling metrics: off (SAMPLING_METRICS=0), to time what they cost")
+    step_timer.spec_tflops = spec_tflops
     step_timer.timer = GenerationTimer(model)  # outermost, around whichever generate() build_trainer installed
     # the sampler build_trainer built, decided again (the same settings, model and machine give the same choice)
     spec = fast_paths.choose(settings, trainer, torch.cuda.is_available(), layout["generation_sequences"]).sampler
@@ -291,16 +304,17 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{copy_rate_line(copy_rate, torch.cuda.get_device_name())}; 'limit s': the decode limit of a step's "
           "decode steps, each at its cache length; 'of limit': that over the step's generation seconds (prefill "
           "included)")
+    print(mfu.explanation(spec_tflops, spec_source, bench.TRAIN_GFLOP_PER_TOKEN, bench.BF16_TFLOPS))
     print(f"{'step':>4}{'batch':>7}{'step s':>8}{'gen s':>8}{'train s':>8}{'gen %':>7}{'tok/s':>8}{'limit s':>8}"
           f"{'of limit':>9}"
-          f"{'train MFU':>10}{'+attn':>7}{'compl/s':>8}{'logp gap':>10}{'max gap':>9}{'gen KL':>10}"
+          f"{mfu.COLUMNS}{'compl/s':>8}{'logp gap':>10}{'max gap':>9}{'gen KL':>10}"
           "  peak GiB per GPU (reserved)")
     for r in step_timer.rows:
         print(f"{r['step']:>4}{'new' if r['generated'] else 'reused':>7}{r['step_s']:>8.1f}{r['generation_s']:>8.1f}"
               f"{r['training_s']:>8.1f}"
               f"{100 * r['gen_share']:>6.0f}%{r['gen_tokens_per_s']:>8.0f}{r['decode_limit_s']:>8.1f}"
               f"{100 * r['decode_limit_share']:>8.1f}%"
-              f"{100 * r['train_mfu']:>9.1f}%{100 * r['train_mfu_with_attention']:>6.1f}%"
+              f"{mfu.cells(r)}"
               f"{r['completions_per_s']:>8.2f}{r.get(LOGP_MEAN, math.nan):>10.2e}{r.get(LOGP_MAX, math.nan):>9.2e}"
               f"{r.get(GEN_KL, math.nan):>10.2e}  "
               + " / ".join(f"{m:.1f}" for m in r["peak_gib_per_gpu"]) + f" ({r['reserved_gib']:.1f})")

@@ -170,6 +170,9 @@ def weights_table(cards_gb=CARDS_GB, lora_r: int = 4) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     s = resolve(globals(), argv)
+    from benchmarks.log_header import header
+
+    print(header(), flush=True)
     if s.FSDP_TABLE:
         print(weights_table(s.CARDS_GB))
         return 0
@@ -181,7 +184,6 @@ def main(argv: list[str] | None = None) -> int:
     from tes_grpo.training import memory_plan
     from tes_grpo.training.lm_head import describe_lm_head, fused_head_tile, use_full_logits
 
-    print(stack_versions(), flush=True)
     # each (rows, length) is a new shape for torch.compile's flex attention; past the default recompile limit (8)
     # flex attention would run unfused, holding the whole score matrix, which is not what training does
     torch._dynamo.config.recompile_limit = 64

@@ -123,16 +123,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch
 
+    from benchmarks.log_header import header
     from tes_grpo.experts import mxfp4_decode
     from tes_grpo.experts.moe_routing import MAX_ROWS as route_limit
-    from tes_grpo.model.gpt_oss_shapes import stack_versions
 
     try:  # each entry's Tiles (their own checks) before the GPU work
         sweep_tiles_of = {config: mxfp4_decode.Tiles(**fields) for config, fields in configs.items()}
     except ValueError as err:
         print(f"error: SWEEP_CONFIGS: {err}", file=sys.stderr)
         return 2
-    print(stack_versions())
+    print(header(), flush=True)
     mlp = one_layer(s.SEED)
     packed = mxfp4_decode.pack_experts(mlp.experts)
     bf16_bytes = sum(p.numel() * p.element_size() for p in (mlp.experts.gate_up_proj, mlp.experts.down_proj))

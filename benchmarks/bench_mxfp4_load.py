@@ -344,9 +344,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print("RESULT " + json.dumps(load_once(s, s.PHASE.removeprefix("load-"))), flush=True)
         return 0
+    from benchmarks.log_header import header
     from tes_grpo.model.gpt_oss_shapes import stack_versions
 
-    print(stack_versions(), flush=True)
+    print(header(), flush=True)
     config = model_config(s)
     loads = []
     if s.LOAD:

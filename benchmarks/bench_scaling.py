@@ -78,6 +78,9 @@ def summary(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     s = resolve(globals(), argv)
+    from benchmarks.log_header import header
+
+    print(header(), flush=True)
     results = Path(s.RESULTS)
     failed = []
     if not s.SUMMARY_ONLY:

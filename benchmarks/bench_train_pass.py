@@ -198,9 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     s = resolve(globals(), argv)
     import torch
 
+    from benchmarks.log_header import header
     from tes_grpo.model.gpt_oss_shapes import stack_versions
 
-    print(stack_versions())
+    print(header(), flush=True)
     # the probe compiles flex attention for several masks and autocast states; past the default limit (8) torch
     # falls back to an unfused flex attention that holds the whole score matrix (and runs out of memory)
     torch._dynamo.config.recompile_limit = 64

@@ -11,6 +11,7 @@ import torch
 from transformers import TrainerCallback
 
 from benchmarks.decode_limit import DecodeLimit
+from benchmarks.mfu import mfu_fields
 from tes_grpo.run.processes import gather_on_main, process_count, uses_fsdp
 
 
@@ -76,7 +77,8 @@ def generation_cycles(rows: list[dict]) -> list[dict]:
 
 class StepTimer(TrainerCallback):
     """Per optimizer step: wall time, the generation share of it, tokens/s, peak memory, ratios to the limits (the
-    decode limit of the step's generate calls, decode_limit.py; the training matrix rate), and
+    decode limit of the step's generate calls, decode_limit.py; MFU against the spec peak and the measured matrix
+    rate, mfu.py), and
     the step's sampling metrics (sampler against trainer, from `fidelity`: the trainer's sampling_fidelity hook,
     which logs them in the step's last micro-batch, before this callback's on_step_end). A step that trains on an
     earlier step's generation batch (GENERATION_STEPS > 1) has generated False and generation 0 s; the step that
@@ -89,6 +91,7 @@ class StepTimer(TrainerCallback):
         self.timer, self.limit, self.prompt_tokens, self.results = timer, limit, prompt_tokens, results
         self.bench, self.layout, self.model_config = bench, layout, model_config
         self.fidelity = None
+        self.spec_tflops: float | None = None  # the GPU's spec dense bf16 peak, MFU's denominator (mfu.spec_peak)
         self.rows: list[dict] = []
         self.batch_tokens_per_row = 0.0  # mean completion tokens of the latest generation batch
 
@@ -124,7 +127,6 @@ class StepTimer(TrainerCallback):
         train_gflop = trained_tokens * self.bench.TRAIN_GFLOP_PER_TOKEN
         # at the mean row length: the square's convexity makes this a slight undercount when lengths vary
         attention_gflop = trained * attention_gflop_per_row(round(row_tokens), self.model_config)
-        matrix_rate = self.bench.BF16_TFLOPS * 1e12 * max(train_s, 1e-9)
         row = dict(step=state.global_step, generated=bool(calls), generation_steps=self.layout["generation_steps"],
                    step_s=total, generation_s=gen, training_s=train_s, sequences=seqs,
                    completion_tokens=tokens, gen_tokens_per_s=tokens / gen if gen else 0.0, gen_share=gen / total,
@@ -132,8 +134,7 @@ class StepTimer(TrainerCallback):
                    decode_mean_cache=sum(contexts) / len(contexts) if contexts else 0.0,
                    decode_bytes_gb=(self.limit.bytes(calls[0][0], contexts[0]).total / 1e9) if calls else 0.0,
                    copy_rate_tb_per_s=self.limit.rate / 1e12,
-                   train_mfu=train_gflop * 1e9 / matrix_rate,
-                   train_mfu_with_attention=(train_gflop + attention_gflop) * 1e9 / matrix_rate,
+                   **mfu_fields(train_gflop, attention_gflop, train_s, self.spec_tflops, self.bench.BF16_TFLOPS),
                    decode_experts=self.bench.DECODE_EXPERTS, decode_graphs=str(self.bench.DECODE_GRAPHS),
                    train_experts=self.bench.TRAIN_EXPERTS, model_size=self.bench.MODEL_SIZE,
                    experts=self.bench.EXPERTS,

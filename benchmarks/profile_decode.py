@@ -359,17 +359,18 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import GenerationConfig
 
     from benchmarks.bench_generate import autocast_dtype, grpo_prompts, grpo_state, token_ids
-    from tes_grpo.model.gpt_oss_shapes import build_random_model, stack_versions
+    from benchmarks.log_header import header
+    from tes_grpo.model.gpt_oss_shapes import build_random_model
     from tes_grpo.sampling import decode_cache, decode_math, graph_decode
     from tes_grpo.training import lm_head
 
     device = torch.device(s.DEVICE)
     cuda = device.type == "cuda"
     torch.manual_seed(s.SEED)
-    print(stack_versions())
     rate = decode_limit.measure_copy_rate(device) if cuda else None
-    print(decode_limit.copy_rate_line(rate, torch.cuda.get_device_name(device)) if cuda
-          else "copy rate: none (CPU run; the flow only)")
+    print(header(copy_rate=rate, device=device), flush=True)
+    if not cuda:
+        print("copy rate: none (CPU run; the flow only)")
     overrides = json.loads(s.OVERRIDES) if s.OVERRIDES else {}
     model = build_random_model(s.ATTN, device=s.DEVICE, mxfp4_experts=True, seed=s.SEED, **overrides)
     model.requires_grad_(False)

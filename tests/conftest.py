@@ -1,7 +1,8 @@
-"""Fixtures shared by several test modules."""
+"""Fixtures shared by several test modules, and the hooks of CI's check on skips and counts (skip_check.py)."""
 
 import pytest
 import torch
+from skip_check import pytest_addoption, pytest_configure  # noqa: F401  (CI's skip and count check)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,9 @@
 # PART: one-gpu (cuda and cpu at once, a log each under LOG_DIR) | cuda | cpu | two-gpu (ddp and fsdp2 at once, a
 # log each under LOG_DIR) | ddp | fsdp2 | list.
 # cuda: the tests that use a GPU where one is visible; cpu: the whole suite (CI's tests) with the GPUs hidden, on the
-# GPU machine's own versions; ddp, fsdp2: tests/test_distributed.py on 2 GPUs.
+# GPU machine's own versions; ddp, fsdp2: tests/test_distributed.py on 2 GPUs. Each part's log begins with
+# benchmarks/log_header.py's header (command, commit, GPU, versions): for the commit on a copy without .git,
+# run `python benchmarks/log_header.py --WRITE_RECORD=1` here first and carry .tree-record.json.
 # TOKENIZER_DIR: gpt-oss's tokenizer folder (default: $GPT_OSS_TOKENIZER, else .tok, else ../shared/gpt-oss-tokenizer);
 # the GPU machine has no ../shared, so copy it into the project (e.g. .tok) and carry it there.
 # Packages the GPU machine lacks come from wheels: begin the command with the pip line of ../shared/device/wheels.sh.
@@ -25,9 +27,12 @@ export PYTHONUNBUFFERED=1  # a part stopped by its timeout still leaves every li
 # cuda: the files whose tests run on CUDA when a GPU is visible: the CUDA-only tests, the resident experts' training
 # step bit for bit, the compiled fused experts, the tiny end-to-end run with its resume, out of memory, sampler fidelity
 CUDA="tests/gpu_cuda_test.py tests/test_mxfp4_experts.py tests/test_fused_experts.py tests/test_train_grpo.py tests/test_oom.py tests/test_sampling_fidelity.py"
-run_pytest() {  # a part's pytest, stopped at 590 s so the part ends within 10 minutes
+run_pytest() {  # a part's log header (benchmarks/log_header.py), then its pytest, stopped 590 s after the start
   local start=$SECONDS
-  timeout 590 python3 -m pytest -q -p no:cacheprovider -rfEs --durations=15 "$@"
+  local pytest=(python3 -m pytest -q -p no:cacheprovider -rfEs --durations=15 "$@")
+  python3 benchmarks/log_header.py --COMMAND="bash tests/gpu_suite.sh $part: ${GRPO_TEST_ACCELERATE_CONFIG:+GRPO_TEST_ACCELERATE_CONFIG=$GRPO_TEST_ACCELERATE_CONFIG }${pytest[*]}" \
+    || echo "part $part: the log header failed (exit $?)"
+  timeout $((590 - (SECONDS - start))) "${pytest[@]}"
   local code=$?
   echo "part $part: exit $code after $((SECONDS - start)) s"
   return $code

@@ -226,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     import shutil
 
     s = resolve(globals(), argv)
+    from benchmarks.log_header import header
+
+    print(header(), flush=True)
     root = Path(s.OUT_DIR)
     if not root.is_absolute():
         root = _REPO / root

@@ -157,12 +157,15 @@ def build_random_model(attn_implementation: str = "flex_attention", device: str 
     return model
 
 
-def stack_versions() -> str:
+def stack_versions(device: bool = True) -> str:
+    """Python's, torch's (and the CUDA it was built with) and the libraries' versions; with `device`, the GPU's name
+    where torch sees one."""
     parts = [f"python {platform.python_version()}", f"torch {torch.__version__}",
+             f"CUDA {torch.version.cuda or 'none (a CPU build of torch)'}",
              f"transformers {transformers.__version__}"]
     for name in ("trl", "peft", "accelerate", "triton"):
         with contextlib.suppress(ImportError):
             parts.append(f"{name} {__import__(name).__version__}")
-    if torch.cuda.is_available():
+    if device and torch.cuda.is_available():
         parts.append(f"device {torch.cuda.get_device_name()}")
     return ", ".join(parts)
