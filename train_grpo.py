@@ -362,7 +362,8 @@ def train(s, environ=None, callbacks=()) -> Path:
     )
     from tes_grpo.run.processes import start_process_group
     from tes_grpo.run.run_folder import prepare_resume, run_summary
-    from tes_grpo.training.memory_plan import batch_layout, check_generation_cadence, plan_run
+    from tes_grpo.training.batch_layout import batch_layout, check_generation_cadence
+    from tes_grpo.training.memory_plan import plan_run
 
     check_settings(s)
     env = read_environment(os.environ if environ is None else environ)

@@ -55,6 +55,7 @@ from tes_grpo.run.processes import (
 )
 from tes_grpo.run.script_config import resolve
 from tes_grpo.training import memory_plan
+from tes_grpo.training.batch_layout import batch_layout
 
 STEPS = 2  # optimizer steps to time (the first includes compilation and warm-up); a multiple of GENERATION_STEPS
 GENERATION_STEPS = 1  # train_grpo's GENERATION_STEPS: optimizer steps whose completions one generation batch samples
@@ -255,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
                                size=bench.MODEL_SIZE, resident=bench.EXPERTS == "mxfp4")
     plan = memory_plan.plan_run(settings, model.config, max(lengths), None, bench.EXPERTS == "mxfp4", loaded=True,
                                 say=say)
-    layout = memory_plan.batch_layout(settings, max(lengths), None, plan)
+    layout = batch_layout(settings, max(lengths), None, plan)
     say(f"prompts: {len(frame)} rows, mean {prompt_tokens} tokens, longest {max(lengths)}; layout {layout}")
     if bench.EXPERTS == "mxfp4":
         from tes_grpo.experts.mxfp4_experts import ResidentSummary, residency_line

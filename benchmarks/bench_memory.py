@@ -1,5 +1,5 @@
 """Peak GPU memory of one GRPO training pass (forward + backward) on a gpt-oss-20b-shaped model, per micro-batch
-size and completion length, with TRL's fused LM head and with whole logits, against memory_plan.py's estimate;
+size and completion length, with TRL's fused LM head and with whole logits, against memory_estimate.py's estimate;
 prints the ACTIVATION_SCALE that calibrates the estimate. Run on the GPU machine (the tokenizer folder must be
 reachable: GPT_OSS_TOKENIZER=<folder>), ~4 min on an H100:
 
@@ -14,7 +14,7 @@ random token ids (rows x (PROMPT_TOKENS + completion)), with the allocator's pea
 TRL's fused head by the whole logits (lm_head.use_full_logits: what TRL did before its fused head); cases the
 estimate says cannot fit the free memory are skipped, and an out-of-memory error is recorded as OOM. The last lines
 are a table (peak above the memory held before the pass, the estimate, their ratio) and the least-squares
-ACTIVATION_SCALE over the fused cases: set memory_plan.ACTIVATION_SCALE to it.
+ACTIVATION_SCALE over the fused cases: set memory_estimate.ACTIVATION_SCALE to it.
 
 MEMORY_BUDGET_GB > 0 then plans train_grpo's default step (64 completions) for that budget with the memory held
 now, caps this process at the budget (torch.cuda.set_per_process_memory_fraction, as a card of that size), and
@@ -22,10 +22,10 @@ runs the planned pass: its peak must stay under the budget.
 
 FSDP_TABLE=1 prints, without a GPU and without running anything, what each GPU must hold for the weights of
 gpt-oss-20b and -120b (LoRA r 4), experts resident as MXFP4 or bf16: on one GPU or under DDP (the whole model:
-memory_plan.weights_bytes and LoRA's optimizer state; with bf16 experts also DECODE_EXPERTS=auto's MXFP4 decode
-copy) and under FSDP2 over 1, 2, 4 and 8 GPUs (memory_plan.fsdp_weights_per_gpu), which card sizes hold that
+memory_estimate.weights_bytes and LoRA's optimizer state; with bf16 experts also DECODE_EXPERTS=auto's MXFP4 decode
+copy) and under FSDP2 over 1, 2, 4 and 8 GPUs (memory_estimate.fsdp_weights_per_gpu), which card sizes hold that
 before any activations, and with bf16 experts the fewest GPUs of each size FSDP2 needs
-(memory_plan.fewest_fsdp_processes):
+(memory_estimate.fewest_fsdp_processes):
 
     python benchmarks/bench_memory.py --FSDP_TABLE=1
 """
@@ -143,27 +143,27 @@ def weights_table(cards_gb=CARDS_GB, lora_r: int = 4) -> str:
     memory_plan checks under FSDP; on one GPU with bf16 experts, graph_decode's MXFP4 decode copy instead), and for
     each card size whether that fits."""
     from tes_grpo.model.gpt_oss_shapes import SIZES, gpt_oss_config
-    from tes_grpo.training import memory_plan
+    from tes_grpo.training import memory_estimate
 
-    gib = memory_plan.gib
+    gib = memory_estimate.gib
     lines = [f"{'model':<6}{'experts':<8}{'layout':<14}{'weights GiB':>12}{'needs GiB':>10}  "
              + " ".join(f"{c:>3}GB" for c in cards_gb)]
     for size in SIZES:
-        m = memory_plan.ModelShape.from_config(gpt_oss_config(size))
+        m = memory_estimate.ModelShape.from_config(gpt_oss_config(size))
         for resident in (True, False):
-            whole = (memory_plan.weights_bytes(m, experts_mxfp4=resident)
-                     + memory_plan.lora_params(m, lora_r) * memory_plan.OPTIMIZER_BYTES_PER_PARAM)
+            whole = (memory_estimate.weights_bytes(m, experts_mxfp4=resident)
+                     + memory_estimate.lora_params(m, lora_r) * memory_estimate.OPTIMIZER_BYTES_PER_PARAM)
             # what the one-GPU plan adds (recipe_facts): a dequantized expert layer, or the MXFP4 decode copy
-            extra = memory_plan.expert_layer_bytes(m) if resident else memory_plan.expert_bytes(m, mxfp4=True)
+            extra = memory_estimate.expert_layer_bytes(m) if resident else memory_estimate.expert_bytes(m, mxfp4=True)
             rows = [("1 GPU / DDP", whole, whole + extra)]
             for n in (1, 2, 4, 8):
-                w = memory_plan.fsdp_weights_per_gpu(m, n, resident, lora_r)
+                w = memory_estimate.fsdp_weights_per_gpu(m, n, resident, lora_r)
                 rows.append((f"FSDP2 x {n}", w.weights_bytes, w.needs_bytes))
             for layout, weights, needs in rows:
                 fits = " ".join(f"{'yes' if needs <= c * 10**9 else 'no':>5}" for c in cards_gb)
                 lines.append(f"{size:<6}{'mxfp4' if resident else 'bf16':<8}{layout:<14}{gib(weights):>12}"
                              f"{gib(needs):>10}  {fits}")
-        fewest = [memory_plan.fewest_fsdp_processes(m, False, lora_r, c * 10**9) for c in cards_gb]
+        fewest = [memory_estimate.fewest_fsdp_processes(m, False, lora_r, c * 10**9) for c in cards_gb]
         lines.append(f"{size:<6}{'bf16':<8}{'FSDP2, fewest GPUs':<36}  " + " ".join(f"{n or '-':>5}" for n in fewest))
     return "\n".join(lines)
 
@@ -181,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     import train_grpo
     from tes_grpo.model.gpt_oss_shapes import build_random_model, stack_versions
     from tes_grpo.task.harmony import load_tokenizer
-    from tes_grpo.training import memory_plan
+    from tes_grpo.training import memory_estimate, memory_plan
+    from tes_grpo.training.batch_layout import batch_layout
     from tes_grpo.training.lm_head import describe_lm_head, fused_head_tile, use_full_logits
 
     # each (rows, length) is a new shape for torch.compile's flex attention; past the default recompile limit (8)
@@ -193,10 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     train_grpo.check_settings(settings)
     tokenizer = load_tokenizer()
     frame = train_grpo.load_training_data(settings, tokenizer)
-    layout = memory_plan.batch_layout(settings, s.PROMPT_TOKENS)
+    layout = batch_layout(settings, s.PROMPT_TOKENS)
     model = build_random_model(attn_implementation="flex_attention", device="cuda")
     model.config.use_cache = True
-    shape = memory_plan.ModelShape.from_config(model.config)
+    shape = memory_estimate.ModelShape.from_config(model.config)
     dataset = train_grpo.build_stream(frame, settings).to_iterable_dataset()
     trainer = train_grpo.build_trainer(settings, model, tokenizer, dataset, layout)
     if s.GRADIENT_CHECKPOINTING:
@@ -224,12 +225,12 @@ def main(argv: list[str] | None = None) -> int:
         for completion in s.COMPLETION_LENS:
             for n in s.ROWS:
                 head_tile = tile if head == "fused" else None
-                estimate = memory_plan.train_pass_bytes(shape, n, s.PROMPT_TOKENS, completion,
+                estimate = memory_estimate.train_pass_bytes(shape, n, s.PROMPT_TOKENS, completion,
                                                         s.GRADIENT_CHECKPOINTING, head_tile=head_tile)
-                head_bytes = memory_plan.lm_head_bytes(shape, n, completion, head_tile=head_tile)
-                derived = memory_plan.train_pass_bytes(shape, n, s.PROMPT_TOKENS, completion,
+                head_bytes = memory_estimate.lm_head_bytes(shape, n, completion, head_tile=head_tile)
+                derived = memory_estimate.train_pass_bytes(shape, n, s.PROMPT_TOKENS, completion,
                                                        s.GRADIENT_CHECKPOINTING, scale=1.0)
-                activations = derived - memory_plan.lm_head_bytes(shape, n, completion)
+                activations = derived - memory_estimate.lm_head_bytes(shape, n, completion)
                 free = memory_plan.MemoryFacts.measured().free_bytes
                 row = {"head": head, "rows": n, "prompt": s.PROMPT_TOKENS, "completion": completion,
                        "tokens": n * (s.PROMPT_TOKENS + completion), "estimate_bytes": estimate,
@@ -262,11 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     fit = calibration(rows)
     if fit:
         scale, fixed, slope = fit
-        per_token = sum(v for k, v in memory_plan.train_token_terms(shape, s.GRADIENT_CHECKPOINTING).items()
+        per_token = sum(v for k, v in memory_estimate.train_token_terms(shape, s.GRADIENT_CHECKPOINTING).items()
                         if k != "per_completion_token")
-        print(f"calibration over the fused cases: ACTIVATION_SCALE = {scale:.3f} (memory_plan.py has "
-              f"{memory_plan.ACTIVATION_SCALE}; derived {per_token / 1024:.0f} KiB a token + "
-              f"{memory_plan.train_token_terms(shape, True)['per_completion_token'] / 1024:.1f} KiB a completion "
+        print(f"calibration over the fused cases: ACTIVATION_SCALE = {scale:.3f} (memory_estimate.py has "
+              f"{memory_estimate.ACTIVATION_SCALE}; derived {per_token / 1024:.0f} KiB a token + "
+              f"{memory_estimate.train_token_terms(shape, True)['per_completion_token'] / 1024:.1f} KiB a completion "
               f"token); with a fixed part: {fixed:+.2f} GiB + {slope:.3f} x derived")
     if budget:
         peak = "OOM" if budget["peak_gib"] is None else f"{budget['peak_gib']:.1f} GiB"

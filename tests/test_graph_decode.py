@@ -24,7 +24,8 @@ from benchmarks.decode_compare import (
 from data_reward import CompletionLog
 from tes_grpo.model.model_loading import load_training_model, resolve_model_path
 from tes_grpo.sampling import decode_cache, decode_math, graph_decode
-from tes_grpo.training import lm_head, memory_plan
+from tes_grpo.training import lm_head
+from tes_grpo.training.batch_layout import batch_layout
 
 PAD, VOCAB = 5, 512
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops on a shared CPU: one thread is as fast
@@ -775,7 +776,7 @@ def test_grpo_step_samples_the_same_completions_with_decode_graphs(tmp_path, tok
         frame = train_grpo.load_training_data(settings, tokenizer)
         log = tmp_path / f"completions-{graphs}.csv"
         dataset = train_grpo.build_stream(frame, settings).to_iterable_dataset()
-        layout = memory_plan.batch_layout(settings, int(frame["prompt_tokens"].max()))
+        layout = batch_layout(settings, int(frame["prompt_tokens"].max()))
         model = load_training_model(resolve_model_path("tiny"))
         trainer = train_grpo.build_trainer(settings, model, tokenizer, dataset, layout, CompletionLog(log))
         with prefill_shapes(model) as shapes:

@@ -1,5 +1,6 @@
-"""tes_grpo/training/memory_plan.py: completions a training pass and sequences a generate call from (made-up) free
-memory, the errors when nothing fits, and the formula against the H100's measured peaks and autograd's saved tensors."""
+"""tes_grpo/training/memory_plan.py, memory_estimate.py and batch_layout.py: completions a training pass and
+sequences a generate call from (made-up) free memory, the errors when nothing fits, and the formula against the
+H100's measured peaks and autograd's saved tensors."""
 
 from __future__ import annotations
 
@@ -8,20 +9,23 @@ import torch
 
 import train_grpo
 from tes_grpo.model.gpt_oss_shapes import gpt_oss_20b_config, gpt_oss_120b_config
-from tes_grpo.training import memory_plan
-from tes_grpo.training.memory_plan import GIB, MemoryFacts, ModelShape, SettingsError, plan_memory
+from tes_grpo.run.script_config import SettingsError
+from tes_grpo.training import memory_estimate, memory_plan
+from tes_grpo.training.batch_layout import batch_layout
+from tes_grpo.training.memory_estimate import GIB, ModelShape
+from tes_grpo.training.memory_plan import MemoryFacts, plan_memory
 
 M20B = ModelShape.from_config(gpt_oss_20b_config())
-MXFP4_WEIGHTS = memory_plan.weights_bytes(M20B, experts_mxfp4=True) / GIB  # 13.1 GiB: experts resident as MXFP4
-BF16_WEIGHTS = memory_plan.weights_bytes(M20B, experts_mxfp4=False) / GIB  # 39.0 GiB: dequantized (today's loading)
-CALIBRATED = memory_plan.ACTIVATION_SCALE  # as shipped: the H100 checks below use it, the plan cases pin 1.0
+MXFP4_WEIGHTS = memory_estimate.weights_bytes(M20B, experts_mxfp4=True) / GIB  # 13.1 GiB: experts resident as MXFP4
+BF16_WEIGHTS = memory_estimate.weights_bytes(M20B, experts_mxfp4=False) / GIB  # 39.0 GiB: dequantized (today's loading)
+CALIBRATED = memory_estimate.ACTIVATION_SCALE  # as shipped: the H100 checks below use it, the plan cases pin 1.0
 
 
 @pytest.fixture(autouse=True)
 def pinned(monkeypatch):
     """The plan's logic at fixed constants: calibrating ACTIVATION_SCALE or the margin must not move these cases
     (the formula itself is checked against measurements below)."""
-    monkeypatch.setattr(memory_plan, "ACTIVATION_SCALE", 1.0)
+    monkeypatch.setattr(memory_estimate, "ACTIVATION_SCALE", 1.0)
     monkeypatch.setattr(memory_plan, "MARGIN_FRACTION", 0.10)
     monkeypatch.setattr(memory_plan, "MARGIN_GIB", 0.5)
 
@@ -30,9 +34,9 @@ def facts(free: float, held: float, load: float = 0.0, mxfp4: bool = True, **oth
     """GiB in; the 20B's fixed extras as train_grpo would pass them: one layer's experts dequantized per pass when
     they are resident as MXFP4, graph_decode's merged attention weights per generate call, LoRA r 4."""
     values = dict(free_bytes=int(free * GIB), held_bytes=int(held * GIB), to_load_bytes=int(load * GIB),
-                  train_transient_bytes=memory_plan.expert_layer_bytes(M20B) if mxfp4 else 0,
-                  generation_fixed_bytes=memory_plan.attention_weight_bytes(M20B),
-                  trainable_params=memory_plan.lora_params(M20B, 4))
+                  train_transient_bytes=memory_estimate.expert_layer_bytes(M20B) if mxfp4 else 0,
+                  generation_fixed_bytes=memory_estimate.attention_weight_bytes(M20B),
+                  trainable_params=memory_estimate.lora_params(M20B, 4))
     return MemoryFacts(**{**values, **others})
 
 
@@ -74,11 +78,11 @@ def test_plan(free, held, load, overrides, prompt, steps_per_generation, extra, 
         assert plan.train_bytes <= plan.room_bytes
         bigger = min((d for d in memory_plan.divisors(64) if d > micro), default=None)
         if bigger is not None and bigger * (prompt + s.MAX_COMPLETION_LEN) <= s.TRAIN_TOKENS_PER_PASS:
-            assert memory_plan.train_pass_bytes(M20B, bigger, prompt, s.MAX_COMPLETION_LEN, True) \
+            assert memory_estimate.train_pass_bytes(M20B, bigger, prompt, s.MAX_COMPLETION_LEN, True) \
                 + given.train_transient_bytes > plan.room_bytes  # the next divisor would not fit
     else:
         assert any("over the estimate" in note for note in plan.notes)
-    layout = memory_plan.batch_layout(s, prompt, steps_per_generation, plan)
+    layout = batch_layout(s, prompt, steps_per_generation, plan)
     assert (layout["train_batch_size"], layout["generation_sequences"], layout["generation_batch"]) == (
         micro, sequences, batch)
 
@@ -152,8 +156,8 @@ def test_memory_line_says_what_a_larger_generation_batch_gets(free, held, overri
 def test_kv_cache_of_256_sequences_at_the_recipe():
     """GENERATION_STEPS=4 at the defaults: 256 sequences of 871 + 4,000 tokens hold 31.5 GB (29.3 GiB) of keys and
     values (12 full-attention layers of 4,871 slots, 12 sliding ones of 128; 8 kv heads of 64, bf16)."""
-    assert memory_plan.kv_cache_bytes(M20B, 256, 871 + 4000) == 256 * 2 * 8 * 64 * 2 * (12 * 4871 + 12 * 128)
-    assert memory_plan.kv_cache_bytes(M20B, 256, 871 + 4000) / 1e9 == pytest.approx(31.45, abs=0.01)
+    assert memory_estimate.kv_cache_bytes(M20B, 256, 871 + 4000) == 256 * 2 * 8 * 64 * 2 * (12 * 4871 + 12 * 128)
+    assert memory_estimate.kv_cache_bytes(M20B, 256, 871 + 4000) / 1e9 == pytest.approx(31.45, abs=0.01)
 
 
 # The H100 runs of BENCHMARKS.md with fused training experts and graph_decode (gpt-oss-20b shape, bf16 weights 39.0
@@ -169,11 +173,11 @@ H100_STEPS = [
 
 @pytest.mark.parametrize("rows, prompt, completion, measured", H100_STEPS)
 def test_formula_matches_the_h100_peaks(rows, prompt, completion, measured):
-    held = (memory_plan.weights_bytes(M20B, experts_mxfp4=False) + 9.46 * GIB
-            + memory_plan.lora_params(M20B, 4) * memory_plan.OPTIMIZER_BYTES_PER_PARAM)
-    training = memory_plan.train_pass_bytes(M20B, rows, prompt, completion, checkpointing=True, scale=CALIBRATED)
-    generation = (memory_plan.generation_bytes(M20B, 64, prompt, completion, group=16)
-                  + memory_plan.attention_weight_bytes(M20B))
+    held = (memory_estimate.weights_bytes(M20B, experts_mxfp4=False) + 9.46 * GIB
+            + memory_estimate.lora_params(M20B, 4) * memory_estimate.OPTIMIZER_BYTES_PER_PARAM)
+    training = memory_estimate.train_pass_bytes(M20B, rows, prompt, completion, checkpointing=True, scale=CALIBRATED)
+    generation = (memory_estimate.generation_bytes(M20B, 64, prompt, completion, group=16)
+                  + memory_estimate.attention_weight_bytes(M20B))
     peak = (held + max(training, generation)) / GIB
     if measured is None:
         assert peak > 79.2
@@ -192,10 +196,10 @@ H100_GENERATE = [
 
 @pytest.mark.parametrize("sequences, new_tokens, merged, measured", H100_GENERATE)
 def test_generation_formula_matches_the_h100_peaks(sequences, new_tokens, merged, measured):
-    held = memory_plan.weights_bytes(M20B, experts_mxfp4=False) + 9.46 * GIB
-    generation = memory_plan.generation_bytes(M20B, sequences, 1316, new_tokens, group=16)
+    held = memory_estimate.weights_bytes(M20B, experts_mxfp4=False) + 9.46 * GIB
+    generation = memory_estimate.generation_bytes(M20B, sequences, 1316, new_tokens, group=16)
     if merged:
-        generation += memory_plan.attention_weight_bytes(M20B)
+        generation += memory_estimate.attention_weight_bytes(M20B)
     peak = (held + generation) / GIB
     assert -0.03 < (peak - measured) / measured < 0.05, peak  # an estimate may err on the safe side a little more
 
@@ -267,7 +271,7 @@ def test_layer_term_matches_autograd_saved_tensors(one_torch_thread, hidden, int
         inner.layers[0](x, attention_mask=None, position_ids=positions,
                         position_embeddings=inner.rotary_emb(x, positions))
     per_token = sum(saved.values()) / (rows * tokens)
-    derived = memory_plan.layer_terms(ModelShape.from_config(config))["layer"]
+    derived = memory_estimate.layer_terms(ModelShape.from_config(config))["layer"]
     assert 0.97 <= per_token / derived <= 1.05, (per_token, derived)
 
 
@@ -305,9 +309,9 @@ def test_mxfp4_expert_bytes_are_the_padded_layout_s():
 
     assert TILE == (128, 128)
     per_expert = (5760 * 2944 + 2944 * 2944) * 17 // 32
-    assert memory_plan.expert_bytes(M20B, mxfp4=True) == 24 * 32 * per_expert
-    assert memory_plan.resident_expert_bytes(M20B, 2) == 22 * 32 * per_expert
-    assert round(memory_plan.expert_bytes(M20B, mxfp4=True) / GIB, 2) == 9.74
+    assert memory_estimate.expert_bytes(M20B, mxfp4=True) == 24 * 32 * per_expert
+    assert memory_estimate.resident_expert_bytes(M20B, 2) == 22 * 32 * per_expert
+    assert round(memory_estimate.expert_bytes(M20B, mxfp4=True) / GIB, 2) == 9.74
 
 
 @pytest.mark.parametrize("loaded, resident, decode_copy, extras", RECIPES)
@@ -319,7 +323,7 @@ def test_recipe_facts(monkeypatch, loaded, resident, decode_copy, extras):
     values = {"to_load": got.to_load_bytes, "transient": got.train_transient_bytes, "later": got.later_resident_bytes,
               "generation": got.generation_fixed_bytes}
     assert {k: round(v / GIB, 1) for k, v in values.items()} == extras
-    assert got.trainable_params == memory_plan.lora_params(M20B, 4)
+    assert got.trainable_params == memory_estimate.lora_params(M20B, 4)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -412,14 +416,14 @@ SOME_BF16_EXPERTS = [
 
 @pytest.mark.parametrize("bf16_layers, gib_expected", SOME_BF16_EXPERTS)
 def test_weights_with_some_expert_layers_kept_bf16(bf16_layers, gib_expected):
-    got = memory_plan.weights_bytes(M20B, experts_mxfp4=True, bf16_expert_layers=bf16_layers)
+    got = memory_estimate.weights_bytes(M20B, experts_mxfp4=True, bf16_expert_layers=bf16_layers)
     assert round(got / GIB, 1) == gib_expected
-    per_layer = memory_plan.expert_bytes(M20B, False, layers=1) - memory_plan.expert_bytes(M20B, True, layers=1)
-    assert got == memory_plan.weights_bytes(M20B, experts_mxfp4=True) + bf16_layers * per_layer
+    per_layer = memory_estimate.expert_bytes(M20B, False, layers=1) - memory_estimate.expert_bytes(M20B, True, layers=1)
+    assert got == memory_estimate.weights_bytes(M20B, experts_mxfp4=True) + bf16_layers * per_layer
     # under FSDP2 those layers' experts are parameters: sharded, not replicated
-    w = memory_plan.fsdp_weights_per_gpu(M20B, 2, True, lora_r=4, bf16_expert_layers=bf16_layers)
-    assert w.replicated_bytes == memory_plan.resident_expert_bytes(M20B, bf16_layers)
-    whole = got + memory_plan.lora_params(M20B, 4) * memory_plan.OPTIMIZER_BYTES_PER_PARAM
+    w = memory_estimate.fsdp_weights_per_gpu(M20B, 2, True, lora_r=4, bf16_expert_layers=bf16_layers)
+    assert w.replicated_bytes == memory_estimate.resident_expert_bytes(M20B, bf16_layers)
+    whole = got + memory_estimate.lora_params(M20B, 4) * memory_estimate.OPTIMIZER_BYTES_PER_PARAM
     assert 0 <= w.replicated_bytes + 2 * w.sharded_bytes - whole < 2
 
 
@@ -455,16 +459,16 @@ FSDP_WEIGHTS = [
 @pytest.mark.parametrize("size, processes, resident, replicated, sharded, gathered, weights, needs", FSDP_WEIGHTS)
 def test_fsdp_weights_per_gpu(size, processes, resident, replicated, sharded, gathered, weights, needs):
     m = SHAPES[size]
-    w = memory_plan.fsdp_weights_per_gpu(m, processes, resident, lora_r=4)
+    w = memory_estimate.fsdp_weights_per_gpu(m, processes, resident, lora_r=4)
     got = [round(v / GIB, 1) for v in (w.replicated_bytes, w.sharded_bytes, w.gathered_bytes, w.weights_bytes,
                                        w.needs_bytes)]
     assert got == [replicated, sharded, gathered, weights, needs]
     # the parts are the whole model's: what is replicated and N shares make up weights_bytes and LoRA's optimizer
-    whole = (memory_plan.weights_bytes(m, resident)
-             + memory_plan.lora_params(m, 4) * memory_plan.OPTIMIZER_BYTES_PER_PARAM)
+    whole = (memory_estimate.weights_bytes(m, resident)
+             + memory_estimate.lora_params(m, 4) * memory_estimate.OPTIMIZER_BYTES_PER_PARAM)
     assert 0 <= w.replicated_bytes + processes * w.sharded_bytes - whole < processes
-    assert w.replicated_bytes == (memory_plan.expert_bytes(m, mxfp4=True) if resident else 0)
-    assert w.train_transient_bytes == (memory_plan.expert_layer_bytes(m) if resident else 0)
+    assert w.replicated_bytes == (memory_estimate.expert_bytes(m, mxfp4=True) if resident else 0)
+    assert w.train_transient_bytes == (memory_estimate.expert_layer_bytes(m) if resident else 0)
 
 
 def card(gb: float, budget: float = 0.0, **overrides):
@@ -500,7 +504,7 @@ def test_fsdp_check(size, processes, resident, gb, budget, words):
     s, facts_now = card(gb, budget)
     if words is None:
         w = memory_plan.check_fsdp_weights(s, SHAPES[size], processes, resident, facts_now)
-        assert w == memory_plan.fsdp_weights_per_gpu(SHAPES[size], processes, resident, 4)
+        assert w == memory_estimate.fsdp_weights_per_gpu(SHAPES[size], processes, resident, 4)
         return
     with pytest.raises(SettingsError) as caught:
         memory_plan.check_fsdp_weights(s, SHAPES[size], processes, resident, facts_now)
@@ -508,10 +512,10 @@ def test_fsdp_check(size, processes, resident, gb, budget, words):
 
 
 def test_fewest_fsdp_processes():
-    needs = [memory_plan.fsdp_weights_per_gpu(M120B, n, False, 4).needs_bytes for n in (6, 7)]
+    needs = [memory_estimate.fsdp_weights_per_gpu(M120B, n, False, 4).needs_bytes for n in (6, 7)]
     assert needs[0] > 48 * 10**9 >= needs[1]
-    assert memory_plan.fewest_fsdp_processes(M120B, False, 4, 48 * 10**9) == 7
-    assert memory_plan.fewest_fsdp_processes(M120B, True, 4, 48 * 10**9) is None  # replicated: no number helps
+    assert memory_estimate.fewest_fsdp_processes(M120B, False, 4, 48 * 10**9) == 7
+    assert memory_estimate.fewest_fsdp_processes(M120B, True, 4, 48 * 10**9) is None  # replicated: no number helps
 
 
 def _fsdp_gpu(monkeypatch, free_gib: float, processes: int = 2, rank: int = 1, vllm: bool = False):
@@ -582,5 +586,5 @@ def test_bench_memory_prints_the_function_s_figures():
 
     lines = weights_table([48, 80]).splitlines()
     row = next(line.split() for line in lines if line.startswith("120b  mxfp4   FSDP2 x 2"))
-    w = memory_plan.fsdp_weights_per_gpu(M120B, 2, True, 4)
-    assert row[-4:] == [memory_plan.gib(w.weights_bytes), memory_plan.gib(w.needs_bytes), "no", "yes"]
+    w = memory_estimate.fsdp_weights_per_gpu(M120B, 2, True, 4)
+    assert row[-4:] == [memory_estimate.gib(w.weights_bytes), memory_estimate.gib(w.needs_bytes), "no", "yes"]

@@ -328,18 +328,18 @@ def test_pack_model_with_other_tiles_runs_a_copy_in_their_order():
 
 
 def test_the_memory_plan_counts_the_packs_bytes():
-    """memory_plan.expert_bytes(mxfp4=True) against a pack's tensors (the Hopper layout), at a shape whose gate_up
+    """memory_estimate.expert_bytes(mxfp4=True) against a pack's tensors (the Hopper layout), at a shape whose gate_up
     and down pad differently (hidden 96, intermediate 160: 2 x 160 = 320 -> 384 and 160 -> 256, 96 -> 128)."""
     from dataclasses import replace
 
     from tes_grpo.model.gpt_oss_shapes import gpt_oss_20b_config
-    from tes_grpo.training import memory_plan
+    from tes_grpo.training import memory_estimate
 
     mlp = random_mlp(hidden=96, inter=160, experts=8)
     pack = md.pack_experts(mlp.experts)
-    shape = replace(memory_plan.ModelShape.from_config(gpt_oss_20b_config()), hidden=96, intermediate=160, experts=8,
-                    layers=1)
-    assert pack.nbytes() == memory_plan.expert_bytes(shape, mxfp4=True) == 8 * (384 * 128 + 128 * 256) * 17 // 32
+    shape = replace(memory_estimate.ModelShape.from_config(gpt_oss_20b_config()), hidden=96, intermediate=160,
+                    experts=8, layers=1)
+    assert pack.nbytes() == memory_estimate.expert_bytes(shape, mxfp4=True) == 8 * (384 * 128 + 128 * 256) * 17 // 32
 
 
 def test_experts_matmul_refuses_weights_in_another_layout():

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tes_grpo.experts import mxfp4_experts as mx
 from tes_grpo.model.model_loading import load_training_model, resolve_attention, resolve_experts, resolve_model_path
 from tes_grpo.run.script_config import SettingsError
-from tes_grpo.training import memory_plan
+from tes_grpo.training.batch_layout import batch_layout
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 # load_training_model loads onto the GPU where there is one (in bf16): these tests then check the GPU's kernels
@@ -555,7 +555,7 @@ def test_grpo_step_is_bit_exact(tiny, tmp_path, tokenizer):
             TOTAL_STEPS=1, NUM_GENERATIONS=4, GRADIENT_ACCUMULATION_STEPS=1, MAX_COMPLETION_LEN=48,
             GRADIENT_CHECKPOINTING=True, TRAIN_EXPERTS="fused")
         frame = train_grpo.load_training_data(settings, tokenizer)
-        layout = memory_plan.batch_layout(settings, int(frame["prompt_tokens"].max()))
+        layout = batch_layout(settings, int(frame["prompt_tokens"].max()))
         model = load(tiny, experts)
         assert mx.resident_layers(model) == ([0, 1] if experts == "mxfp4" else [])
         torch.manual_seed(0)

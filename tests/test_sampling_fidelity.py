@@ -23,7 +23,7 @@ from tes_grpo.run import trackers
 from tes_grpo.sampling import graph_decode, sampler, sampling_fidelity
 from tes_grpo.sampling.sampler import RecordingGenerate, SamplerSpec
 from tes_grpo.sampling.sampling_fidelity import GEN_KL, LOGP_MAX, LOGP_MEAN, Correction, FidelityHook
-from tes_grpo.training import memory_plan
+from tes_grpo.training.batch_layout import batch_layout
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PAD = 5
@@ -257,7 +257,7 @@ def test_importance_sampling_settings(mode, cap, loss_type, words):
 def test_grpo_config_leaves_trls_vllm_correction_off(tmp_path):
     # one correction for every path: TRL's own vLLM one (and its extra forward) is off
     settings = train_grpo.default_settings(OUT_DIR=str(tmp_path), USE_VLLM=True, DECODE_GRAPHS="off")
-    args = train_grpo.build_grpo_config(settings, memory_plan.batch_layout(settings, 871), cuda=False)
+    args = train_grpo.build_grpo_config(settings, batch_layout(settings, 871), cuda=False)
     assert args.use_vllm and args.vllm_importance_sampling_correction is False
 
 
@@ -411,7 +411,7 @@ def test_missing_tracker_is_one_error_line_before_anything_slow(tmp_path, capsys
                                              (["tensorboard", "trackio"], ["tensorboard", "trackio"])])
 def test_grpo_config_report_to(tmp_path, value, expected):
     settings = train_grpo.default_settings(OUT_DIR=str(tmp_path), REPORT_TO=value)
-    args = train_grpo.build_grpo_config(settings, memory_plan.batch_layout(settings, 871), cuda=False)
+    args = train_grpo.build_grpo_config(settings, batch_layout(settings, 871), cuda=False)
     assert args.report_to == expected
 
 

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from step_stream import StepStream
-from tes_grpo.training import memory_plan
+from tes_grpo.training.batch_layout import batch_layout
 
 ROWS = [{"prompt": f"prompt {i}", "reward_action_0": i / 10, "reward_action_1": 1 - i / 10, "optimal_action": i % 4}
         for i in range(7)]
@@ -113,7 +113,7 @@ def test_grpo_trainer_sees_each_prompt_num_generations_times_with_its_rewards(tm
                                            GRADIENT_ACCUMULATION_STEPS=2, TOTAL_STEPS=3, TRAIN_BATCH_SIZE="6")
     rows = [{**r, "reward_action_2": 0.0, "reward_action_3": 0.0} for r in ROWS]
     stream = train_grpo.build_stream(rows, settings, processes=1)
-    args = train_grpo.build_grpo_config(settings, memory_plan.batch_layout(settings, 100), cuda=False)
+    args = train_grpo.build_grpo_config(settings, batch_layout(settings, 100), cuda=False)
     trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=args, train_dataset=stream.to_iterable_dataset(),
                           processing_class=tokenizer)
     per_device, spg, group = args.per_device_train_batch_size, args.steps_per_generation, 3

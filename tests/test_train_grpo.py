@@ -20,7 +20,7 @@ from transformers import TrainerCallback
 import train_grpo
 from data_reward import LOG_COLUMNS
 from tes_grpo.model.model_loading import load_training_model, resolve_model_path
-from tes_grpo.training import memory_plan
+from tes_grpo.training.batch_layout import batch_layout
 
 FIRST_STEPS, SAVE_STEPS, RESUMED_TO = 20, 10, 12
 
@@ -49,7 +49,7 @@ LAYOUTS = [
 @pytest.mark.parametrize("overrides, longest, steps_per_generation, per_step, micro, passes, generation", LAYOUTS)
 def test_batch_layout(overrides, longest, steps_per_generation, per_step, micro, passes, generation):
     settings = train_grpo.default_settings(**overrides)
-    layout = memory_plan.batch_layout(settings, longest, steps_per_generation)
+    layout = batch_layout(settings, longest, steps_per_generation)
     assert (layout["completions_per_step"], layout["train_batch_size"], layout["gradient_accumulation_steps"],
             layout["steps_per_generation"]) == (per_step, micro, passes, generation)
     assert layout["generation_batch"] == layout["generation_sequences"] == generation * micro  # no plan: one call
@@ -71,7 +71,7 @@ BAD_LAYOUTS = [
 @pytest.mark.parametrize("overrides, steps_per_generation, words", BAD_LAYOUTS)
 def test_bad_layouts(overrides, steps_per_generation, words):
     with pytest.raises(train_grpo.SettingsError, match=words):
-        memory_plan.batch_layout(train_grpo.default_settings(**overrides), 871, steps_per_generation)
+        batch_layout(train_grpo.default_settings(**overrides), 871, steps_per_generation)
 
 
 def test_generation_steps_with_the_environments_cadence_stops_before_anything(tmp_path, monkeypatch, capsys):
@@ -202,7 +202,7 @@ def test_read_environment(environ, expected, words):
 
 def test_grpo_config_uses_cache_stream_options_and_loss(tmp_path):
     settings = train_grpo.default_settings(OUT_DIR=str(tmp_path))
-    layout = memory_plan.batch_layout(settings, 871)
+    layout = batch_layout(settings, 871)
     args = train_grpo.build_grpo_config(settings, layout, cuda=False)
     assert args.generation_kwargs == {"use_cache": True}  # generation keeps its KV cache under checkpointing
     assert args.shuffle_dataset is False and args.max_steps == settings["TOTAL_STEPS"]
@@ -226,7 +226,7 @@ GENERATION_CONFIGS = [
 def test_generation_steps_reach_grpo_config_and_the_stream(tmp_path, overrides, per_device, accumulation, steps,
                                                            batch):
     settings = train_grpo.default_settings(OUT_DIR=str(tmp_path), **overrides)
-    args = train_grpo.build_grpo_config(settings, memory_plan.batch_layout(settings, 871), cuda=False)
+    args = train_grpo.build_grpo_config(settings, batch_layout(settings, 871), cuda=False)
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.steps_per_generation,
             args.generation_batch_size) == (per_device, accumulation, steps, batch)
     rows = [{"prompt": f"p{i}", "optimal_action": 0, **{f"reward_action_{k}": 0.25 for k in range(4)}}
@@ -316,7 +316,7 @@ def test_generation_uses_kv_cache_with_gradient_checkpointing(tmp_path, tokenize
         DECODE_GRAPHS="off")  # transformers' generate and its cache (graph_decode, a GPU's default, has its own)
     model = load_training_model(resolve_model_path("tiny"))
     frame = train_grpo.load_training_data(settings, tokenizer)
-    layout = memory_plan.batch_layout(settings, int(frame["prompt_tokens"].max()))
+    layout = batch_layout(settings, int(frame["prompt_tokens"].max()))
     calls = []
     model.model.embed_tokens.register_forward_hook(
         lambda module, inputs, output: calls.append((inputs[0].shape[1], torch.is_grad_enabled())))
@@ -355,7 +355,7 @@ def group_advantages(tmp_path, tokenizer, monkeypatch, invalid_reward: float) ->
     monkeypatch.setattr(data_reward, "is_truncated", lambda ids: False)
     monkeypatch.setattr(data_reward, "parse_action", lambda text: 1 if next(calls) % 2 == 0 else None)
     frame = train_grpo.load_training_data(settings, tokenizer)
-    layout = memory_plan.batch_layout(settings, int(frame["prompt_tokens"].max()))
+    layout = batch_layout(settings, int(frame["prompt_tokens"].max()))
     trainer = train_grpo.build_trainer(settings, load_training_model(resolve_model_path("tiny")), tokenizer,
                                        train_grpo.build_stream(frame, settings).to_iterable_dataset(), layout)
     seen = []

@@ -38,6 +38,10 @@ import trl
 import trl.trainer.utils as trl_utils
 from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
+# TRL 1.16's tile: (kernels/chunked_logprob.TOKEN_CHUNK_SIZE, _CHUNKED_LOGPROB_CHUNK_SIZE). fused_head_tile() reads
+# the installed TRL instead; this is what the memory estimate assumes where it was not asked.
+TRL_1_16_HEAD_TILE = (4096, 32768)
+
 
 def fused_head_tile() -> tuple[int, int] | None:
     """(tokens, vocabulary entries) of the installed TRL's fused LM head tile: (4096, 32768) in TRL 1.16; None when
