@@ -36,7 +36,7 @@ from tes_grpo.run import run_folder  # the module: its UPPER_CASE names imported
 from tes_grpo.run.fileio import InputError, give_default_modes, replace_folder, temporary_folder
 
 if typing.TYPE_CHECKING:  # annotations only; the module is imported where it is used
-    from tes_grpo.experts.mxfp4 import SafetensorsCheckpoint
+    from tes_grpo.experts.mxfp4_checkpoint import SafetensorsCheckpoint
 
 ADAPTER_PATH = "runs/grpo-gpt-oss-20b"  # PEFT LoRA folder (adapter_config.json + adapter_model.safetensors)
 BASE_MODEL_ID = ""  # base checkpoint (hub id or folder); "" = the adapter's base_model_name_or_path
@@ -184,7 +184,7 @@ def load_merged_model(base_folder: Path, adapter_path: Path):
 
 def base_expert_passthrough(base_folder: Path, state_dict: dict, touched: set[str]):
     """Lazy view of the base's `*_blocks` / `*_scales` for every expert parameter the adapter left alone."""
-    from tes_grpo.experts.mxfp4 import EXPERT_PARAM_RE, SafetensorsCheckpoint
+    from tes_grpo.experts.mxfp4_checkpoint import EXPERT_PARAM_RE, SafetensorsCheckpoint
 
     if not checkpoint_is_mxfp4(base_folder):
         print(f"base {base_folder} is not an MXFP4 checkpoint: every expert is quantized from its bf16 weights")
@@ -235,7 +235,7 @@ def write_export(merged, touched: set[str], base_folder: Path, adapter_path: Pat
 
     settings_record: the script's settings, written as export_config.json inside the folder.
     """
-    from tes_grpo.experts.mxfp4 import (
+    from tes_grpo.experts.mxfp4_checkpoint import (
         DEFAULT_MAX_SHARD_BYTES,
         estimate_checkpoint_bytes,
         save_tokenizer_files,
@@ -291,7 +291,8 @@ def compare_weights(loaded_state: dict, merged_state: dict, export: "Safetensors
     import torch
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from tes_grpo.experts.mxfp4 import EXPERT_PARAM_RE, expert_rounding_bound
+    from tes_grpo.experts.mxfp4 import expert_rounding_bound
+    from tes_grpo.experts.mxfp4_checkpoint import EXPERT_PARAM_RE
 
     worst = 0.0
     for name, merged in merged_state.items():
@@ -326,7 +327,8 @@ def fake_quantized_copy_logits(merged, export: "SafetensorsCheckpoint", input_id
     """Logits of the merged model with its experts replaced by the export's dequantized blocks (FP4 rounding only)."""
     import torch
 
-    from tes_grpo.experts.mxfp4 import EXPERT_PARAM_RE, mxfp4_to_expert_param
+    from tes_grpo.experts.mxfp4 import mxfp4_to_expert_param
+    from tes_grpo.experts.mxfp4_checkpoint import EXPERT_PARAM_RE
 
     saved = {}
     params = dict(merged.named_parameters())
@@ -351,7 +353,7 @@ def verify_export(out_dir: Path, merged, touched: set[str], check_text: str, log
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, Mxfp4Config
 
-    from tes_grpo.experts.mxfp4 import SafetensorsCheckpoint
+    from tes_grpo.experts.mxfp4_checkpoint import SafetensorsCheckpoint
 
     export = SafetensorsCheckpoint(out_dir)
     merged_state = merged.state_dict()

@@ -125,7 +125,7 @@ def write_checkpoint(s, folder: Path) -> None:
 
     import torch
 
-    from tes_grpo.experts.mxfp4 import write_mxfp4_checkpoint
+    from tes_grpo.experts.mxfp4_checkpoint import write_mxfp4_checkpoint
     from tes_grpo.experts.mxfp4_experts import expected_shapes, is_resident, resident_state
     from tes_grpo.model.gpt_oss_shapes import build_random_model
 

@@ -16,8 +16,8 @@ import torch
 from safetensors import safe_open
 
 import export_quantized_model as export
-from tes_grpo.experts import mxfp4
-from tes_grpo.experts.mxfp4 import SafetensorsCheckpoint, write_mxfp4_checkpoint
+from tes_grpo.experts import mxfp4_checkpoint
+from tes_grpo.experts.mxfp4_checkpoint import SafetensorsCheckpoint, write_mxfp4_checkpoint
 from tes_grpo.run.script_config import settings_from
 
 REPO = Path(__file__).resolve().parents[1]
@@ -260,7 +260,7 @@ def test_disk_full_while_writing_keeps_the_old_export(tiny_export, tmp_path, mon
         (Path(folder) / "model.safetensors").write_bytes(b"partial")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(mxfp4, "write_mxfp4_checkpoint", write_until_disk_full)
+    monkeypatch.setattr(mxfp4_checkpoint, "write_mxfp4_checkpoint", write_until_disk_full)
     with pytest.raises(export.ExportError, match="disk full"):
         export.run_export(export_settings(tiny_export["adapter"], out, OVERWRITE=True))
     assert (out / "keep.txt").read_text() == "previous export"

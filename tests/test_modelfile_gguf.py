@@ -212,7 +212,7 @@ def chat_template_like_ollama(folder: Path) -> str:
 
 def written_like_the_export_20b(folder: Path) -> Path:
     """openai/gpt-oss-20b's config (gpt_oss_shapes) written as the export writes it (no weights, no tokenizer)."""
-    from tes_grpo.experts.mxfp4 import write_config_json
+    from tes_grpo.experts.mxfp4_checkpoint import write_config_json
     from tes_grpo.model.gpt_oss_shapes import gpt_oss_20b_config
 
     folder.mkdir(parents=True)

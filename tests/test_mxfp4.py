@@ -13,22 +13,24 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from tes_grpo.experts.mxfp4 import (
     FP4_VALUES,
-    MODULES_TO_NOT_CONVERT,
-    SafetensorsCheckpoint,
     dequantize_mxfp4,
     expert_param_to_mxfp4,
     fake_quantize_expert_param,
     from_hopper_layout,
     from_tile_order,
     hopper_shape,
-    legacy_config_keys,
     mxfp4_to_expert_param,
     padded_bytes,
     quantize_mxfp4,
-    save_tokenizer_files,
     tile_order_shape,
     to_hopper_layout,
     to_tile_order,
+)
+from tes_grpo.experts.mxfp4_checkpoint import (
+    MODULES_TO_NOT_CONVERT,
+    SafetensorsCheckpoint,
+    legacy_config_keys,
+    save_tokenizer_files,
     write_config_json,
     write_mxfp4_checkpoint,
 )

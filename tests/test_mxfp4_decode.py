@@ -387,7 +387,8 @@ def tiny_bf16():
 
 
 def test_resident_layers_are_packed_as_they_are(tiny_bf16):
-    from tes_grpo.experts.mxfp4 import SafetensorsCheckpoint, to_hopper_layout
+    from tes_grpo.experts.mxfp4 import to_hopper_layout
+    from tes_grpo.experts.mxfp4_checkpoint import SafetensorsCheckpoint
 
     path, models = tiny_bf16
     said = []

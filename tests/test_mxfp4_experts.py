@@ -374,7 +374,8 @@ class FloatShapes(TorchDispatchMode):
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])
 def test_loader_builds_no_bf16_expert_and_matches_from_pretrained(tiny, dtype):
-    from tes_grpo.experts.mxfp4 import SafetensorsCheckpoint, padded_bytes, to_hopper_layout
+    from tes_grpo.experts.mxfp4 import padded_bytes, to_hopper_layout
+    from tes_grpo.experts.mxfp4_checkpoint import SafetensorsCheckpoint
 
     said = []
     with FloatShapes() as created:

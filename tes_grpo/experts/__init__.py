@@ -1,6 +1,7 @@
 """gpt-oss's MoE experts: the MXFP4 format, the frozen experts kept resident in it, and the kernels that read it.
 
-- mxfp4: the MXFP4 codec and checkpoint writer
+- mxfp4: the MXFP4 codec and the tile layouts its kernels read
+- mxfp4_checkpoint: MXFP4 checkpoint files: the lazy reader, the writer, config.json and the tokenizer files
 - mxfp4_experts: the frozen experts resident as MXFP4, for training and sampling (EXPERTS)
 - mxfp4_kernels: the MXFP4 experts' Triton kernels: decoding's experts product, training's dequantization
 - mxfp4_decode: the MoE experts read as MXFP4 while decoding (Triton)

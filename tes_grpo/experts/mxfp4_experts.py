@@ -532,7 +532,7 @@ def make_experts_resident(model, source: Mapping | None = None, keep_bf16_layers
                           say=print) -> ResidentSummary:
     """Turns the bf16 experts of a loaded gpt-oss model resident, layer by layer, freeing each bf16 copy.
 
-    source: the checkpoint's tensors by name (mxfp4.SafetensorsCheckpoint, or a dict), whose
+    source: the checkpoint's tensors by name (mxfp4_checkpoint.SafetensorsCheckpoint, or a dict), whose
     `model.layers.{i}.mlp.experts.{proj}_{blocks|scales}` are taken as they are; without it (or for a name it lacks)
     the weights are quantized. Either way a layer becomes resident only if the blocks dequantize to its weights bit
     for bit. keep_bf16_layers: {layer: why} left as they are (experts with LoRA). Layers that cannot be converted

@@ -289,7 +289,7 @@ def resident_skeleton(config, dtype, attn: str, keep_bf16_layers):
 def fill_resident_experts(model, folder, device) -> None:
     """Reads the resident experts' blocks and scales of a skeleton (resident_skeleton) from the checkpoint in
     `folder` onto `device`."""
-    from tes_grpo.experts.mxfp4 import SafetensorsCheckpoint
+    from tes_grpo.experts.mxfp4_checkpoint import SafetensorsCheckpoint
     from tes_grpo.experts.mxfp4_experts import resident_state
 
     checkpoint = SafetensorsCheckpoint(folder)
@@ -344,7 +344,7 @@ def load_resident_model(path: str, dtype, attn: str, device: str = "cpu", keep_b
     import torch
     from transformers import GenerationConfig
 
-    from tes_grpo.experts.mxfp4 import CHECKPOINT_EXPERT_RE, SafetensorsCheckpoint
+    from tes_grpo.experts.mxfp4_checkpoint import CHECKPOINT_EXPERT_RE, SafetensorsCheckpoint
     from tes_grpo.experts.mxfp4_experts import ResidentSummary, dequantize_experts, is_resident, residency_line
 
     keep = dict(keep_bf16_layers or {})

@@ -8,7 +8,7 @@
 What it is: gpt-oss's architecture at toy size (hidden 64, 2 layers: one sliding-window and one full attention
 layer with attention sinks, 2 query heads sharing 1 key/value head, 4 experts of which 2 are active per token)
 with the real 201,088-token vocabulary and the real tokenizer and chat template (from `../shared/gpt-oss-tokenizer`,
-see harmony.py), random weights from a fixed seed. It is written by `mxfp4.write_mxfp4_checkpoint` exactly
+see harmony.py), random weights from a fixed seed. It is written by `mxfp4_checkpoint.write_mxfp4_checkpoint` exactly
 like openai/gpt-oss-20b: expert weights as `*_blocks` / `*_scales` (MXFP4), everything else bf16, `quantization_config`
 mxfp4, the original checkpoint's config keys (`rope_theta`, `rope_scaling`, `experts_per_token`, ...), plus the
 tokenizer files (the chat template also inside tokenizer_config.json, where Ollama reads it) and gpt-oss-20b's
@@ -232,10 +232,11 @@ def warm_up_format(model, tokenizer, steps: int, batch_size: int, lr: float, see
 # ---------------------------------------------------------------------------------------------------------------
 
 def write_tiny_checkpoint(model, tokenizer, out_dir: str | os.PathLike, info: dict) -> Path:
-    """MXFP4 checkpoint (mxfp4.write_mxfp4_checkpoint) + tokenizer + generation config + build info, in out_dir."""
+    """MXFP4 checkpoint (mxfp4_checkpoint.write_mxfp4_checkpoint) + tokenizer + generation config + build info, in
+    out_dir."""
     from transformers import GenerationConfig
 
-    from tes_grpo.experts.mxfp4 import save_tokenizer_files, write_mxfp4_checkpoint
+    from tes_grpo.experts.mxfp4_checkpoint import save_tokenizer_files, write_mxfp4_checkpoint
 
     out_dir = Path(out_dir)
     model.config.architectures = ["GptOssForCausalLM"]  # as in openai/gpt-oss-20b's config.json
