@@ -2,6 +2,7 @@
 repo's top level are). Each sub-package's docstring lists its modules. From the bottom up (a package imports only
 those listed before it):
 
+- triton_support: whether Triton is installed and whether kernels run under its interpreter (imports nothing)
 - run: settings and --NAME=value overrides, the run folder, files, processes, callbacks, trackers
 - patches: the library patches, each with the versions it was checked on and a fingerprint test
 - task: the TES plant and its exact Q-values, the operator's prompt, gpt-oss's Harmony format

@@ -201,8 +201,3 @@ def top_k_route_with_triton(logits: torch.Tensor, top_k: int):
     else:
         offsets.zero_()
     return values, indices, order, offsets, token_rows
-
-
-def interpreted() -> bool:
-    """Whether the kernel runs under Triton's interpreter (TRITON_INTERPRET=1 when this module was imported)."""
-    return type(_route_kernel).__name__ == "InterpretedFunction"

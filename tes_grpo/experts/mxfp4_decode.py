@@ -66,6 +66,7 @@ from tes_grpo.experts.mxfp4 import (
     to_tile_order,
 )
 from tes_grpo.experts.mxfp4_experts import is_resident, matrix_sizes
+from tes_grpo.triton_support import interpreted
 
 UPCASTS = ("dot_scaled", "bits", "hopper")  # Tiles.upcast
 
@@ -127,7 +128,7 @@ def upcast_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     rows, groups, _ = blocks.shape
     out = torch.empty(rows, groups * BLOCK_SIZE, dtype=torch.bfloat16, device=blocks.device)
     mxfp4_kernels.upcast_kernel[(1,)](blocks.contiguous(), scales.contiguous(), out, ROWS=rows,
-                                      BLOCK_K=groups * BLOCK_SIZE, INTERPRETED=interpreted())
+                                      BLOCK_K=groups * BLOCK_SIZE, INTERPRETED=interpreted(mxfp4_kernels.upcast_kernel))
     return out
 
 
@@ -157,8 +158,8 @@ def experts_matmul(x, x_rows, offsets, blocks, scales, size, bias, *, swiglu=Non
         out_rows if out_rows is not None else x_rows, n, k, float(alpha), float(limit),
         SWIGLU=bool(swiglu), ROUTED_OUT=weights is not None, UPCAST_BITS=tiles.upcast == "bits", SWAP=tiles.swap,
         HOPPER=tiles.upcast == "hopper", PTX=tiles.ptx and x.is_cuda and _has_ptx_unpack(x.device.index),
-        NUM_WARPS=tiles.num_warps, INTERPRETED=interpreted(), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        NUM_WARPS=tiles.num_warps, INTERPRETED=interpreted(mxfp4_kernels.experts_kernel), BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
 
@@ -482,8 +483,3 @@ def moe_forward(mlp, packed: PackedExperts, hidden: torch.Tensor, tiles: Tiles |
                             tiles=tiles)
     # transformers sums the k weighted rows of a token in float32 and rounds once
     return routed.view(tokens, top_k, -1).sum(dim=1).to(hidden.dtype).view(shape)
-
-
-def interpreted() -> bool:
-    """Whether the kernels run under Triton's interpreter (mxfp4_kernels imported under TRITON_INTERPRET=1)."""
-    return mxfp4_kernels.interpreted()

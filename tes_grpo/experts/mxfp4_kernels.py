@@ -333,8 +333,3 @@ def dequantize_kernel(blocks_ptr, scales_ptr, out_ptr, ROWS, COLS, OUT_KIND: tl.
         if OUT_KIND == 2:
             value = value.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + e * COLS * ROWS + c[:, None] * ROWS + r[None, :], value, mask=ok)
-
-
-def interpreted() -> bool:
-    """Whether the kernels run under Triton's interpreter (TRITON_INTERPRET=1 when this module was imported)."""
-    return type(experts_kernel).__name__ == "InterpretedFunction"

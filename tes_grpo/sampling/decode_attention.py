@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tes_grpo.triton_support import interpreted
+
 BLOCK_N = 64  # cache slots a program reads per loop step
 NUM_WARPS = 4  # warps a program
 NUM_STAGES = 3  # loop steps whose loads are in flight at once
@@ -191,12 +193,8 @@ def attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mas
         length, scaling, per_split, query.stride(0), query.stride(1), keys.stride(0), keys.stride(1),
         keys.stride(2), values.stride(0), values.stride(1), values.stride(2), mask.stride(0),
         KV_HEADS=kv_heads, GROUP=group, ROWS=ROWS, DIM=dim, DIM_PAD=dim_pad, BLOCK_N=block_n,
-        HAS_SEEN=seen is not None, FINAL=final, INTERPRETED=interpreted(), num_warps=warps, num_stages=stages)
+        HAS_SEEN=seen is not None, FINAL=final, INTERPRETED=interpreted(attention_kernel), num_warps=warps,
+        num_stages=stages)
     if not final:
         combine_kernel[(batch * heads,)](part_acc, part_max, part_sum, out, lse, parts, DIM=dim, DIM_PAD=dim_pad)
     return out, lse
-
-
-def interpreted() -> bool:
-    """Whether the kernels run under Triton's interpreter (TRITON_INTERPRET=1 when this module was imported)."""
-    return type(attention_kernel).__name__ == "InterpretedFunction"

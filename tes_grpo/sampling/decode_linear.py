@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tes_grpo.triton_support import interpreted
+
 BLOCK_M = 64  # rows a program multiplies (fewer rows: the next power of two, at least 16)
 BLOCK_N = 64  # output features a program computes (32 where 64 would leave most multiprocessors idle: block_n_for)
 BLOCK_K = 128  # input features a loop step reads
@@ -190,7 +192,7 @@ def linear(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | No
         m, k, n, *sizes, tile_counts[0], tile_counts[1], 1.0 if scale is None else float(scale), rows.stride(0),
         RANK=rank, RANK_PAD=max(16, triton.next_power_of_2(max(rank, 1))), HAS_BIAS=bias is not None,
         HAS_LORA=lora is not None, HAS_SCALE=scale is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        INTERPRETED=interpreted(), num_warps=warps, num_stages=stages)
+        INTERPRETED=interpreted(linear_kernel), num_warps=warps, num_stages=stages)
     return out.view(*x.shape[:-1], n)
 
 
@@ -216,8 +218,3 @@ def reference(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor |
             extra = _rounded(extra * scale)
         y = _rounded(y + extra)
     return y.to(torch.bfloat16)
-
-
-def interpreted() -> bool:
-    """Whether the kernels run under Triton's interpreter (TRITON_INTERPRET=1 when this module was imported)."""
-    return type(linear_kernel).__name__ == "InterpretedFunction"

@@ -38,7 +38,6 @@ library patches (tes_grpo/patches/) that only buy speed, so they are chosen here
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 
 from tes_grpo.experts.fused_experts import use_fused_experts
@@ -49,6 +48,7 @@ from tes_grpo.run.script_config import SettingsError
 from tes_grpo.sampling import decode_math, graph_decode
 from tes_grpo.sampling.sampler import SamplerSpec, training_autocast
 from tes_grpo.training.lm_head import causal_lm
+from tes_grpo.triton_support import triton_installed
 
 
 def check_settings(s) -> None:
@@ -61,7 +61,8 @@ def check_settings(s) -> None:
 
 
 def _triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    """triton_support.triton_installed, named here so that the tests can stand in for it."""
+    return triton_installed()
 
 
 def _no_gpu_with_triton(cuda: bool) -> str | None:
