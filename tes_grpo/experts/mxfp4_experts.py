@@ -63,7 +63,6 @@ parameter in place, and a trained weight has no fixed MXFP4 form.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -83,7 +82,8 @@ from tes_grpo.experts.mxfp4 import (
     to_hopper_layout,
 )
 from tes_grpo.patches.torch_patches import saved_tensors_hooks_now, saved_tensors_hooks_readable
-from tes_grpo.run.processes import say
+from tes_grpo.run.processes import SayOnce
+from tes_grpo.triton_support import triton_installed
 
 PROJECTIONS = ("gate_up_proj", "down_proj")
 # the dequantization kernel's program: rows (outputs) x columns (inputs), warps; benchmarks/bench_mxfp4_load.py times
@@ -101,13 +101,7 @@ __all__ = ["PROJECTIONS", "ResidentState", "ResidentSummary", "checkpoint_tensor
 # Dequantization: blocks and scales (the checkpoint's layout, tile order, the Hopper layout) -> [E, in, out]
 # ---------------------------------------------------------------------------------------------------------------
 
-_SAID: set = set()
-
-
-def _say_once(key: str, message: str) -> None:
-    if key not in _SAID:
-        _SAID.add(key)
-        say(message)
+_say_once = SayOnce()  # the fallback without Triton is met by every layer of every pass: said the first time
 
 
 @dataclass(frozen=True)
@@ -192,10 +186,6 @@ def dequantize_with_torch(blocks: torch.Tensor, scales: torch.Tensor, dtype: tor
     return out
 
 
-def _has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def dequantize_experts(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
                        size: tuple[int, int] | None = None) -> torch.Tensor:
     """A checkpoint's expert blocks/scales (or, with size = (out, in), the same in the Hopper layout, what a
@@ -203,7 +193,7 @@ def dequantize_experts(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.
     the values transformers' dequantized load holds (integrations.mxfp4.convert_moe_packed_tensors), bit for bit. On
     CUDA through the Triton kernel; on the CPU (and on CUDA without Triton, said once) through torch's codec."""
     if blocks.is_cuda:
-        if _has_triton():
+        if triton_installed():
             return dequantize_with_triton(blocks, scales, dtype, size=size)
         _say_once("no-triton", "MXFP4 experts: no triton installed, so each layer's experts are dequantized with "
                                "torch's codec (slower than the Triton kernel, same values)")
