@@ -13,7 +13,7 @@ machine (the numbers go to BENCHMARKS.md; a few minutes on an H100 at the 20B sh
    its peak host memory (VmHWM, and its rise over the process before loading) and the GPU memory allocated after
    the load and at its peak.
 2. Dequantization of one layer's experts (gate_up + down -> [E, in, out] bf16): the Triton kernel
-   (mxfp4_experts.dequantize_with_triton, what a resident layer runs, from the Hopper layout the resident experts
+   (mxfp4_dequant.dequantize_with_triton, what a resident layer runs, from the Hopper layout the resident experts
    are kept in; at its DEQUANT_HOPPER and each of DEQUANT_TILES, and once from the checkpoint's layout),
    torch's codec, and transformers' own
    convert_moe_packed_tensors (what the dequantized load runs once); time, GB written per second, and whether the
@@ -52,7 +52,7 @@ RESULTS = "runs/bench-mxfp4-load/results.jsonl"  # one JSON line per run is appe
 TOKENS = 37360  # tokens of the one-layer training pass (16 x 2,335: the recipe's micro-batch at 1,024 completions)
 TRAIN_EXPERTS = ("fused", "transformers")  # train_grpo's TRAIN_EXPERTS variants timed for the one-layer pass
 REPS = 5  # timed repetitions (after one untimed) for the dequantization and the layer pass
-# Triton kernel programs also timed on the Hopper layout: rows/columns/warps (mxfp4_experts.DEQUANT_HOPPER is the one
+# Triton kernel programs also timed on the Hopper layout: rows/columns/warps (mxfp4_dequant.DEQUANT_HOPPER is the one
 # used; rows a multiple of 128, columns of 64)
 DEQUANT_TILES = ("128/64/8", "128/128/4", "128/128/8", "256/64/8")
 SEED = 0  # random weights and inputs
@@ -211,7 +211,8 @@ def one_layer(s):
     import torch
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
-    from tes_grpo.experts.mxfp4_experts import dequantize_experts, make_resident
+    from tes_grpo.experts.mxfp4_dequant import dequantize_experts
+    from tes_grpo.experts.mxfp4_experts import make_resident
     from tes_grpo.model.gpt_oss_shapes import random_resident_blocks
 
     config = model_config(s)
@@ -238,8 +239,9 @@ def dequantization(s, blocks) -> list[dict]:
     import torch
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from tes_grpo.experts import mxfp4_experts as mx
+    from tes_grpo.experts import mxfp4_dequant as dq
     from tes_grpo.experts.mxfp4 import to_hopper_layout
+    from tes_grpo.triton_support import triton_installed
 
     projections = ("gate_up_proj", "down_proj")
     stored = {p: (to_hopper_layout(blocks[f"{p}_blocks"], "blocks"), to_hopper_layout(blocks[f"{p}_scales"], "scales"),
@@ -256,17 +258,17 @@ def dequantization(s, blocks) -> list[dict]:
     # (name, fn, whether fn reads the Hopper layout: blocks, scales, size; else the checkpoint's blocks, scales)
     ways = [("transformers convert_moe_packed_tensors",
              lambda b, sc: convert_moe_packed_tensors(b, sc, dtype=torch.bfloat16), False),
-            ("torch codec (mxfp4_experts, per expert)", lambda b, sc: mx.dequantize_with_torch(b, sc, torch.bfloat16),
+            ("torch codec (mxfp4_experts, per expert)", lambda b, sc: dq.dequantize_with_torch(b, sc, torch.bfloat16),
              False)]
-    if device() == "cuda" and mx._has_triton():
-        programs = [mx.DEQUANT_HOPPER] + [tuple(int(v) for v in t.split("/")) for t in s.DEQUANT_TILES]
+    if device() == "cuda" and triton_installed():
+        programs = [dq.DEQUANT_HOPPER] + [tuple(int(v) for v in t.split("/")) for t in s.DEQUANT_TILES]
         for i, program in enumerate(programs):
             ways.insert(i, (f"Triton kernel from the Hopper layout, program {'/'.join(map(str, program))}"
                             + (" (used)" if i == 0 else ""),
-                            lambda b, sc, size, program=program: mx.dequantize_with_triton(
+                            lambda b, sc, size, program=program: dq.dequantize_with_triton(
                                 b, sc, torch.bfloat16, program, size=size), True))
         ways.insert(len(programs), ("Triton kernel from the checkpoint's layout",
-                                    lambda b, sc: mx.dequantize_with_triton(b, sc, torch.bfloat16), False))
+                                    lambda b, sc: dq.dequantize_with_triton(b, sc, torch.bfloat16), False))
     every = (torch.arange(256, dtype=torch.uint8, device=device()).repeat(256).view(1, 256, 16, 16),
              torch.arange(256, dtype=torch.uint8, device=device()).view(1, 256, 1).expand(1, 256, 16).contiguous())
     rows = []

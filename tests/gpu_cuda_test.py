@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 
 def test_triton_dequantization_equals_torchs_codec_bit_for_bit():
     pytest.importorskip("triton", reason="requirements-gpu.txt installs triton")
-    from tes_grpo.experts.mxfp4_experts import dequantize_with_torch, dequantize_with_triton
+    from tes_grpo.experts.mxfp4_dequant import dequantize_with_torch, dequantize_with_triton
 
     generator = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, 256, (4, 96, 5, 16), dtype=torch.uint8, generator=generator).cuda()
@@ -41,7 +41,7 @@ def test_triton_dequantization_from_the_hopper_layout_equals_torchs_codec_bit_fo
     """What a resident layer runs on the GPU: the compiled kernel on the Hopper layout, bf16 and float32."""
     pytest.importorskip("triton", reason="requirements-gpu.txt installs triton")
     from tes_grpo.experts.mxfp4 import to_hopper_layout
-    from tes_grpo.experts.mxfp4_experts import dequantize_with_torch, dequantize_with_triton
+    from tes_grpo.experts.mxfp4_dequant import dequantize_with_torch, dequantize_with_triton
 
     generator = torch.Generator().manual_seed(0)
     if shape == "every":

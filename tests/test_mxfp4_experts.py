@@ -21,6 +21,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tes_grpo.experts import mxfp4_dequant as dq
 from tes_grpo.experts import mxfp4_experts as mx
 from tes_grpo.model.model_loading import load_training_model, resolve_attention, resolve_experts, resolve_model_path
 from tes_grpo.run.script_config import SettingsError
@@ -63,7 +64,7 @@ def test_dequantize_equals_transformers_for_every_byte_and_scale(dtype):
 
     blocks, scales = every_byte_and_scale()
     expected = convert_moe_packed_tensors(blocks, scales, dtype=dtype)  # what Mxfp4Config(dequantize=True) loads
-    got = mx.dequantize_experts(blocks, scales, dtype)
+    got = dq.dequantize_experts(blocks, scales, dtype)
     assert got.shape == expected.shape == (1, 512, 256) and got.is_contiguous() and got.dtype == dtype
     assert torch.equal(bits(got), bits(expected))
 
@@ -116,19 +117,19 @@ def test_dequantize_equals_transformers(layout, shape, tile, program, kernels):
     kept = stored(blocks, "blocks"), stored(scales, "scales")
     for dtype in (torch.bfloat16, torch.float32, torch.float16):
         expected = convert_moe_packed_tensors(blocks, scales, dtype=dtype)
-        assert torch.equal(bits(mx.dequantize_with_triton(*kept, dtype, program, size=size)), bits(expected))
-        assert torch.equal(bits(mx.dequantize_with_torch(*kept, dtype, size=size)), bits(expected))
+        assert torch.equal(bits(dq.dequantize_with_triton(*kept, dtype, program, size=size)), bits(expected))
+        assert torch.equal(bits(dq.dequantize_with_torch(*kept, dtype, size=size)), bits(expected))
 
 
 GUARDED_DEQUANTIZE = """
 import sys, torch
 from guard_pages import ending_at_a_guard_page
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-from tes_grpo.experts import mxfp4_experts as mx
+from tes_grpo.experts import mxfp4_dequant as dq
 from tes_grpo.experts.mxfp4 import quantize_mxfp4, to_hopper_layout
 blocks, scales = quantize_mxfp4(torch.randn(1, 300, 128))  # 300 rows padded to 384: three 128-row pieces
 kept = [ending_at_a_guard_page(to_hopper_layout(t, part)) for t, part in ((blocks, "blocks"), (scales, "scales"))]
-out = mx.dequantize_with_triton(kept[0][0], kept[1][0], torch.bfloat16, (256, 128, 8), size=(300, 128))
+out = dq.dequantize_with_triton(kept[0][0], kept[1][0], torch.bfloat16, (256, 128, 8), size=(300, 128))
 sys.exit(0 if torch.equal(out, convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)) else 3)
 """
 
@@ -185,14 +186,14 @@ def test_dequantize_refuses_what_is_not_a_layout_it_reads():
 
     blocks, scales = every_byte_and_scale()
     with pytest.raises(ValueError, match="not a \\[E, 256, 512\\] weight in tile order"):
-        mx.dequantize_experts(blocks, scales, torch.float32, size=(256, 512))  # the checkpoint's layout, size given
+        dq.dequantize_experts(blocks, scales, torch.float32, size=(256, 512))  # the checkpoint's layout, size given
     with pytest.raises(ValueError, match="not the checkpoint's"):
-        mx.dequantize_experts(blocks[..., :8], scales, torch.float32)
+        dq.dequantize_experts(blocks[..., :8], scales, torch.float32)
     stored = to_hopper_layout(blocks, "blocks"), to_hopper_layout(scales, "scales")
     with pytest.raises(ValueError, match="not a \\[E, 256, 384\\] weight in the Hopper layout"):
-        mx.dequantize_experts(*stored, torch.float32, size=(256, 384))  # the inputs padded past one tile
+        dq.dequantize_experts(*stored, torch.float32, size=(256, 384))  # the inputs padded past one tile
     with pytest.raises(ValueError, match="pieces of 128 rows and 64 columns"):
-        mx.dequantize_with_triton(*stored, torch.float32, program=(64, 64, 4), size=(256, 512))
+        dq.dequantize_with_triton(*stored, torch.float32, program=(64, 64, 4), size=(256, 512))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -326,7 +327,7 @@ def test_other_saved_tensors_go_to_the_hooks_outside(monkeypatch):
             param.normal_(0, 0.1)
         for name in mx.PROJECTIONS:  # values on the MXFP4 grid, as loaded from a checkpoint
             weight = getattr(experts, name)
-            weight.copy_(mx.dequantize_experts(*mx.quantize_mxfp4(weight.transpose(-1, -2)), torch.float32))
+            weight.copy_(dq.dequantize_experts(*mx.quantize_mxfp4(weight.transpose(-1, -2)), torch.float32))
     plain = copy.deepcopy(experts)
     layers = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([torch.nn.ModuleDict({"mlp": torch.nn.ModuleDict(
         {"experts": experts})})])})

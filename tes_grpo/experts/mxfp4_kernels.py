@@ -1,6 +1,6 @@
 """The Triton kernels of the MXFP4 experts: the experts product that decoding runs (mxfp4_decode.py launches it),
 the dequantization that training runs (mxfp4_experts.py launches it), and the pieces they share. Library module, not
-a script; imported only where Triton is installed (mxfp4_experts imports it when it first dequantizes on CUDA).
+a script; imported only where Triton is installed (mxfp4_dequant imports it when it first dequantizes on CUDA).
 
 The shared pieces read the Hopper layout the resident experts are kept in (mxfp4.to_hopper_layout, OpenAI
 triton_kernels' HopperMXValueLayout / HopperMXScaleLayout): _hopper_halves takes each FP4 code out of the places

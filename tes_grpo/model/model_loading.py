@@ -345,7 +345,8 @@ def load_resident_model(path: str, dtype, attn: str, device: str = "cpu", keep_b
     from transformers import GenerationConfig
 
     from tes_grpo.experts.mxfp4_checkpoint import CHECKPOINT_EXPERT_RE, SafetensorsCheckpoint
-    from tes_grpo.experts.mxfp4_experts import ResidentSummary, dequantize_experts, is_resident, residency_line
+    from tes_grpo.experts.mxfp4_dequant import dequantize_experts
+    from tes_grpo.experts.mxfp4_experts import ResidentSummary, is_resident, residency_line
 
     keep = dict(keep_bf16_layers or {})
     folder = checkpoint_folder(path)
