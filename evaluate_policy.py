@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from tes_grpo.task import task_prompt, tes_env
+from tes_grpo.task import task_prompt, tes_env, tes_policies
 from tes_grpo.task.harmony import DATASET_DATE as _DATASET_DATE
 
 SERIES: list = []  # series CSVs to run (positional); empty = the windows of EVAL_DIR, read from SERIES_DIR
@@ -96,10 +96,10 @@ def eval_windows(eval_dir: str | Path, series_dir: str | Path) -> list[Path]:
 # Closed loop, all windows in lockstep
 # ---------------------------------------------------------------------------------------------------------------
 
-def episodes_by_window(series_list: Sequence[tes_env.Series], decide: tes_env.BatchPolicy,
-                       initial_energy: float = tes_env.INITIAL_ENERGY_KWH) -> dict[str, tes_env.Episode]:
-    """tes_env.simulate_batch of every window under `decide`, keyed by window name."""
-    episodes = tes_env.simulate_batch(series_list, decide, initial_energy)
+def episodes_by_window(series_list: Sequence[tes_env.Series], decide: tes_policies.BatchPolicy,
+                       initial_energy: float = tes_env.INITIAL_ENERGY_KWH) -> dict[str, tes_policies.Episode]:
+    """tes_policies.simulate_batch of every window under `decide`, keyed by window name."""
+    episodes = tes_policies.simulate_batch(series_list, decide, initial_energy)
     return {series.name: episode for series, episode in zip(series_list, episodes, strict=True)}
 
 
@@ -157,7 +157,7 @@ class LLMDecider:
 # Results
 # ---------------------------------------------------------------------------------------------------------------
 
-def episode_metrics(episode: tes_env.Episode) -> dict:
+def episode_metrics(episode: tes_policies.Episode) -> dict:
     credit_kg = _KG_PER_REWARD * episode.terminal_credit
     return {"co2_kg": episode.emissions_kg, "unserved_kwh": episode.unserved_kwh, "terminal_credit_kg": credit_kg,
             "net_co2_kg": episode.net_co2_kg}
@@ -172,7 +172,7 @@ def gap_pct(net: float, optimum: float) -> float:
     return 100.0 * (net - optimum) / abs(optimum)
 
 
-def summary_rows(episodes: dict[str, dict[str, tes_env.Episode]], optimum: dict[str, float],
+def summary_rows(episodes: dict[str, dict[str, tes_policies.Episode]], optimum: dict[str, float],
                  deciders: dict[str, LLMDecider]) -> list[dict]:
     """Rows of summary.csv: every (window, policy), then a TOTAL row per policy.
 
@@ -213,7 +213,7 @@ def format_summary(frame) -> str:
     return table.to_string(index=False)
 
 
-def plot_window(series: tes_env.Series, episodes: dict[str, tes_env.Episode], path: str | Path,
+def plot_window(series: tes_env.Series, episodes: dict[str, tes_policies.Episode], path: str | Path,
                 invalid: dict[str, set[int]] | None = None) -> Path:
     """PNG of one window: CO2 factor, load, TES energy and actions over the 72 hours, one line per policy.
 
@@ -278,7 +278,7 @@ def plot_window(series: tes_env.Series, episodes: dict[str, tes_env.Episode], pa
 # ---------------------------------------------------------------------------------------------------------------
 
 def non_llm_policy_names() -> list[str]:
-    return ["optimal", *tes_env.RULE_POLICIES, "random"]
+    return ["optimal", *tes_policies.RULE_POLICIES, "random"]
 
 
 def check_policy_names(names: Sequence[str]) -> None:
@@ -289,14 +289,14 @@ def check_policy_names(names: Sequence[str]) -> None:
                              "(the LLM policy runs when ADAPTER_PATH or BASE_MODEL_ID is set)")
 
 
-def non_llm_policy(name: str, series: tes_env.Series, random_seed: int) -> tes_env.Policy:
+def non_llm_policy(name: str, series: tes_env.Series, random_seed: int) -> tes_policies.Policy:
     """A fresh policy for one window (the random policy restarts its stream in every window)."""
     check_policy_names([name])
     if name == "optimal":
-        return tes_env.OptimalPolicy(series)
+        return tes_policies.OptimalPolicy(series)
     if name == "random":
-        return tes_env.RandomPolicy(random_seed)
-    return tes_env.RULE_POLICIES[name]
+        return tes_policies.RandomPolicy(random_seed)
+    return tes_policies.RULE_POLICIES[name]
 
 
 def generate_decisions(policy_model, use_adapter: bool, max_new_tokens: int, temperature: float, top_p: float,
@@ -330,8 +330,8 @@ def default_out_dir(adapter_path: str, base_model_id: str) -> Path:
 def evaluate(series_list: Sequence[tes_env.Series], policies: Sequence[str], llm_deciders: dict[str, LLMDecider],
              out_dir: str | Path, initial_energy: float = INITIAL_ENERGY, random_seed: int = RANDOM_SEED,
              plots: bool = PLOTS, progress: bool = PROGRESS):
-    """Runs every policy through all windows (tes_env.simulate_batch), writes summary.csv (+ PNGs, llm_decisions.csv);
-    returns the summary.
+    """Runs every policy through all windows (tes_policies.simulate_batch), writes summary.csv (+ PNGs,
+    llm_decisions.csv); returns the summary.
 
     The DP optimum always runs, first (the gaps need it); `llm_deciders` maps policy names to LLMDeciders.
     """
@@ -344,9 +344,9 @@ def evaluate(series_list: Sequence[tes_env.Series], policies: Sequence[str], llm
     names = [s.name for s in series_list]
     if len(set(names)) != len(names):
         raise ValueError(f"two series share a window name: {', '.join(names)}")
-    episodes: dict[str, dict[str, tes_env.Episode]] = {}
+    episodes: dict[str, dict[str, tes_policies.Episode]] = {}
     for name in ["optimal", *[p for p in policies if p != "optimal"]]:
-        decide = tes_env.one_policy_per_window([non_llm_policy(name, s, random_seed) for s in series_list])
+        decide = tes_policies.one_policy_per_window([non_llm_policy(name, s, random_seed) for s in series_list])
         episodes[name] = episodes_by_window(series_list, decide, initial_energy)
     solvers = {s.name: tes_env.QSolver(s) for s in series_list}
     optimum = {s.name: -_KG_PER_REWARD * solvers[s.name].value(0, initial_energy) for s in series_list}

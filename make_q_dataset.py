@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from tes_grpo.run.fileio import InputError, csv_writer, write_csv_atomic, write_files_atomic
-from tes_grpo.task import task_prompt, tes_env
+from tes_grpo.task import task_prompt, tes_env, tes_policies
 
 SERIES_PATHS: list = []  # input series CSVs (positional arguments)
 OUT_DIR = "data"  # folder for <series>_q_dataset.csv
@@ -106,10 +106,10 @@ def compare_policies(series: tes_env.Series, initial_energy: float = tes_env.INI
     """Net CO2 (kg: emissions + 10/unserved kWh - credit for the energy left) per policy on one series."""
     solver = solver or tes_env.QSolver(series)
     results = {"optimal": -tes_env.REWARD_SCALE * solver.value(0, initial_energy)}
-    for name, policy in tes_env.RULE_POLICIES.items():
-        results[name] = tes_env.simulate(series, policy, initial_energy).net_co2_kg
+    for name, policy in tes_policies.RULE_POLICIES.items():
+        results[name] = tes_policies.simulate(series, policy, initial_energy).net_co2_kg
     if random_runs > 0:
-        runs = [tes_env.simulate(series, tes_env.RandomPolicy(seed + run), initial_energy).net_co2_kg
+        runs = [tes_policies.simulate(series, tes_policies.RandomPolicy(seed + run), initial_energy).net_co2_kg
                 for run in range(random_runs)]
         results[f"random(mean of {random_runs})"] = sum(runs) / len(runs)
     return results

@@ -12,7 +12,7 @@ import pytest
 
 import evaluate_policy as ev
 from tes_grpo.model.llm_policy import Completion
-from tes_grpo.task import tes_env
+from tes_grpo.task import tes_env, tes_policies
 from tes_grpo.task.harmony import parse_action
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,7 +123,7 @@ def test_every_window_starts_a_fresh_policy(baseline_summary, eval_series, name)
     summary, _ = baseline_summary
     rows = summary[summary["policy"] == name].set_index("window")
     for series in eval_series:
-        alone = tes_env.simulate(series, ev.non_llm_policy(name, series, ev.RANDOM_SEED), ev.INITIAL_ENERGY)
+        alone = tes_policies.simulate(series, ev.non_llm_policy(name, series, ev.RANDOM_SEED), ev.INITIAL_ENERGY)
         assert rows.loc[series.name, "net_co2_kg"] == alone.net_co2_kg
         assert rows.loc[series.name, "co2_kg"] == alone.emissions_kg
 
@@ -152,7 +152,7 @@ def test_an_always_invalid_llm_acts_0_and_is_counted(eval_series, tmp_path):
                           progress=False)
     llm = summary[summary["policy"] == "llm_adapter"].set_index("window")
     for series in eval_series[:2]:
-        off = tes_env.simulate(series, always_off)
+        off = tes_policies.simulate(series, always_off)
         assert llm.loc[series.name, "net_co2_kg"] == pytest.approx(off.net_co2_kg)
         assert llm.loc[series.name, "invalid_decisions"] == 30 and llm.loc[series.name, "invalid_samples"] == 60
     assert llm.loc["TOTAL", "invalid_decisions"] == 60 and llm.loc["TOTAL", "invalid_samples"] == 120
@@ -164,10 +164,10 @@ def test_an_always_invalid_llm_acts_0_and_is_counted(eval_series, tmp_path):
 def test_votes_pick_the_majority_and_count_invalid_samples(eval_series, tmp_path):
     texts = [final("[3]"), "no answer", final("[3]"), final("[1]")]
     decider = ev.LLMDecider(generate=functools.partial(fixed_completions, texts), render=plain_render, votes=4)
-    episodes = tes_env.simulate_batch(eval_series, decider)
+    episodes = tes_policies.simulate_batch(eval_series, decider)
     for series, episode in zip(eval_series, episodes, strict=True):
         assert episode.actions == [3] * 30
-        assert episode == tes_env.simulate(series, tes_env.always_full_policy)
+        assert episode == tes_policies.simulate(series, tes_policies.always_full_policy)
         assert decider.counts[series.name] == [30, 0, 30]
     assert decider.totals() == (90, 0, 90)
 
@@ -180,7 +180,8 @@ def test_llm_prompts_are_the_datasets_prompts(eval_series):
     render = functools.partial(ev.render_prompt, load_tokenizer(), "medium", "2025-08-05")
     seen = []
     decider = ev.LLMDecider(generate=functools.partial(record_prompts, seen), render=render)
-    tes_env.simulate_batch([series], functools.partial(decide_optimally, decider, tes_env.OptimalPolicy(series)))
+    optimal = tes_policies.OptimalPolicy(series)
+    tes_policies.simulate_batch([series], functools.partial(decide_optimally, decider, optimal))
     # the LLM saw, state by state along the optimal trajectory, exactly the rows of the evaluation CSV
     assert seen == list(frame["prompt"])
 

@@ -11,7 +11,7 @@ import pytest
 
 import make_q_dataset
 import make_series
-from tes_grpo.task import task_prompt, tes_env
+from tes_grpo.task import task_prompt, tes_env, tes_policies
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,7 +51,8 @@ def test_rows_follow_the_optimal_trajectory_with_exact_q(series_file):
             energy = tes_env.step(series, night, energy, 0).energy
     assert set(frame.on_trajectory) == {"1"} and set(frame.series) == {series.name}
     # the optimal rollout's return is V_0(150)
-    assert tes_env.simulate(series, tes_env.OptimalPolicy(series)).total_reward == pytest.approx(solver.value(0, 150.0))
+    optimal = tes_policies.simulate(series, tes_policies.OptimalPolicy(series))
+    assert optimal.total_reward == pytest.approx(solver.value(0, 150.0))
 
 
 def test_off_trajectory_states_add_rows_at_the_same_hours(series_file):

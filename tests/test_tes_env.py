@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tes_grpo.run.fileio import InputError
-from tes_grpo.task import task_prompt, tes_env
+from tes_grpo.task import task_prompt, tes_env, tes_policies
 
 START = datetime(2024, 6, 3)
 
@@ -107,7 +107,7 @@ def test_transition_balances_energy_and_stays_in_bounds(energy, load, co2, actio
 @settings(max_examples=25, deadline=None)
 def test_simulated_episode_keeps_energy_in_bounds_and_balanced(seed, energy):
     series = random_series(seed)
-    episode = tes_env.simulate(series, tes_env.RandomPolicy(seed), energy)
+    episode = tes_policies.simulate(series, tes_policies.RandomPolicy(seed), energy)
     total_charged = sum(rec.result.charged for rec in episode.steps)
     total_discharged = sum(rec.result.discharged for rec in episode.steps)
     assert episode.steps[-1].result.energy == pytest.approx(energy + total_charged - total_discharged, abs=1e-6)
@@ -230,10 +230,10 @@ def test_optimal_policy_beats_every_other_policy_and_matches_v0(seed):
     series = random_series(seed)
     solver = tes_env.QSolver(series)
     v0 = solver.value(0, 150.0)
-    optimal = tes_env.simulate(series, tes_env.OptimalPolicy(series), 150.0)
+    optimal = tes_policies.simulate(series, tes_policies.OptimalPolicy(series), 150.0)
     assert optimal.total_reward == pytest.approx(v0, abs=1e-9)
-    others = [tes_env.simulate(series, policy, 150.0) for policy in tes_env.RULE_POLICIES.values()]
-    others += [tes_env.simulate(series, tes_env.RandomPolicy(s), 150.0) for s in range(10)]
+    others = [tes_policies.simulate(series, policy, 150.0) for policy in tes_policies.RULE_POLICIES.values()]
+    others += [tes_policies.simulate(series, tes_policies.RandomPolicy(s), 150.0) for s in range(10)]
     assert all(episode.total_reward <= v0 + 1e-9 for episode in others)
     decisions = tes_env.optimal_trajectory(solver, 150.0)
     assert [d.t for d in decisions] == tes_env.business_timesteps()
@@ -242,7 +242,7 @@ def test_optimal_policy_beats_every_other_policy_and_matches_v0(seed):
 
 def test_net_co2_is_emissions_plus_penalty_minus_credit():
     series = random_series(9)
-    episode = tes_env.simulate(series, tes_env.RandomPolicy(3), 150.0)
+    episode = tes_policies.simulate(series, tes_policies.RandomPolicy(3), 150.0)
     credit_kg = tes_env.co2_low5(series) * episode.final_energy / tes_env.COP
     assert episode.net_co2_kg == pytest.approx(episode.emissions_kg + 10 * episode.unserved_kwh - credit_kg)
 
@@ -269,7 +269,7 @@ EPISODE_CO2 = [0.4] * tes_env.EPISODE_HOURS + [0.2] * 24
 EPISODE_CASES = {
     # 30 hours at 100 kWh x 0.4 / 4 = 300 kg; the TES fills in the 2nd hour (50 wasted), then 28 x 100 wasted;
     # 300 kWh left x 0.2 / 4 = 15 kg credited
-    "full output, no load": (tes_env.always_full_policy, 0.0, 150.0,
+    "full output, no load": (tes_policies.always_full_policy, 0.0, 150.0,
                              dict(emissions_kg=300.0, unserved_kwh=0.0, wasted_kwh=2850.0, final_energy=300.0,
                                   net_co2_kg=285.0)),
     # 15 hours drain the 150 kWh, the other 15 leave 10 kWh each unserved: 150 x 10 kg
@@ -286,7 +286,7 @@ EPISODE_CASES = {
 @pytest.mark.parametrize("policy, load, energy, expected", EPISODE_CASES.values(), ids=EPISODE_CASES)
 def test_episode_totals_by_hand(policy, load, energy, expected):
     series = make_series(EPISODE_CO2, business_load(load))
-    episode = tes_env.simulate(series, policy, energy)
+    episode = tes_policies.simulate(series, policy, energy)
     assert len(episode.steps) == tes_env.EPISODE_HOURS and len(episode.actions) == 30
     assert {key: getattr(episode, key) for key in expected} == pytest.approx(expected, abs=1e-9)
     assert episode.total_reward == pytest.approx(sum(r.result.reward for r in episode.steps)
@@ -295,19 +295,20 @@ def test_episode_totals_by_hand(policy, load, energy, expected):
 
 # ---- several windows at once: windows -> one fresh policy per window ---------------------------------------
 BATCH_CASES = {
-    "a different rule policy per window": lambda windows: [tes_env.follow_load_policy, tes_env.storage_first_policy,
-                                                           tes_env.low_co2_charging_policy],
-    "random, one stream per window": lambda windows: [tes_env.RandomPolicy(1), tes_env.RandomPolicy(1),
-                                                      tes_env.RandomPolicy(2)],
-    "optimal": lambda windows: [tes_env.OptimalPolicy(series) for series in windows],
+    "a different rule policy per window": lambda windows: [tes_policies.follow_load_policy,
+                                                           tes_policies.storage_first_policy,
+                                                           tes_policies.low_co2_charging_policy],
+    "random, one stream per window": lambda windows: [tes_policies.RandomPolicy(1), tes_policies.RandomPolicy(1),
+                                                      tes_policies.RandomPolicy(2)],
+    "optimal": lambda windows: [tes_policies.OptimalPolicy(series) for series in windows],
 }
 
 
 @pytest.mark.parametrize("make_policies", BATCH_CASES.values(), ids=BATCH_CASES)
 def test_simulate_batch_of_several_windows_equals_simulate_of_each(make_policies):
     windows = [random_series(seed) for seed in (4, 5, 6)]
-    batch = tes_env.simulate_batch(windows, tes_env.one_policy_per_window(make_policies(windows)), 40.0)
-    alone = [tes_env.simulate(series, policy, 40.0) for series, policy in zip(windows, make_policies(windows),
+    batch = tes_policies.simulate_batch(windows, tes_policies.one_policy_per_window(make_policies(windows)), 40.0)
+    alone = [tes_policies.simulate(series, policy, 40.0) for series, policy in zip(windows, make_policies(windows),
                                                                               strict=True)]
     assert batch == alone
     assert len({episode.total_reward for episode in batch}) == len(windows)  # the windows did differ
@@ -319,9 +320,9 @@ def test_simulate_batch_asks_for_every_window_at_business_hours_only():
 
     def decide(states):
         asked.append(states)
-        return [tes_env.storage_first_policy(*state) for state in states]
+        return [tes_policies.storage_first_policy(*state) for state in states]
 
-    episodes = tes_env.simulate_batch(windows, decide, 100.0)
+    episodes = tes_policies.simulate_batch(windows, decide, 100.0)
     assert [states[0][1] for states in asked] == tes_env.business_timesteps()
     for states in asked:
         t = states[0][1]
@@ -350,7 +351,7 @@ def all_off(states):
 def test_simulate_batch_refuses(decide, energy, message):
     windows = [random_series(seed) for seed in range(3)]
     with pytest.raises(ValueError, match=message):
-        tes_env.simulate_batch(windows, decide, energy)
+        tes_policies.simulate_batch(windows, decide, energy)
 
 
 def test_best_action_breaks_ties_towards_the_lowest_action():
@@ -376,7 +377,7 @@ def test_rule_policies(name, load, energy, expected):
     loads = [0.0] * tes_env.SERIES_HOURS
     loads[10] = load
     series = make_series([0.4] * tes_env.SERIES_HOURS, loads)
-    assert tes_env.RULE_POLICIES[name](series, 10, energy) == expected
+    assert tes_policies.RULE_POLICIES[name](series, 10, energy) == expected
 
 
 def test_low_co2_charging_charges_in_the_three_cleanest_hours():
@@ -384,7 +385,7 @@ def test_low_co2_charging_charges_in_the_three_cleanest_hours():
     for hour, value in zip(range(8, 18), [0.45, 0.40, 0.30, 0.22, 0.20, 0.21, 0.28, 0.35, 0.42, 0.48], strict=True):
         co2[hour] = value
     series = make_series(co2, [20.0 if tes_env.is_business_hour(h) else 0.0 for h in range(96)])
-    actions = [tes_env.low_co2_charging_policy(series, t, 100.0) for t in range(8, 18)]
+    actions = [tes_policies.low_co2_charging_policy(series, t, 100.0) for t in range(8, 18)]
     assert actions == [0, 0, 0, 3, 3, 3, 0, 0, 0, 0]
 
 
