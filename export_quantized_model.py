@@ -14,18 +14,17 @@ template (also inside tokenizer_config.json, where Ollama reads it) and a genera
 `rope_scaling` and `experts_per_token`, which Ollama's converter reads. The folder is written under a temporary
 name and renamed when complete, so a failed export never leaves a half-written model.
 
-Upload: with a repo id (HF_REPO_ID in the environment, or --HUB_REPO_ID) the folder goes to that Hub repo, created
-private. The token (HF_TOKEN), the repo id's form, the token's validity and the repo's visibility are checked
-before the slow export; an existing public repo is refused unless --ALLOW_PUBLIC_REPO=1. The token is never printed.
+Upload (tes_grpo/run/hub_upload.py): with a repo id (HF_REPO_ID in the environment, or --HUB_REPO_ID) the folder
+goes to that Hub repo, created private. The token (HF_TOKEN), the repo id's form, the token's validity and the
+repo's visibility are checked before the slow export; an existing public repo is refused unless
+--ALLOW_PUBLIC_REPO=1. The token is never printed.
 """
 
 from __future__ import annotations
 
 import errno
-import importlib
 import json
 import os
-import re
 import shutil
 import sys
 import typing
@@ -34,6 +33,7 @@ from pathlib import Path
 from tes_grpo.model.model_loading import checkpoint_is_mxfp4, expert_load_path
 from tes_grpo.run import run_folder  # the module: its UPPER_CASE names imported here would become settings
 from tes_grpo.run.fileio import InputError, give_default_modes, replace_folder, temporary_folder
+from tes_grpo.run.hub_upload import HubError, check_hub_access, hub_target, push_folder_to_hub, redact
 
 if typing.TYPE_CHECKING:  # annotations only; the module is imported where it is used
     from tes_grpo.experts.mxfp4_checkpoint import SafetensorsCheckpoint
@@ -64,10 +64,6 @@ class ExportError(RuntimeError):
 
 class CheckFailed(AssertionError):
     """--CHECK found the export's weights or logits off; the message names the tensor."""
-
-
-class HubError(RuntimeError):
-    """The Hub upload cannot go ahead or failed; the message says why (never the token)."""
 
 
 def same_base(name_a: str | None, name_b: str | None) -> bool:
@@ -385,121 +381,6 @@ def verify_export(out_dir: Path, merged, touched: set[str], check_text: str, log
         compare_weights(native.state_dict(), merged_state, export, touched)
         report["load_without_dequantize_weights"] = "equal to the dequantized load"
     return report
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Hub upload: everything checked before the export, the token passed down and never printed
-# ---------------------------------------------------------------------------------------------------------------
-
-_REPO_ID_FORM = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
-def hub_connection_errors() -> tuple[type[BaseException], ...]:
-    """The HTTP client's transport errors (no network, DNS, timeout): httpx under huggingface_hub 1.x, httpx2 under
-    2.x. Only these and the Hub's HTTP errors are turned into an `error:` line; anything else is a bug to see."""
-    found = []
-    for name in ("httpx", "httpx2"):
-        try:
-            found.append(importlib.import_module(name).TransportError)
-        except ImportError:
-            continue
-    return tuple(found)
-
-
-def hub_target(settings, environ: typing.Mapping[str, str]) -> tuple[str, str] | None:
-    """(repo id, token) for the upload, or None when there is nothing to upload to; HubError on bad input.
-
-    The repo id is --HUB_REPO_ID, else the HF_REPO_ID environment variable; the token is HF_TOKEN.
-    """
-    if not settings.PUSH_TO_HUB:
-        return None
-    repo_id = (settings.HUB_REPO_ID or environ.get("HF_REPO_ID", "")).strip()
-    if not repo_id:
-        return None
-    source = "--HUB_REPO_ID" if settings.HUB_REPO_ID else "HF_REPO_ID"
-    if not _REPO_ID_FORM.match(repo_id):
-        raise HubError(f"{source}={repo_id!r} is not a Hub repo id of the form owner/name (e.g. "
-                       f"you/gpt-oss-20b-tes-mxfp4)")
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as err:
-        raise HubError(f"{source}={repo_id!r} is not a valid Hub repo id ({err})") from None
-    token = environ.get("HF_TOKEN", "").strip()
-    if not token:
-        raise HubError(f"{source}={repo_id} asks for an upload, but HF_TOKEN is not set: export HF_TOKEN=<a token "
-                       f"with write access> (or --PUSH_TO_HUB=0 to export without uploading)")
-    return repo_id, token
-
-
-def hub_call(what: str, call, *args, **kwargs):
-    """Runs one Hub call; connection failures and HTTP errors become a HubError naming `what` (not the token)."""
-    from huggingface_hub.errors import HfHubHTTPError
-
-    try:
-        return call(*args, **kwargs)
-    except HfHubHTTPError as err:
-        status = getattr(getattr(err, "response", None), "status_code", None)
-        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise HubError(f"{what}: the Hub answered {status or 'an error'}: {detail}") from None
-    except hub_connection_errors() as err:
-        raise HubError(f"{what}: cannot reach the Hugging Face Hub ({type(err).__name__}: {err})") from None
-
-
-def repo_visibility(api, repo_id: str) -> str | None:
-    """"private" or "public" for an existing repo, None when it does not exist (or is not visible to the token)."""
-    from huggingface_hub.errors import RepositoryNotFoundError
-
-    try:
-        info = api.repo_info(repo_id, repo_type="model")
-    except RepositoryNotFoundError:
-        return None
-    return "private" if info.private else "public"
-
-
-def check_hub_access(api, repo_id: str, allow_public: bool) -> str:
-    """Before the export: the token is valid and may write to the repo's namespace, and an existing repo is private
-    (or public with allow_public). Returns what will happen to the repo, for the log."""
-    who = hub_call("checking HF_TOKEN", api.whoami)
-    role = ((who.get("auth") or {}).get("accessToken") or {}).get("role")
-    if role == "read":
-        raise HubError(f"HF_TOKEN belongs to {who.get('name')} but is a read-only token: uploading to {repo_id} needs "
-                       f"a token with write access")
-    owner = repo_id.split("/", 1)[0]
-    namespaces = {who.get("name")} | {org.get("name") for org in who.get("orgs") or []}
-    if owner not in namespaces:
-        raise HubError(f"HF_TOKEN belongs to {who.get('name')}, which cannot write to {owner}/ (its namespaces: "
-                       f"{', '.join(sorted(n for n in namespaces if n))})")
-    visibility = hub_call(f"looking up {repo_id}", repo_visibility, api, repo_id)
-    if visibility == "public" and not allow_public:
-        raise HubError(f"{repo_id} exists and is PUBLIC: the upload would publish the model. Make the repo private "
-                       f"on the Hub, choose another repo id, or pass --ALLOW_PUBLIC_REPO=1")
-    return f"existing {visibility} repo" if visibility else "new private repo"
-
-
-def push_folder_to_hub(api, out_dir: Path, repo_id: str, allow_public: bool) -> tuple[str, str]:
-    """Uploads `out_dir` to `repo_id` (created private if missing); returns (url, the repo's real visibility)."""
-    later = f"the export is complete in {out_dir}; upload it later with `hf upload {repo_id} {out_dir}`"
-    try:
-        url = hub_call(f"creating {repo_id}", api.create_repo, repo_id, private=True, exist_ok=True,
-                       repo_type="model")
-        # create_repo(exist_ok=True) leaves an existing repo as it is: read what it really is
-        visibility = hub_call(f"looking up {repo_id}", repo_visibility, api, repo_id) or "unknown visibility"
-        if visibility != "private" and not allow_public:
-            raise HubError(f"{repo_id} is {visibility.upper()}, not private: not uploading (pass "
-                           f"--ALLOW_PUBLIC_REPO=1 to publish)")
-        hub_call(f"uploading to {repo_id}", api.upload_folder, folder_path=str(out_dir), repo_id=repo_id,
-                 repo_type="model", commit_message="MXFP4 export of gpt-oss with a merged GRPO LoRA adapter")
-    except HubError as err:
-        raise HubError(f"{err}; {later}") from None
-    return str(url), visibility
-
-
-def redact(text: str, secret: str | None) -> str:
-    """`text` with every occurrence of `secret` replaced, for messages that might quote a request."""
-    return text.replace(secret, "<HF_TOKEN>") if secret else text
 
 
 def run_export(settings) -> dict:

@@ -11,4 +11,5 @@ import time).
 - processes: rank-aware helpers for accelerate launch, and saying a thing once
 - trackers: where the metrics go besides metrics.jsonl (REPORT_TO)
 - oom: a run out of GPU memory: one message naming the step, the setting to lower and where --RESUME=1 continues
+- hub_upload: an exported folder's Hub upload, checked before the export, the token never printed
 """
