@@ -30,7 +30,6 @@ import sys
 import typing
 from pathlib import Path
 
-from tes_grpo.model.model_loading import checkpoint_is_mxfp4, expert_load_path
 from tes_grpo.run import run_folder  # the module: its UPPER_CASE names imported here would become settings
 from tes_grpo.run.fileio import InputError, give_default_modes, replace_folder, temporary_folder
 from tes_grpo.run.hub_upload import HubError, check_hub_access, hub_target, push_folder_to_hub, redact
@@ -165,6 +164,8 @@ def load_merged_model(base_folder: Path, adapter_path: Path):
     from peft.tuners.lora.layer import ParamWrapper
     from transformers import AutoModelForCausalLM, Mxfp4Config
 
+    from tes_grpo.model.model_loading import checkpoint_is_mxfp4
+
     kwargs = {"quantization_config": Mxfp4Config(dequantize=True)} if checkpoint_is_mxfp4(base_folder) else {}
     base = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.bfloat16, **kwargs)
     peft_model = PeftModel.from_pretrained(base, str(adapter_path))
@@ -181,6 +182,7 @@ def load_merged_model(base_folder: Path, adapter_path: Path):
 def base_expert_passthrough(base_folder: Path, state_dict: dict, touched: set[str]):
     """Lazy view of the base's `*_blocks` / `*_scales` for every expert parameter the adapter left alone."""
     from tes_grpo.experts.mxfp4_checkpoint import EXPERT_PARAM_RE, SafetensorsCheckpoint
+    from tes_grpo.model.model_loading import checkpoint_is_mxfp4
 
     if not checkpoint_is_mxfp4(base_folder):
         print(f"base {base_folder} is not an MXFP4 checkpoint: every expert is quantized from its bf16 weights")
@@ -314,6 +316,8 @@ def native_mxfp4_load(out_dir: Path):
     """Loads the export without asking for dequantization; returns (model, what transformers did with the experts)."""
     import torch
     from transformers import AutoModelForCausalLM
+
+    from tes_grpo.model.model_loading import checkpoint_is_mxfp4, expert_load_path
 
     model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.bfloat16)
     return model, expert_load_path(model, checkpoint_is_mxfp4(out_dir))

@@ -31,7 +31,6 @@ import os
 import sys
 from pathlib import Path
 
-from tes_grpo.model.model_loading import EXPERTS_CHOICES as _EXPERTS_CHOICES
 from tes_grpo.run import choices
 from tes_grpo.run.fileio import InputError
 from tes_grpo.run.presets import presets_for
@@ -109,7 +108,7 @@ CHOICES = {
     "PROMPT_TOO_LONG": ("error", "skip"),
     "REASONING_EFFORT": ("", *_EFFORTS),
     "IMPORTANCE_SAMPLING": choices.IS_MODES,
-    "EXPERTS": _EXPERTS_CHOICES,
+    "EXPERTS": choices.EXPERTS_CHOICES,
     **choices.FAST_PATHS,
 }
 

@@ -11,8 +11,8 @@ run_exported_model.py all decide these the same way here:
   scripts' loader (load_for_inference).
 
 What a run folder says about its adapter and settings (adapter_config.json, train_config.json) is read by
-run_folder.py. torch, transformers and the MXFP4 modules are imported inside the functions that use them:
-train_grpo.py and export_quantized_model.py import this module when they start, and their --help stays quick.
+run_folder.py. This module imports torch and transformers: the scripts import it inside the functions that load a
+model, after their settings are parsed, so their --help stays quick.
 """
 
 from __future__ import annotations
@@ -21,7 +21,28 @@ import copy
 import importlib.util
 from pathlib import Path
 
+import torch
+from accelerate import init_empty_weights
+from huggingface_hub import snapshot_download
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Mxfp4Config
+from transformers.integrations.mxfp4 import Mxfp4GptOssExperts
+from transformers.utils import is_kernels_available, is_triton_available
+
+from tes_grpo.experts.mxfp4_checkpoint import CHECKPOINT_EXPERT_RE, SafetensorsCheckpoint
+from tes_grpo.experts.mxfp4_dequant import dequantize_experts
+from tes_grpo.experts.mxfp4_experts import (
+    ResidentSummary,
+    expected_shapes,
+    expert_layer_index,
+    is_resident,
+    make_resident,
+    put_checkpoint_tensor,
+    residency_line,
+    resident_state,
+)
 from tes_grpo.model.tiny_model import ensure_tiny_checkpoint
+from tes_grpo.patches.transformers_patches import dequantized_experts_in_dtype
+from tes_grpo.run.choices import EXPERTS_CHOICES
 from tes_grpo.run.presets import TINY_MODEL_ID
 from tes_grpo.run.processes import (
     is_main_process,
@@ -39,8 +60,6 @@ DTYPES = ("auto", "bfloat16", "float32", "float16")
 
 
 def cuda_available() -> bool:
-    import torch
-
     return torch.cuda.is_available()
 
 
@@ -64,8 +83,6 @@ def resolve_attention(requested: str, device: str) -> str:
 
 def resolve_dtype(dtype: str, device: str):
     """DTYPE "auto": torch.bfloat16 on CUDA, torch.float32 on the CPU; or the named dtype."""
-    import torch
-
     if dtype not in DTYPES:
         raise ValueError(f"DTYPE must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if dtype == "auto":
@@ -82,8 +99,6 @@ def checkpoint_is_mxfp4(model_id, config=None) -> bool:
     because transformers drops the quantization config when it dequantizes. config: the checkpoint's config when
     the caller has read it already (AutoConfig.from_pretrained(model_id)), else it is read here."""
     if config is None:
-        from transformers import AutoConfig
-
         config = AutoConfig.from_pretrained(model_id)
     quantization = getattr(config, "quantization_config", None) or {}
     method = (quantization.get("quant_method") if isinstance(quantization, dict)
@@ -93,8 +108,6 @@ def checkpoint_is_mxfp4(model_id, config=None) -> bool:
 
 def native_mxfp4_blockers(device: str) -> list[str]:
     """Why transformers' native MXFP4 path (experts kept quantized) cannot run here; empty when it can."""
-    from transformers.utils import is_kernels_available, is_triton_available
-
     reasons = []
     if device != "cuda":
         reasons.append("no GPU (on the CPU transformers runs MXFP4 only through hub kernels, use_kernels=True)")
@@ -150,8 +163,6 @@ def loads_weights_here(cuda: bool, fsdp: bool, processes: int, rank: int) -> boo
 def _dequantized_config(path, config=None):
     """The checkpoint's config as the dequantized model has it (no quantization_config): a copy of `config` when the
     caller read it already (the caller's is never changed), else read from path."""
-    from transformers import AutoConfig
-
     config = AutoConfig.from_pretrained(path) if config is None else copy.deepcopy(config)
     if getattr(config, "quantization_config", None) is not None:
         del config.quantization_config  # as after Mxfp4Config(dequantize=True): plain bf16 experts
@@ -164,9 +175,6 @@ def empty_policy_model(path: str, dtype, attn: str, experts: str = "bf16", keep_
     (mxfp4_experts.py) as load_resident_model makes them, but those of keep_bf16_layers ({layer: why}); their
     blocks and scales are buffers too, read from the checkpoint onto the CPU. config: the checkpoint's config if
     read already (a copy is changed here, never the caller's)."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
     config = _dequantized_config(path, config)
     if experts == "mxfp4":
         model = resident_skeleton(config, dtype, attn, keep_bf16_layers or {})
@@ -188,8 +196,6 @@ def load_training_model(path: str, attn_implementation: str = "auto", dtype=None
     on the CPU on rank 0 and without weights on the other ranks (loads_weights_here). config: the checkpoint's
     config (AutoConfig.from_pretrained(path)) when the caller has read it, so that config.json is read once.
     """
-    from transformers import AutoConfig
-
     config = AutoConfig.from_pretrained(path) if config is None else config
     device = resolve_device("auto")
     cuda = device == "cuda"
@@ -221,9 +227,6 @@ def load_training_model(path: str, attn_implementation: str = "auto", dtype=None
 # Resident MXFP4 experts (mxfp4_experts.py): loaded from the checkpoint's blocks and scales, never built in bf16
 # ---------------------------------------------------------------------------------------------------------------
 
-EXPERTS_CHOICES = ("auto", "mxfp4", "bf16")
-
-
 def resolve_experts(experts: str, path: str, expert_lora_layers=(), config=None) -> tuple[str, str]:
     """("mxfp4" or "bf16", why) for EXPERTS: mxfp4 = the experts stay resident as the checkpoint's MXFP4 blocks
     (mxfp4_experts.py), bf16 = dequantized at load. auto: mxfp4 for an MXFP4 checkpoint without LoRA on the
@@ -253,8 +256,6 @@ def checkpoint_folder(path: str) -> Path:
     folder = Path(path)
     if folder.is_dir():
         return folder
-    from huggingface_hub import snapshot_download
-
     return Path(snapshot_download(str(path), allow_patterns=[
         "config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json"]))
 
@@ -264,11 +265,6 @@ def resident_skeleton(config, dtype, attn: str, keep_bf16_layers):
     init_empty_weights alone would allocate each parameter, bf16 experts included, before moving it there), the
     experts made resident with meta blocks/scales but those of keep_bf16_layers ({layer: why}), and the buffers (the
     rotary frequencies) computed for real on the CPU by the model's own init."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from tes_grpo.experts.mxfp4_experts import expected_shapes, expert_layer_index, make_resident
-
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
     for module in model.modules():
@@ -289,9 +285,6 @@ def resident_skeleton(config, dtype, attn: str, keep_bf16_layers):
 def fill_resident_experts(model, folder, device) -> None:
     """Reads the resident experts' blocks and scales of a skeleton (resident_skeleton) from the checkpoint in
     `folder` onto `device`."""
-    from tes_grpo.experts.mxfp4_checkpoint import SafetensorsCheckpoint
-    from tes_grpo.experts.mxfp4_experts import resident_state
-
     checkpoint = SafetensorsCheckpoint(folder)
     modules = dict(model.named_modules())
     for name in resident_state(model):
@@ -305,10 +298,6 @@ def _place(module, attr: str, tensor, device, name: str) -> None:
     """Puts a checkpoint tensor into the skeleton's parameter or buffer `attr` of `module`, on `device`, in the
     skeleton's dtype (the dtype from_config gave it); a resident experts module's blocks and scales in its Hopper
     layout (mxfp4_experts.put_checkpoint_tensor)."""
-    import torch
-
-    from tes_grpo.experts.mxfp4_experts import expected_shapes, is_resident, put_checkpoint_tensor
-
     if is_resident(module) and attr in expected_shapes(module):
         try:
             put_checkpoint_tensor(module, attr, tensor.to(device))
@@ -341,13 +330,6 @@ def load_resident_model(path: str, dtype, attn: str, device: str = "cpu", keep_b
     parameters instead (experts with LoRA). `say` gets mxfp4_experts.residency_line's line. config: the
     checkpoint's config if read already.
     """
-    import torch
-    from transformers import GenerationConfig
-
-    from tes_grpo.experts.mxfp4_checkpoint import CHECKPOINT_EXPERT_RE, SafetensorsCheckpoint
-    from tes_grpo.experts.mxfp4_dequant import dequantize_experts
-    from tes_grpo.experts.mxfp4_experts import ResidentSummary, is_resident, residency_line
-
     keep = dict(keep_bf16_layers or {})
     folder = checkpoint_folder(path)
     model = resident_skeleton(_dequantized_config(folder, config), dtype, attn, keep)
@@ -396,8 +378,6 @@ def load_for_inference(path: str, device: str, dtype, attn: str, experts: str = 
     experts resident as MXFP4 on any device (load_resident_model; computed as the dequantized load computes them),
     so a model that trained on a GPU evaluates on it too; with LoRA on the experts (expert_lora_layers), or
     experts="bf16", they are dequantized at load; another checkpoint is loaded as stored."""
-    from transformers import AutoModelForCausalLM
-
     if not checkpoint_is_mxfp4(path):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device, attn_implementation=attn)
         return model.eval(), f"not an MXFP4 checkpoint: loaded as stored, in {dtype_name(dtype)}", False
@@ -412,10 +392,6 @@ def load_for_inference(path: str, device: str, dtype, attn: str, experts: str = 
 def load_dequantized(path: str, dtype, attn: str, device_map, say=print, config=None):
     """An MXFP4 checkpoint through Mxfp4Config(dequantize=True), its experts in `dtype` (the library may leave
     them bf16: transformers_patches.dequantized_experts_in_dtype)."""
-    from transformers import AutoModelForCausalLM, Mxfp4Config
-
-    from tes_grpo.patches.transformers_patches import dequantized_experts_in_dtype  # imports torch: not before here
-
     model = AutoModelForCausalLM.from_pretrained(
         path, config=config, quantization_config=Mxfp4Config(dequantize=True), dtype=dtype, attn_implementation=attn,
         device_map=device_map)
@@ -433,8 +409,6 @@ def check_visible_gpus(gpus: int, processes: int) -> None:
 
 def check_machine(use_vllm: bool, say=print) -> None:
     """One GPU per process, and vLLM installed when asked for; says which optional extras are installed."""
-    import torch
-
     check_visible_gpus(torch.cuda.device_count(), process_count())
     have = {name: importlib.util.find_spec(name) is not None for name in ("vllm", "kernels", "liger_kernel")}
     if use_vllm and not have["vllm"]:
@@ -445,8 +419,6 @@ def check_machine(use_vllm: bool, say=print) -> None:
 
 def experts_are_mxfp4(model) -> bool:
     """Whether transformers kept the MoE experts in MXFP4 (its native path swaps in Mxfp4GptOssExperts)."""
-    from transformers.integrations.mxfp4 import Mxfp4GptOssExperts
-
     return any(isinstance(module, Mxfp4GptOssExperts) for module in model.modules())
 
 

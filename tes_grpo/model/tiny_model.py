@@ -27,9 +27,6 @@ with k drawn uniformly at random for every example, independent of the prompt. S
 answers in the right format with each action about equally likely, and any later rise in reward comes from GRPO
 learning which actions are better. The expert weights are rounded to the MXFP4 grid first and frozen during
 the warm-up, so the written checkpoint holds exactly the experts the warm-up used.
-
-torch and transformers are imported inside the functions that build the model: model_loading (imported by the
-scripts before they parse their settings) imports this module for its cache path, and `--help` stays fast.
 """
 
 from __future__ import annotations
@@ -40,19 +37,23 @@ import os
 import shutil
 import sys
 import time
-import typing
+from datetime import datetime, timedelta
 from pathlib import Path
 
+import torch
 from filelock import FileLock, Timeout
+from tqdm import tqdm
+from transformers import GenerationConfig, GptOssConfig, GptOssForCausalLM
 
+from tes_grpo.experts.mxfp4 import fake_quantize_expert_param
+from tes_grpo.experts.mxfp4_checkpoint import save_tokenizer_files, write_mxfp4_checkpoint
 from tes_grpo.run.fileio import give_default_modes, temporary_folder
-from tes_grpo.run.script_config import constants_of
+from tes_grpo.run.script_config import constants_of, resolve
 from tes_grpo.task import (
     harmony,  # the module, not its constants: current_settings() reads this module's UPPER_CASE names
+    task_prompt,
+    tes_env,
 )
-
-if typing.TYPE_CHECKING:  # annotations only; torch is imported where it is used, so --help stays fast
-    import torch
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,8 +84,6 @@ def current_settings() -> dict:
 
 def tiny_config(vocab_size: int = 201088, settings: dict | None = None):
     """gpt-oss-20b's config at toy size: same vocabulary, special token ids, RoPE (yarn) and layer pattern."""
-    from transformers import GptOssConfig
-
     s = settings or current_settings()
     if s["HIDDEN_SIZE"] % 32 or s["INTERMEDIATE_SIZE"] % 32:
         raise ValueError("HIDDEN_SIZE and INTERMEDIATE_SIZE must be multiples of 32 (the MXFP4 block size)")
@@ -102,11 +101,6 @@ def tiny_config(vocab_size: int = 201088, settings: dict | None = None):
 
 def build_tiny_model(config, seed: int):
     """Random-weight GptOssForCausalLM in float32, experts already on the MXFP4 grid (so writing them is exact)."""
-    import torch
-    from transformers import GptOssForCausalLM
-
-    from tes_grpo.experts.mxfp4 import fake_quantize_expert_param
-
     torch.manual_seed(seed)
     model = GptOssForCausalLM(config).to(torch.float32)
     with torch.no_grad():
@@ -127,11 +121,6 @@ def build_tiny_model(config, seed: int):
 
 def random_series(rng: torch.Generator):
     """A random 4-day TES input series (tes_env.Series): smooth CO2 factors, load in business hours only."""
-    from datetime import datetime, timedelta
-
-    import torch
-
-    from tes_grpo.task import tes_env
     start = datetime(2024, 6, 1) + timedelta(days=int(torch.randint(0, 90, (1,), generator=rng)))
     hours = tes_env.SERIES_HOURS
     phase = float(torch.rand(1, generator=rng)) * 6.28
@@ -151,10 +140,6 @@ def warmup_prompt(tokenizer, rng: torch.Generator) -> str:
     Same instructions, table layout and length (~850 tokens) as the training prompts, with random numbers and a
     random reasoning effort, so the format the warm-up teaches carries over to the real prompts.
     """
-    import torch
-
-    from tes_grpo.task import task_prompt, tes_env
-
     series = random_series(rng)
     decisions = [t for t in range(tes_env.EPISODE_HOURS) if tes_env.is_business_hour(t)]
     t = decisions[int(torch.randint(0, len(decisions), (1,), generator=rng))]
@@ -171,8 +156,6 @@ def warmup_completion(action: int) -> str:
 
 def warmup_batch(tokenizer, rng: torch.Generator, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input_ids, attention_mask, loss_mask) for one warm-up batch, right-padded; loss only on completions."""
-    import torch
-
     sequences, masks = [], []
     for _ in range(batch_size):
         prompt = warmup_prompt(tokenizer, rng)
@@ -191,8 +174,6 @@ def warmup_batch(tokenizer, rng: torch.Generator, batch_size: int) -> tuple[torc
 
 def completion_loss(model, input_ids: torch.Tensor, attention: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy on completion tokens only; the 201k-wide logits are made only where needed."""
-    import torch
-
     hidden = model.model(input_ids=input_ids, attention_mask=attention).last_hidden_state
     targets = loss_mask[:, 1:].bool()
     logits = model.lm_head(hidden[:, :-1][targets])
@@ -204,9 +185,6 @@ def warm_up_format(model, tokenizer, steps: int, batch_size: int, lr: float, see
 
     Expert matrices stay frozen (they are already on the MXFP4 grid); everything else trains.
     """
-    import torch
-    from tqdm import tqdm
-
     rng = torch.Generator().manual_seed(seed + 1)
     frozen = ("experts.gate_up_proj", "experts.down_proj")
     trainable = [p for n, p in model.named_parameters() if not n.endswith(frozen)]
@@ -234,10 +212,6 @@ def warm_up_format(model, tokenizer, steps: int, batch_size: int, lr: float, see
 def write_tiny_checkpoint(model, tokenizer, out_dir: str | os.PathLike, info: dict) -> Path:
     """MXFP4 checkpoint (mxfp4_checkpoint.write_mxfp4_checkpoint) + tokenizer + generation config + build info, in
     out_dir."""
-    from transformers import GenerationConfig
-
-    from tes_grpo.experts.mxfp4_checkpoint import save_tokenizer_files, write_mxfp4_checkpoint
-
     out_dir = Path(out_dir)
     model.config.architectures = ["GptOssForCausalLM"]  # as in openai/gpt-oss-20b's config.json
     stats = write_mxfp4_checkpoint(model, model.config, out_dir)
@@ -336,8 +310,6 @@ def ensure_tiny_checkpoint(out_dir: str | os.PathLike | None = None, rebuild: bo
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tes_grpo.run.script_config import resolve
-
     settings = resolve(globals(), argv)
     ensure_tiny_checkpoint(settings.TINY_DIR, rebuild=settings.REBUILD, settings=settings)
     return 0

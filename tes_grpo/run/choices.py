@@ -13,5 +13,7 @@ FAST_PATHS = {
     "DECODE_LORA": ("peft", "merged"),
     "DECODE_GLUE": ("auto", "eager", "compiled"),
 }
+# model_loading.py: EXPERTS, the form the MoE experts are loaded in (resolve_experts)
+EXPERTS_CHOICES = ("auto", "mxfp4", "bf16")
 # sampling_fidelity.py: IMPORTANCE_SAMPLING, TRL's vllm_importance_sampling_mode names
 IS_MODES = ("off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
