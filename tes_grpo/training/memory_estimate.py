@@ -297,10 +297,6 @@ def fsdp_weights_per_gpu(m: ModelShape, processes: int, experts_resident_mxfp4: 
                       train_transient_bytes=expert_layer_bytes(m, b) if experts_resident_mxfp4 else 0)
 
 
-def fsdp_over(processes: int) -> str:
-    return f"FSDP2 over {processes} process{'es' if processes > 1 else ''}"
-
-
 def fewest_fsdp_processes(m: ModelShape, experts_resident_mxfp4: bool, lora_r: int, available: int,
                           up_to: int = 1024) -> int | None:
     """The fewest processes whose FSDP2 share (fsdp_weights_per_gpu's needs_bytes) fits `available` bytes a GPU;

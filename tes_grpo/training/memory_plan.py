@@ -47,7 +47,6 @@ from tes_grpo.training.memory_estimate import (
     expert_bytes,
     expert_layer_bytes,
     fewest_fsdp_processes,
-    fsdp_over,
     fsdp_weights_per_gpu,
     generation_bytes,
     gib,
@@ -82,6 +81,10 @@ class MemoryFacts:
         free, total = torch.cuda.mem_get_info(device)
         allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
         return cls(free_bytes=free + reserved - allocated, held_bytes=allocated, total_bytes=total, **others)
+
+
+def fsdp_over(processes: int) -> str:
+    return f"FSDP2 over {processes} process{'es' if processes > 1 else ''}"
 
 
 def recipe_facts(s, m: ModelShape, loaded: bool, experts_resident_mxfp4: bool, mxfp4_decode_copy: bool,
