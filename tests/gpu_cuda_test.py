@@ -263,7 +263,8 @@ def test_decode_linear_rounds_as_peft_and_no_further_from_exact_than_cublas_on_c
     which at o_proj's shape sums less exactly."""
     pytest.importorskip("triton", reason="requirements-gpu.txt installs triton")
     from tes_grpo.layers import decode_glue
-    from tes_grpo.sampling import decode_linear, decode_math
+    from tes_grpo.layers.lora import low_rank
+    from tes_grpo.sampling import decode_linear
 
     g = torch.Generator(device="cuda").manual_seed(0)
     sizes, k = {"qkv": ((4096, 512, 512), 2880), "o": ((2880,), 4096), "router": ((32,), 2880)}[product]
@@ -274,7 +275,7 @@ def test_decode_linear_rounds_as_peft_and_no_further_from_exact_than_cublas_on_c
     x = randn(rows, 1, k)
     weights = [randn(n, k, scale=k ** -0.5) for n in sizes]
     biases = [randn(n, scale=0.1) for n in sizes]
-    low = None if product == "router" else decode_math.low_rank(
+    low = None if product == "router" else low_rank(
         [(randn(4, k, scale=k ** -0.5), randn(n, 4, scale=0.05), 2.0) for n in sizes], torch.bfloat16)
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
         outs = [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]

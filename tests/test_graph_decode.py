@@ -22,6 +22,7 @@ from benchmarks.decode_compare import (
     transformers_logprobs,
 )
 from data_reward import CompletionLog
+from tes_grpo.layers.lora import lora_parts, merged_linear
 from tes_grpo.model.model_loading import load_training_model, resolve_model_path
 from tes_grpo.sampling import decode_cache, decode_math, graph_decode
 from tes_grpo.training import lm_head, memory_plan
@@ -341,7 +342,7 @@ MERGED_LINEAR_CASES = [
 def test_merged_linear(change, config, expected):
     model, layer = lora_linear(change, **config)
     base = layer.base_layer.weight.detach().clone()
-    merged = decode_math.merged_linear(layer)
+    merged = merged_linear(layer)
     if expected is None:
         assert merged is None
         return
@@ -356,9 +357,9 @@ def test_merged_linear(change, config, expected):
 
 def test_plain_linear_and_lora_model_projections():
     linear = torch.nn.Linear(4, 3)
-    weight, bias, lora = decode_math.lora_parts(linear)
+    weight, bias, lora = lora_parts(linear)
     assert weight is linear.weight and bias is linear.bias and lora is None
-    assert decode_math.lora_parts(torch.nn.Identity()) is None
+    assert lora_parts(torch.nn.Identity()) is None
     peft_model = lora_model()
     lm = lm_head.causal_lm(peft_model)
     for lora in ("peft", "merged"):

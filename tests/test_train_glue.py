@@ -112,7 +112,7 @@ def test_installing_counts_the_modules_and_dropping_gives_the_class_forward_back
 FALLBACK_CASES = [
     ("no_grad", 0),  # sampling and evaluation: the libraries' code, whatever the device
     ("bf16 without autocast", 0),  # PEFT's cast to the float32 adapter then changes what lora_A computes in
-    ("dropout", 0),  # LoRA dropout on in training: decode_math.lora_parts refuses it, PEFT's forward runs
+    ("dropout", 0),  # LoRA dropout on in training: layers/lora.py's lora_parts refuses it, PEFT's forward runs
 ]
 
 

@@ -76,7 +76,7 @@ def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tor
 
 def add_lora(outputs: list[torch.Tensor], extras: list[torch.Tensor]) -> list[torch.Tensor]:
     """PEFT 0.21's lora.Linear.forward's `result = (result + lora_B(lora_A(x)) * scaling).to(result.dtype)` for
-    each base output and its adapter output (decode_math.LowRank computes the latter)."""
+    each base output and its adapter output (lora.py's LowRank computes the latter)."""
     return [(out + extra).to(out.dtype) for out, extra in zip(outputs, extras, strict=True)]
 
 

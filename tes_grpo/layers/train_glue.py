@@ -20,7 +20,7 @@ gradient checkpointing's recompute, and in the backward:
 Here, while gradients are on (the training forward):
 - each GptOssRMSNorm computes decode_glue.rms_norm (its forward cast for cast) compiled, its backward derived by
   torch.compile from the same function;
-- each plain-LoRA projection (decode_math.lora_parts takes it) computes base_layer(x) and lora_B(lora_A(x)) on the
+- each plain-LoRA projection (lora.py's lora_parts takes it) computes base_layer(x) and lora_B(lora_A(x)) on the
   input as it comes where PEFT's cast to the adapter's dtype changes nothing lora_A computes (no cast needed, or
   autocast casts to its own dtype from a float32 or same-dtype adapter), and adds `result + low * scaling` in one
   compiled kernel;
@@ -57,7 +57,7 @@ from peft.tuners.lora.layer import Linear as LoraLinear
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm, apply_rotary_pos_emb
 
 from tes_grpo.layers import decode_glue
-from tes_grpo.sampling.decode_math import lora_parts
+from tes_grpo.layers.lora import lora_parts
 
 __all__ = ["EAGER", "GLUE_MODES", "RopeForTraining", "SinksInTraining", "TrainGlue", "add_scaled", "compiled",
            "decide", "drop_train_glue", "lora_training_forward", "norm_training_forward", "rms_norm", "rope",
@@ -186,7 +186,7 @@ norm_training_forward.computes_rms_norm = True  # decode_glue.norm_weights: the 
 
 
 def lora_training_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """peft 0.21's lora.Linear.forward in the training forward, for a plain adapter (decode_math.lora_parts): the base
+    """peft 0.21's lora.Linear.forward in the training forward, for a plain adapter (lora.py's lora_parts): the base
     layer, then lora_B(lora_A(x)) on x as it comes where autocast casts it to the same dtype anyway (PEFT first
     casts it to the adapter's dtype), added by the glue's add_scaled. Anything else runs PEFT's forward."""
     parts = None if args or kwargs or not _training(x) else lora_parts(self)
