@@ -316,6 +316,7 @@ def grpo_state(model, rank: int, b_std: float = 0.0, rho: float = 0.0):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tes_grpo.layers.lora import causal_lm
     from tes_grpo.patches.transformers_patches import grouped_mm_experts_for_decode
 
     settings = resolve(globals(), argv)
@@ -352,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for variant in settings.VARIANTS:
         keep = variant != "default"
-        ctx = grouped_mm_experts_for_decode(model, say=print) if keep else contextlib.nullcontext()
+        ctx = grouped_mm_experts_for_decode(causal_lm(model), say=print) if keep else contextlib.nullcontext()
         extra = variant_generate_kwargs(variant)
         with ctx:
             # warm-up: kernels and flex attention compilation at the real shapes; a static cache is sized by the
@@ -374,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     compiles = count_prefill_compiles(model, settings) if settings.RECOMPILE_LENGTHS else []
     gaps = []
     if settings.COMPARE_SEQS:
-        with grouped_mm_experts_for_decode(model, say=print):
+        with grouped_mm_experts_for_decode(causal_lm(model), say=print):
             gaps = compare_logprobs(model, settings.COMPARE_SEQS, settings.COMPARE_TOKENS, settings.PROMPT_LEN,
                                     autocast)
     # the decode limit at the run's mean cache length: the real prompt tokens, then half the new ones on average

@@ -555,7 +555,6 @@ def test_training_glue_gives_a_lora_model_the_eager_loss_and_gradients_on_cuda()
     from peft import LoraConfig, get_peft_model
 
     from tes_grpo.layers import train_glue
-    from tes_grpo.patches.transformers_patches import flex_sinks_in_training, rotary_embedding_in_training
 
     base = small_cuda_model()
     base.set_attn_implementation("flex_attention")
@@ -571,15 +570,15 @@ def test_training_glue_gives_a_lora_model_the_eager_loss_and_gradients_on_cuda()
     for use in (False, True):
         if use:
             assert train_glue.use_train_glue(model, glue) == (9, 16)
-            assert rotary_embedding_in_training(glue) and flex_sinks_in_training(glue)
+            assert train_glue.rope_through(glue) and train_glue.sinks_through(glue)
         try:
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = model(input_ids=ids, attention_mask=mask).logits.float().square().mean()
             loss.backward()
         finally:
             train_glue.drop_train_glue(model)
-            rotary_embedding_in_training(None)
-            flex_sinks_in_training(None)
+            train_glue.rope_through(None)
+            train_glue.sinks_through(None)
         grads = [p.grad.detach().clone() for p in model.parameters() if p.requires_grad]
         model.zero_grad(set_to_none=True)
         results.append((float(loss.detach()), grads))

@@ -2,7 +2,7 @@
 decode step (sampling/decode_math.py, sampling/decode_linear.py) and the training forward's glue
 (layers/train_glue.py). `lora_parts` reads (weight, bias, (A, B, scaling)) off a layer where its forward is plain
 LoRA; `low_rank` batches the adapters of projections that share an input; `merged_linear` folds the adapter into a
-copy of the weight (DECODE_LORA=merged)."""
+copy of the weight (DECODE_LORA=merged); `causal_lm` is the model under the LoRA wrapper."""
 
 from __future__ import annotations
 
@@ -10,6 +10,12 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+
+def causal_lm(model):
+    """The causal LM under PEFT's LoRA wrapper (the one whose generate() and forward run, and which TRL patches), or
+    the model itself when it is not wrapped."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ Not a script. One process (`python train_grpo.py`) is rank 0 of 1, and every hel
 single process would: print, write, no communication. Under `accelerate launch` (torchrun underneath), RANK,
 LOCAL_RANK and WORLD_SIZE come from the environment, and:
 
-- `say(...)` prints on rank 0 only, so informational lines appear once;
+- `say(...)` prints on rank 0 only, so informational lines appear once; `SayOnce` says each of its messages only
+  the first time (a fallback met on every call, for example);
 - `gather_on_main(items)` collects a list from every rank on rank 0 (in rank order), so a log is written once
   with every process's rows;
 - `wait_for_everyone()` is a barrier (for example before renaming a folder other ranks were writing into);
@@ -39,6 +40,22 @@ def say(message: str) -> None:
     """print() on rank 0 only."""
     if is_main_process():
         print(message, flush=True)
+
+
+class SayOnce:
+    """Says a message the first time its key comes and drops it after: `say_once(key, message)` (message defaults to
+    the key) returns whether it said it. `say` is the function that says it: processes.say (rank 0) unless given."""
+
+    def __init__(self, say=None):
+        self._say = say
+        self.said: set[str] = set()
+
+    def __call__(self, key: str, message: str | None = None) -> bool:
+        if key in self.said:
+            return False
+        self.said.add(key)
+        (self._say or say)(key if message is None else message)
+        return True
 
 
 def uses_fsdp() -> bool:
@@ -91,5 +108,5 @@ def gather_on_main(items: list) -> list | None:
     return [item for part in gathered for item in part]
 
 
-__all__ = ["gather_on_main", "is_main_process", "local_rank", "process_count", "process_rank", "say",
+__all__ = ["SayOnce", "gather_on_main", "is_main_process", "local_rank", "process_count", "process_rank", "say",
            "start_process_group", "uses_fsdp", "wait_for_everyone"]
