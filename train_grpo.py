@@ -13,8 +13,10 @@ projections), `StepStream` draws the prompts, TRL's `GRPOTrainer` samples NUM_GE
 and scores each with `data_reward.reward_fn`. One optimizer step = PROMPTS_PER_STEP x NUM_GENERATIONS x
 GRADIENT_ACCUMULATION_STEPS completions (64), generated as one batch (GENERATION_STEPS=k: k steps' in one), trained
 TRAIN_BATCH_SIZE at a time ("auto": as many as the GPU's memory holds when every completion is at
-MAX_COMPLETION_LEN, at most TRAIN_TOKENS_PER_PASS tokens; memory_plan.py). Every step logs the sampler-trainer gap
-(sampling_fidelity.py). Under `accelerate launch` with N processes these are per process.
+MAX_COMPLETION_LEN, at most TRAIN_TOKENS_PER_PASS tokens; training/memory_plan.py). The trainer is
+tes_grpo/training/trainer.py's GRPOTrainer subclass, which samples with the project's sampler and logs the
+sampler-trainer gap every step (sampling_fidelity.py). Under `accelerate launch` with N processes these are per
+process.
 
 Environment (the seed's interface, read once here): GRPO_LOG_COMPLETIONS=0 turns the completion log off,
 GRPO_COMPLETION_LOG_PATH=file.csv writes it elsewhere, GRPO_STEPS_PER_GENERATION=k generates every k micro-steps
@@ -286,35 +288,28 @@ def build_grpo_config(s, layout: dict, cuda: bool):
 
 
 def build_trainer(s, model, tokenizer, train_dataset, layout: dict, completion_log=None, callbacks=(),
-                  resume_step: int | None = None):
-    """GRPOTrainer wired with the bound reward, LoRA, the stream and the run folder's callbacks, then the library
-    fixes, the fast paths and the sampler, in that order. `model`: a loaded gpt-oss, not yet LoRA-wrapped (loading
-    stays outside, so a benchmark can pass any gpt-oss-shaped model)."""
+                  resume_step: int | None = None, measure_gap: bool = True):
+    """The recipe's trainer (training/trainer.py's GptOssGRPOTrainer) for settings `s`: the bound reward, LoRA, the
+    stream, the run folder's callbacks, and the trainer's own sampler, fast paths and fixes. `model`: a loaded
+    gpt-oss, not yet LoRA-wrapped (loading stays outside, so a benchmark can pass any gpt-oss-shaped model)."""
     from transformers.trainer_callback import PrinterCallback
-    from trl import GRPOTrainer
 
     from data_reward import bind_reward
     from tes_grpo.model.model_loading import cuda_available
-    from tes_grpo.patches import fixes
     from tes_grpo.run.callbacks import JsonlMetricsCallback, ProgressLineCallback, ZeroPaddedCheckpointNames
-    from tes_grpo.sampling import sampler
-    from tes_grpo.sampling.sampling_fidelity import Correction
-    from tes_grpo.training import fast_paths
+    from tes_grpo.training.trainer import GptOssGRPOTrainer
 
-    out, cuda = Path(s.OUT_DIR), cuda_available()
+    out = Path(s.OUT_DIR)
     out.mkdir(parents=True, exist_ok=True)
-    fixes.quiet_library_warnings()
-    trainer = GRPOTrainer(
+    trainer = GptOssGRPOTrainer(
         model=model, reward_funcs=bind_reward(s.INVALID_REWARD, completion_log),
-        args=build_grpo_config(s, layout, cuda), train_dataset=train_dataset, processing_class=tokenizer,
+        args=build_grpo_config(s, layout, cuda_available()), train_dataset=train_dataset, processing_class=tokenizer,
         peft_config=build_lora_config(s.LORA_R, s.LORA_ALPHA, expert_layers(s)),
         callbacks=[JsonlMetricsCallback(out / "metrics.jsonl"), ProgressLineCallback(), ZeroPaddedCheckpointNames(),
-                   *callbacks])
+                   *callbacks],
+        settings=s, generation_sequences=layout["generation_sequences"], tensorboard_dir=out / "tensorboard",
+        resume_step=resume_step, measure_gap=measure_gap, say=say)
     trainer.remove_callback(PrinterCallback)  # ProgressLineCallback prints a compact line instead of the raw dict
-    paths = fast_paths.choose(s, trainer, cuda, layout["generation_sequences"])
-    for line in fixes.install(trainer, out / "tensorboard", resume_step) + fast_paths.install(trainer, paths):
-        say(line)
-    sampler.install(trainer, paths.sampler, Correction(s.IMPORTANCE_SAMPLING, s.IMPORTANCE_SAMPLING_CAP), say=say)
     return trainer
 
 

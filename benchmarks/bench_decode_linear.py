@@ -7,7 +7,7 @@ numbers go to BENCHMARKS.md):
 
 Shapes: q, k and v (three weights read for the same rows, LoRA rank LORA_R each, biases), o (one weight, LoRA), and
 the router (32 outputs, bias, no adapter). Implementations: "cublas", the products as decode_math computed them
-before decode_linear.py (F.linear for each weight under the trainer's bf16 autocast, then decode_math.LowRank's two
+before decode_linear.py (F.linear for each weight under the trainer's bf16 autocast, then layers/lora.py's LowRank's two
 products and decode_glue's add compiled); and decode_linear.linear once per TRITON entry: BLOCK_N/BLOCK_K/warps/stages,
 or "auto" (its defaults, what a decode step runs). Each call is timed as a decode
 step runs it, captured REPS times in one CUDA graph and replayed (outside a graph the host's launches, not the GPU,
@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks.log_header import header
     from tes_grpo.layers import decode_glue
-    from tes_grpo.sampling import decode_linear, decode_math
+    from tes_grpo.layers.lora import low_rank
+    from tes_grpo.sampling import decode_linear
 
     print(header(), flush=True)
     torch.manual_seed(0)
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     def lora(sizes, k):
         factors = [(torch.randn(s.LORA_R, k, device="cuda") * k ** -0.5,
                     torch.randn(n, s.LORA_R, device="cuda") * 1e-2, s.LORA_SCALE) for n in sizes]
-        return decode_math.low_rank(factors, bf16)
+        return low_rank(factors, bf16)
 
     shapes = {  # name: (x, weights, bias, LowRank or None)
         "qkv": (hidden, weights(q, kv, kv, k=hidden), lora((q, kv, kv), hidden)),

@@ -272,8 +272,8 @@ def count_prefill_compiles(model, settings) -> list[tuple]:
     from torch._dynamo.utils import counters
 
     from benchmarks.decode_compare import prefill_shapes
+    from tes_grpo.layers.lora import causal_lm
     from tes_grpo.sampling import decode_cache
-    from tes_grpo.training import lm_head
 
     torch._logging.set_logs(recompiles=True)
     span = min(300, settings.PROMPT_LEN // 2)
@@ -287,7 +287,7 @@ def count_prefill_compiles(model, settings) -> list[tuple]:
                 ids, mask = grpo_prompts(settings.NUM_SEQS, settings.NUM_PROMPTS, length, settings.PROMPT_LEN_SPREAD,
                                          model, settings.SEED + 1 + i)
                 with torch.no_grad():
-                    decode_cache.prefill(lm_head.causal_lm(model), ids, mask, 1, token_ids(model)[1],
+                    decode_cache.prefill(causal_lm(model), ids, mask, 1, token_ids(model)[1],
                                          bucket=settings.PREFILL_BUCKET, autocast=autocast_dtype(settings.AUTOCAST))
             torch.cuda.synchronize()
     finally:
@@ -316,6 +316,7 @@ def grpo_state(model, rank: int, b_std: float = 0.0, rho: float = 0.0):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tes_grpo.layers.lora import causal_lm
     from tes_grpo.patches.transformers_patches import grouped_mm_experts_for_decode
 
     settings = resolve(globals(), argv)
@@ -353,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for variant in settings.VARIANTS:
         keep = variant != "default"
-        ctx = grouped_mm_experts_for_decode(model, say=print) if keep else contextlib.nullcontext()
+        ctx = grouped_mm_experts_for_decode(causal_lm(model), say=print) if keep else contextlib.nullcontext()
         extra = variant_generate_kwargs(variant)
         with ctx:
             # warm-up: kernels and flex attention compilation at the real shapes; a static cache is sized by the
@@ -375,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     compiles = count_prefill_compiles(model, settings) if settings.RECOMPILE_LENGTHS else []
     gaps = []
     if settings.COMPARE_SEQS:
-        with grouped_mm_experts_for_decode(model, say=print):
+        with grouped_mm_experts_for_decode(causal_lm(model), say=print):
             gaps = compare_logprobs(model, settings.COMPARE_SEQS, settings.COMPARE_TOKENS, settings.PROMPT_LEN,
                                     autocast)
     # the decode limit at the run's mean cache length: the real prompt tokens, then half the new ones on average

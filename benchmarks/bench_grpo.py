@@ -267,14 +267,12 @@ def main(argv: list[str] | None = None) -> None:
     results.parent.mkdir(parents=True, exist_ok=True)
     step_timer = StepTimer(None, None, prompt_tokens, results, bench, layout, model.config)
     dataset = train_grpo.build_stream(frame, settings).to_iterable_dataset()
-    trainer = train_grpo.build_trainer(settings, model, tokenizer, dataset, layout, callbacks=[step_timer])
-    if bench.SAMPLING_METRICS:
-        step_timer.fidelity = trainer.sampling_fidelity
-    else:  # before the timer wraps generate(): detach gives back the generate() it wrapped
-        trainer.sampling_fidelity.detach()
-        say("sampling metrics: off (SAMPLING_METRICS=0), to time what they cost")
+    trainer = train_grpo.build_trainer(settings, model, tokenizer, dataset, layout, callbacks=[step_timer],
+                                       measure_gap=bench.SAMPLING_METRICS)
+    step_timer.fidelity = trainer.gap
     step_timer.spec_tflops = spec_tflops
-    step_timer.timer = GenerationTimer(model)  # outermost, around whichever generate() build_trainer installed
+    step_timer.timer = GenerationTimer(trainer.sampler)  # around the trainer's sampler, whichever it built
+    trainer.sampler = step_timer.timer
     # the sampler build_trainer built, decided again (the same settings, model and machine give the same choice)
     spec = fast_paths.choose(settings, trainer, torch.cuda.is_available(), layout["generation_sequences"]).sampler
     decode_experts = spec.experts if spec.backend == "graph_decode" else "model"

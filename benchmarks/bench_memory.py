@@ -11,7 +11,7 @@ It builds the 20B architecture in bf16 on the GPU (gpt_oss_shapes.py; 39 GiB), w
 trains (train_grpo.build_trainer: LoRA r 4, fused experts, flex attention with padding bounds, gradient
 checkpointing as the Trainer switches it on) and, per case, calls the trainer's own compute_loss + backward on
 random token ids (rows x (PROMPT_TOKENS + completion)), with the allocator's peak reset before. "full" replaces
-TRL's fused head by the whole logits (lm_head.use_full_logits: what TRL did before its fused head); cases the
+TRL's fused head by the whole logits (the trainer's full_logits: what TRL did before its fused head); cases the
 estimate says cannot fit the free memory are skipped, and an out-of-memory error is recorded as OOM. The last lines
 are a table (peak above the memory held before the pass, the estimate, their ratio) and the least-squares
 ACTIVATION_SCALE over the fused cases: set memory_estimate.ACTIVATION_SCALE to it.
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     from tes_grpo.task.harmony import load_tokenizer
     from tes_grpo.training import memory_estimate, memory_plan
     from tes_grpo.training.batch_layout import batch_layout
-    from tes_grpo.training.lm_head import describe_lm_head, fused_head_tile, use_full_logits
+    from tes_grpo.training.lm_head import describe_lm_head, fused_head_tile
 
     # each (rows, length) is a new shape for torch.compile's flex attention; past the default recompile limit (8)
     # flex attention would run unfused, holding the whole score matrix, which is not what training does
@@ -207,7 +207,6 @@ def main(argv: list[str] | None = None) -> int:
     trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
     print(describe_lm_head(trainer.model), flush=True)
     tile = fused_head_tile()
-    fused_scorer = trainer._get_per_token_logps_and_entropies
 
     start = time.perf_counter()
     device = trainer.model.device
@@ -218,10 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     results.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     for head in s.HEADS:
-        if head == "full":
-            use_full_logits(trainer)
-        else:
-            trainer._get_per_token_logps_and_entropies = fused_scorer
+        trainer.full_logits = head == "full"
         for completion in s.COMPLETION_LENS:
             for n in s.ROWS:
                 head_tile = tile if head == "fused" else None
@@ -247,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                 with results.open("a") as out:
                     out.write(json.dumps(row) + "\n")
                 print(row, flush=True)
-    trainer._get_per_token_logps_and_entropies = fused_scorer
+    trainer.full_logits = False
     budget = run_budget(s, trainer, shape, settings) if s.MEMORY_BUDGET_GB > 0 else None
 
     print(f"\n{stack_versions()}")

@@ -68,18 +68,12 @@ def build(s):
 def set_variant(model, variant: str) -> None:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    from tes_grpo.experts.fused_experts import use_fused_experts, uses_fused_experts
+    from tes_grpo.experts.fused_experts import drop_fused_experts, use_fused_experts
     from tes_grpo.layers import train_glue
-    from tes_grpo.patches.transformers_patches import (
-        flex_masks_with_padding_bounds,
-        flex_sinks_in_training,
-        rotary_embedding_in_training,
-    )
+    from tes_grpo.patches.transformers_patches import flex_masks_with_padding_bounds
 
     experts, *extras = variant.split("+")
-    for module in model.modules():
-        if uses_fused_experts(module):
-            del module.forward  # back to the class's (transformers') forward
+    drop_fused_experts(model)  # back to transformers' forward
     if experts == "fused":
         use_fused_experts(model)
     current = ALL_MASK_ATTENTION_FUNCTIONS["flex_attention"]
@@ -89,8 +83,8 @@ def set_variant(model, variant: str) -> None:
         flex_masks_with_padding_bounds()
     train_glue.drop_train_glue(model)
     glue = train_glue.decide("cuda", "compiled") if "glue" in extras else None
-    rotary_embedding_in_training(glue)
-    flex_sinks_in_training(glue)
+    train_glue.rope_through(glue)
+    train_glue.sinks_through(glue)
     if glue is not None:
         train_glue.use_train_glue(model, glue)
 

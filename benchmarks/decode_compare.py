@@ -15,8 +15,8 @@ import contextlib
 
 import torch
 
+from tes_grpo.layers.lora import causal_lm
 from tes_grpo.sampling import decode_cache, decode_math
-from tes_grpo.training import lm_head
 
 
 @torch.no_grad()
@@ -26,7 +26,7 @@ def decode_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
                     glue: str = "eager") -> torch.Tensor:
     """Log-probabilities [B, n] graph_decode's prefill and decode steps give the tokens of completion_ids [B, n] (fed
     in as if sampled; no warpers); glue: the decode step's glue, "eager" or "compiled" (decode_glue)."""
-    lm = lm_head.causal_lm(model)
+    lm = causal_lm(model)
     device = input_ids.device
     batch, prompt_len = input_ids.shape
     steps = completion_ids.shape[1]
@@ -64,7 +64,7 @@ def trainer_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     labels on the completion, under `autocast` (the accelerator's mixed precision: bf16 on GPUs)."""
     from trl.trainer.utils import add_fused_lm_head
 
-    lm = lm_head.causal_lm(model)
+    lm = causal_lm(model)
     if not getattr(lm, "_decode_compare_fused_head", False):
         add_fused_lm_head(lm, outputs=("log_probs",))
         lm._decode_compare_fused_head = True
@@ -104,7 +104,7 @@ def prefill_shapes(model):
         if cached and ids is not None and ids.shape[1] > 1:
             seen.append(tuple(ids.shape))
 
-    handle = lm_head.causal_lm(model).model.register_forward_pre_hook(record, with_kwargs=True)
+    handle = causal_lm(model).model.register_forward_pre_hook(record, with_kwargs=True)
     try:
         yield seen
     finally:

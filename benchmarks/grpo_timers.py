@@ -34,31 +34,30 @@ def attention_gflop_per_row(length: int, config) -> float:
 
 
 class GenerationTimer:
-    """Wraps a model's generate() to add up its wall time, the completion tokens it produced, and each call's
-    (sequences, mean real prompt tokens, new tokens) for the decode limit."""
+    """Stands in for the trainer's sampler (sampling/sampler.py's Sampler, whose `generate` it calls) to add up its
+    wall time, the completion tokens it produced, and each call's (sequences, mean real prompt tokens, new tokens)
+    for the decode limit."""
 
-    def __init__(self, model):
-        self.model, self.inner = model, model.generate
+    def __init__(self, sampler):
+        self.sampler = sampler
         self.seconds = 0.0
         self.tokens = 0
         self.sequences = 0
         self.calls: list[tuple[int, float, int]] = []
-        model.generate = self
 
-    def __call__(self, *args, **kwargs):
+    def generate(self, model, input_ids, attention_mask, generation_config):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        out = self.inner(*args, **kwargs)
+        out, logprobs = self.sampler.generate(model, input_ids, attention_mask, generation_config)
         torch.cuda.synchronize()
         self.seconds += time.perf_counter() - start
-        input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
-        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
-        prompt = float(mask.sum(dim=1).float().mean()) if mask is not None else float(input_ids.shape[1])
+        prompt = float(attention_mask.sum(dim=1).float().mean()) if attention_mask is not None else float(
+            input_ids.shape[1])
         new = out.shape[1] - input_ids.shape[1]
         self.tokens += new * out.shape[0]
         self.sequences += out.shape[0]
         self.calls.append((out.shape[0], prompt, new))
-        return out
+        return out, logprobs
 
 
 def generation_cycles(rows: list[dict]) -> list[dict]:
@@ -79,7 +78,7 @@ class StepTimer(TrainerCallback):
     """Per optimizer step: wall time, the generation share of it, tokens/s, peak memory, ratios to the limits (the
     decode limit of the step's generate calls, decode_limit.py; MFU against the spec peak and the measured matrix
     rate, mfu.py), and
-    the step's sampling metrics (sampler against trainer, from `fidelity`: the trainer's sampling_fidelity hook,
+    the step's sampling metrics (sampler against trainer, from `fidelity`: the trainer's GapMeter,
     which logs them in the step's last micro-batch, before this callback's on_step_end). A step that trains on an
     earlier step's generation batch (GENERATION_STEPS > 1) has generated False and generation 0 s; the step that
     generated counts in its training seconds TRL's no-grad forward over the whole batch (the old log-probabilities

@@ -360,9 +360,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks.bench_generate import autocast_dtype, grpo_prompts, grpo_state, token_ids
     from benchmarks.log_header import header
+    from tes_grpo.layers.lora import causal_lm
     from tes_grpo.model.gpt_oss_shapes import build_random_model
     from tes_grpo.sampling import decode_cache, decode_math, graph_decode
-    from tes_grpo.training import lm_head
 
     device = torch.device(s.DEVICE)
     cuda = device.type == "cuda"
@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     if s.LORA_R:
         model = grpo_state(model, s.LORA_R, rho=s.LORA_RHO)
     autocast = autocast_dtype(s.AUTOCAST)
-    lm = lm_head.causal_lm(model)
+    lm = causal_lm(model)
     ids, mask = grpo_prompts(s.NUM_SEQS, s.NUM_PROMPTS, s.PROMPT_LEN, s.PROMPT_LEN_SPREAD, model, s.SEED)
     vocab, pad = token_ids(model)
     slot = s.PROMPT_LEN + s.DECODE_AT

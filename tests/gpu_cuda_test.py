@@ -263,7 +263,8 @@ def test_decode_linear_rounds_as_peft_and_no_further_from_exact_than_cublas_on_c
     which at o_proj's shape sums less exactly."""
     pytest.importorskip("triton", reason="requirements-gpu.txt installs triton")
     from tes_grpo.layers import decode_glue
-    from tes_grpo.sampling import decode_linear, decode_math
+    from tes_grpo.layers.lora import low_rank
+    from tes_grpo.sampling import decode_linear
 
     g = torch.Generator(device="cuda").manual_seed(0)
     sizes, k = {"qkv": ((4096, 512, 512), 2880), "o": ((2880,), 4096), "router": ((32,), 2880)}[product]
@@ -274,7 +275,7 @@ def test_decode_linear_rounds_as_peft_and_no_further_from_exact_than_cublas_on_c
     x = randn(rows, 1, k)
     weights = [randn(n, k, scale=k ** -0.5) for n in sizes]
     biases = [randn(n, scale=0.1) for n in sizes]
-    low = None if product == "router" else decode_math.low_rank(
+    low = None if product == "router" else low_rank(
         [(randn(4, k, scale=k ** -0.5), randn(n, 4, scale=0.05), 2.0) for n in sizes], torch.bfloat16)
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
         outs = [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
@@ -554,7 +555,6 @@ def test_training_glue_gives_a_lora_model_the_eager_loss_and_gradients_on_cuda()
     from peft import LoraConfig, get_peft_model
 
     from tes_grpo.layers import train_glue
-    from tes_grpo.patches.transformers_patches import flex_sinks_in_training, rotary_embedding_in_training
 
     base = small_cuda_model()
     base.set_attn_implementation("flex_attention")
@@ -570,15 +570,15 @@ def test_training_glue_gives_a_lora_model_the_eager_loss_and_gradients_on_cuda()
     for use in (False, True):
         if use:
             assert train_glue.use_train_glue(model, glue) == (9, 16)
-            assert rotary_embedding_in_training(glue) and flex_sinks_in_training(glue)
+            assert train_glue.rope_through(glue) and train_glue.sinks_through(glue)
         try:
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = model(input_ids=ids, attention_mask=mask).logits.float().square().mean()
             loss.backward()
         finally:
             train_glue.drop_train_glue(model)
-            rotary_embedding_in_training(None)
-            flex_sinks_in_training(None)
+            train_glue.rope_through(None)
+            train_glue.sinks_through(None)
         grads = [p.grad.detach().clone() for p in model.parameters() if p.requires_grad]
         model.zero_grad(set_to_none=True)
         results.append((float(loss.detach()), grads))

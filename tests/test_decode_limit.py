@@ -118,10 +118,11 @@ def test_generation_timer_records_each_call(monkeypatch):
     from benchmarks.grpo_timers import GenerationTimer
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    model = SimpleNamespace(generate=lambda input_ids, attention_mask=None: torch.zeros(input_ids.shape[0], 9))
-    timer = GenerationTimer(model)
+    sampler = SimpleNamespace(generate=lambda model, input_ids, attention_mask, config: (
+        torch.zeros(input_ids.shape[0], 9), None))  # the trainer's Sampler: 9 tokens, prompt included
+    timer = GenerationTimer(sampler)
     mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
-    model.generate(input_ids=torch.zeros(2, 4), attention_mask=mask)
-    model.generate(torch.zeros(3, 6))
+    assert timer.generate(None, torch.zeros(2, 4), mask, None)[1] is None  # what the sampler returned
+    timer.generate(None, torch.zeros(3, 6), None, None)
     assert timer.calls == [(2, 3.5, 5), (3, 6.0, 3)]
     assert timer.tokens == 2 * 5 + 3 * 3 and timer.sequences == 5

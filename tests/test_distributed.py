@@ -277,16 +277,6 @@ def test_model_device_map(cuda, fsdp, processes, rank, expected):
     assert model_device_map(cuda, fsdp, processes, rank) == expected
 
 
-def test_synced_generate_keeps_processes_stepping_together():
-    from tes_grpo.sampling.sampler import SyncedGenerate
-
-    calls = []
-    synced = SyncedGenerate(lambda *args, **kwargs: calls.append(kwargs))
-    synced(max_new_tokens=3)
-    synced(synced_gpus=False)
-    assert calls == [{"max_new_tokens": 3, "synced_gpus": True}, {"synced_gpus": False}]
-
-
 # (processes, visible GPUs, refused)
 VISIBLE_GPUS = [
     (1, 0, False),  # CPU

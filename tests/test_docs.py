@@ -18,7 +18,10 @@ README_MAX_LINES = 300
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")  # [text](target); images are not used
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 ISSUE = re.compile(r"\bissues?\s+#?\d+|\(#\d+\)|\bissue\s+\d+", re.I)
-SESSION = re.compile(r"\bsessions?\b", re.I)
+# work dated by a session ("the third session", "this session", "a later session"); pytest's session objects are not
+SESSION = re.compile(r"\b(first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|thirteenth"
+                     r"|fourteenth|fifteenth|\d+(st|nd|rd|th)|this|that|next|last|previous|earlier|later)"
+                     r"(\s+\w+)?\s+sessions?\b", re.I)
 SESSION_ALLOWED = re.compile(r"""scope=["']session["']""")  # pytest's fixture scope, not a date
 CITED_SECTION = re.compile(r'BENCHMARKS\.md,?\s*\(?"([^"]+)"')  # BENCHMARKS.md, "Heading" or BENCHMARKS.md ("Heading")
 

@@ -12,8 +12,7 @@ from transformers import GptOssConfig, GptOssForCausalLM
 import train_grpo
 from tes_grpo.run.script_config import SettingsError
 from tes_grpo.sampling import sampler
-from tes_grpo.sampling.graph_decode import GraphDecodeGenerate
-from tes_grpo.sampling.sampler import RecordingGenerate, SamplerSpec, SyncedGenerate
+from tes_grpo.sampling.sampler import Sampler, SamplerSpec
 from tes_grpo.training import fast_paths
 
 
@@ -121,38 +120,47 @@ def test_train_glue_choice(value, cuda, triton, glue, monkeypatch):
     assert chosen == glue and f"TRAIN_GLUE={value}" in why
 
 
-# (spec, the sampler's parts from the outside in, after the recorder)
+# (spec, the path a call takes, what transformers' generate() is given besides the inputs and the recorder)
 SAMPLERS = [
-    (SamplerSpec("generate"), []),  # transformers' generate, recorded
-    (SamplerSpec("generate", synced=True), [SyncedGenerate]),  # FSDP: processes step together
-    (SamplerSpec("graph_decode", experts="mxfp4", max_batch=32, lora="merged", glue="compiled"),
-     [GraphDecodeGenerate]),
-    (SamplerSpec("graph_decode", synced=True), [GraphDecodeGenerate, SyncedGenerate]),  # fallback stays in step
+    (SamplerSpec("generate"), "transformers", {}),  # transformers' generate, recorded
+    (SamplerSpec("generate", synced=True), "transformers", {"synced_gpus": True}),  # FSDP: processes step together
+    (SamplerSpec("graph_decode", experts="mxfp4", max_batch=32, lora="merged", glue="compiled"), "graph_decode", {}),
+    (SamplerSpec("graph_decode", synced=True), "graph_decode", {}),
 ]
 
 
-@pytest.mark.parametrize("spec, parts", SAMPLERS)
-def test_the_sampler_is_built_in_one_order_with_its_settings_given(spec, parts):
-    class Model:
-        def generate(self, **kwargs):
-            return "transformers"
+@pytest.mark.parametrize("spec, path, extra", SAMPLERS)
+def test_the_sampler_takes_each_call_with_its_settings(monkeypatch, spec, path, extra):
+    from transformers import GenerationConfig
 
-    model = Model()
-    own = model.generate
-    trainer = SimpleNamespace(model=model, use_vllm=False, _generate_single_turn=None, _compute_loss=None,
-                              _get_per_token_logps_and_entropies=None, _metrics={})
-    hook = sampler.install(trainer, spec, say=lambda text: None)
-    chain, part = [], model.generate
-    assert isinstance(part, RecordingGenerate) and hook.recording is part
-    part = part.generate
-    while part != own:
-        chain.append(part)
-        part = part.generate if isinstance(part, SyncedGenerate) else part.original
-    assert [type(p) for p in chain] == parts
-    for p in chain:
-        if isinstance(p, GraphDecodeGenerate):
-            assert (p.experts, p.lora, p.glue, p.max_batch, p.autocast) == (spec.experts, spec.lora, spec.glue,
-                                                                              spec.max_batch, spec.autocast)
+    from tes_grpo.sampling.token_sampling import SampledLogprobs
+
+    calls = []
+
+    def in_calls(model, input_ids, attention_mask, config, max_batch, logprobs, **options):
+        calls.append(("graph_decode", max_batch, logprobs, options))
+        return input_ids, torch.zeros(input_ids.shape[0], 0)
+
+    class Model:
+        generation_config = GenerationConfig(max_new_tokens=2, do_sample=True)
+
+        def generate(self, **kwargs):
+            calls.append(("transformers", kwargs))
+            return kwargs["input_ids"]
+
+    monkeypatch.setattr(sampler, "generate_in_calls", in_calls)
+    ids = torch.ones(2, 3, dtype=torch.long)
+    sequences, logprobs = Sampler(spec, say=lambda text: None).generate(Model(), ids, None, None)
+    assert sequences is ids and logprobs.shape == (2, 0)  # recorded on either path
+    assert [call[0] for call in calls] == [path]
+    if path == "graph_decode":
+        options = {name: calls[0][3][name] for name in ("experts", "lora", "glue", "autocast")}
+        assert calls[0][1:3] == (spec.max_batch, True)
+        assert options == {"experts": spec.experts, "lora": spec.lora, "glue": spec.glue, "autocast": spec.autocast}
+    else:
+        kwargs = calls[0][1]
+        assert {name: kwargs[name] for name in extra} == extra and ("synced_gpus" in kwargs) == spec.synced
+        assert [type(p) for p in kwargs["logits_processor"]] == [SampledLogprobs]
 
 
 def fake_trainer(model, fsdp=False, batch=64, precision="bf16"):

@@ -22,9 +22,10 @@ from benchmarks.decode_compare import (
     transformers_logprobs,
 )
 from data_reward import CompletionLog
+from tes_grpo.layers.lora import causal_lm, lora_parts, merged_linear
 from tes_grpo.model.model_loading import load_training_model, resolve_model_path
 from tes_grpo.sampling import decode_cache, decode_math, graph_decode
-from tes_grpo.training import lm_head
+from tes_grpo.sampling.sampler import Sampler, SamplerSpec
 from tes_grpo.training.batch_layout import batch_layout
 
 PAD, VOCAB = 5, 512
@@ -342,7 +343,7 @@ MERGED_LINEAR_CASES = [
 def test_merged_linear(change, config, expected):
     model, layer = lora_linear(change, **config)
     base = layer.base_layer.weight.detach().clone()
-    merged = decode_math.merged_linear(layer)
+    merged = merged_linear(layer)
     if expected is None:
         assert merged is None
         return
@@ -357,11 +358,11 @@ def test_merged_linear(change, config, expected):
 
 def test_plain_linear_and_lora_model_projections():
     linear = torch.nn.Linear(4, 3)
-    weight, bias, lora = decode_math.lora_parts(linear)
+    weight, bias, lora = lora_parts(linear)
     assert weight is linear.weight and bias is linear.bias and lora is None
-    assert decode_math.lora_parts(torch.nn.Identity()) is None
+    assert lora_parts(torch.nn.Identity()) is None
     peft_model = lora_model()
-    lm = lm_head.causal_lm(peft_model)
+    lm = causal_lm(peft_model)
     for lora in ("peft", "merged"):
         layers = decode_math.attention_projections(lm, lora)
         assert len(layers) == lm.config.num_hidden_layers
@@ -402,7 +403,7 @@ def test_decode_projections_are_the_trainers(rho):
     # the trainer's computation: PEFT's LoRA layers under the trainer's bf16 autocast (base product rounded, then the
     # bf16 LoRA output added); the decode step's must be the same numbers, the merged copy's are not
     peft_model = rho_lora_model(rho)
-    lm = lm_head.causal_lm(peft_model)
+    lm = causal_lm(peft_model)
     attn = lm.model.layers[1].self_attn
     g = torch.Generator().manual_seed(4)
     x, attended = (torch.randn(6, 1, 64, generator=g).to(BF16) for _ in range(2))
@@ -425,7 +426,7 @@ def test_the_gpus_projection_kernel_gives_the_trainers_projections(monkeypatch):
     from triton_interpreter import interpreted
 
     peft_model = rho_lora_model(1e-2)
-    lm = lm_head.causal_lm(peft_model)
+    lm = causal_lm(peft_model)
     attn = lm.model.layers[1].self_attn
     g = torch.Generator().manual_seed(4)
     with torch.no_grad():  # the model's biases start at zero
@@ -452,7 +453,7 @@ def test_the_gpus_projection_kernel_gives_the_trainers_projections(monkeypatch):
 
 def test_the_projection_kernel_is_the_gpus_only():
     # on the CPU, or for cuBLAS's products, decode_step keeps F.linear and LowRank; a kernel name not known is refused
-    lm = lm_head.causal_lm(rho_lora_model(1e-3))
+    lm = causal_lm(rho_lora_model(1e-3))
     assert all(p.linear is None for p in decode_math.attention_projections(lm, "peft", BF16, kernel="triton"))
     with pytest.raises(ValueError, match="projection kernel must be one of"):
         decode_math.attention_projections(lm, "peft", BF16, kernel="cutlass")
@@ -584,14 +585,14 @@ def one_step(model, config, device="cpu", dtype=torch.float32, weights=None):
     cache = decode_cache.StaticCache(config, torch.ones(2, 10, dtype=torch.long, device=device), 5, dtype)
     tokens = torch.ones(2, 1, dtype=torch.long, device=device)
     with torch.no_grad():
-        return decode_math.decode_step(lm_head.causal_lm(model), cache, tokens, torch.tensor(10, device=device),
+        return decode_math.decode_step(causal_lm(model), cache, tokens, torch.tensor(10, device=device),
                                         16, weights)
 
 
 def test_decode_step_with_lora_under_autocast_reads_nothing_on_the_host():
     # what a GPU run decodes with: LoRA added in PEFT's order, the trainer's bf16 autocast, the float32 head
     peft_model = rho_lora_model(1e-3)
-    weights = decode_math.decode_weights(lm_head.causal_lm(peft_model), autocast=BF16)
+    weights = decode_math.decode_weights(causal_lm(peft_model), autocast=BF16)
     with HostReads() as watch:
         logits = one_step(peft_model, small_config(), dtype=BF16, weights=weights)
     assert watch.found == [] and logits.dtype == torch.float32
@@ -624,7 +625,7 @@ def test_decode_step_runs_on_the_meta_device():
 
     with torch.device("meta"):  # and through the LoRA projections (one low-rank product for q, k, v)
         peft_model = get_peft_model(model, train_grpo.build_lora_config(4, 8))
-    weights = decode_math.decode_weights(lm_head.causal_lm(peft_model), lora="peft")
+    weights = decode_math.decode_weights(causal_lm(peft_model), lora="peft")
     assert weights.attention[0].qkv is not None
     logits = one_step(peft_model, config, device="meta", dtype=torch.bfloat16, weights=weights)
     assert logits.shape == (2, VOCAB) and logits.device.type == "meta"
@@ -656,30 +657,46 @@ def test_bucket_length(slot, total, expected):
     assert decode_cache.bucket_length(slot, total) == expected
 
 
-def test_wrapper_uses_transformers_for_unsupported_calls_and_says_so(model):
-    calls, said = [], []
-    wrapper = graph_decode.GraphDecodeGenerate(model, lambda **kw: calls.append(kw) or "transformers", say=said.append)
+class CountingGenerate:
+    """A LoRA-wrapped model's stand-in for the sampler: graph_decode decodes `model` (its get_base_model), and each
+    call of transformers' generate() is counted, returning the prompts."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, []
+
+    def get_base_model(self):
+        return self.model
+
+    def generate(self, **kwargs):
+        self.calls.append(kwargs)
+        return kwargs["input_ids"]
+
+
+def test_the_sampler_uses_transformers_for_unsupported_calls_and_says_so(model):
+    said = []
+    counting = CountingGenerate(model)
+    sampler = Sampler(SamplerSpec("graph_decode"), say=said.append)
     ids, mask = left_padded_prompts()
     for _ in range(2):
-        assert wrapper(input_ids=ids, attention_mask=mask, generation_config=trl_config(repetition_penalty=1.3)) \
-            == "transformers"
-    assert len(calls) == 2 and len(said) == 1 and "repetition_penalty=1.3" in said[0]
-    out = wrapper(input_ids=ids, attention_mask=mask, generation_config=trl_config(do_sample=False))
-    assert len(calls) == 2 and out.shape[0] == 3  # supported: decoded here
+        sequences, _ = sampler.generate(counting, ids, mask, trl_config(repetition_penalty=1.3))
+        assert sequences is ids
+    assert len(counting.calls) == 2 and len(said) == 1 and "repetition_penalty=1.3" in said[0]
+    out, logprobs = sampler.generate(counting, ids, mask, trl_config(do_sample=False))
+    assert len(counting.calls) == 2 and out.shape[0] == 3 and logprobs.shape == (3, out.shape[1] - ids.shape[1])
 
 
 @pytest.mark.parametrize("glue, words", [
     ("eager", "decode glue (norms, residual adds, rotary embedding, sinks, LoRA adds): eager"),
     ("compiled", "eager (DECODE_GLUE=compiled compiles only on CUDA; this is cpu)"),  # reached, and said why not
 ])
-def test_the_wrapper_passes_its_glue_setting_to_the_decode_step(model, monkeypatch, glue, words):
+def test_the_sampler_passes_its_glue_setting_to_the_decode_step(model, monkeypatch, glue, words):
     from tes_grpo.layers import decode_glue
 
     monkeypatch.setattr(decode_glue, "_DECIDED", {})
     said = []
-    wrapper = graph_decode.GraphDecodeGenerate(model, lambda **kw: "transformers", say=said.append, glue=glue)
     ids, mask = left_padded_prompts()
-    wrapper(input_ids=ids, attention_mask=mask, generation_config=trl_config(do_sample=False))
+    Sampler(SamplerSpec("graph_decode", glue=glue), say=said.append).generate(model, ids, mask,
+                                                                                trl_config(do_sample=False))
     assert any(line.startswith("decode glue (") and words in line for line in said), said
     assert list(decode_glue._DECIDED) == [("cpu", glue)]
 
@@ -688,16 +705,10 @@ def test_the_wrapper_passes_its_glue_setting_to_the_decode_step(model, monkeypat
 def test_a_batch_split_by_the_memory_plan_gives_the_same_tokens_and_logprobs(model, max_batch):
     """Greedy decoding depends on no random draw, so rows generated in several calls equal rows generated at once;
     the calls end at different lengths and are padded as generate() pads a finished row."""
-    from tes_grpo.sampling.token_sampling import SampledLogprobs
-
     ids, mask = left_padded_prompts()
     config = trl_config(do_sample=False, eos_token_id=[int(ids[0, -1])])  # some row may end early
-    runs = {}
-    for size in (None, max_batch):
-        wrapper = graph_decode.GraphDecodeGenerate(model, lambda **kw: "transformers", max_batch=size, say=print)
-        recorder = SampledLogprobs()
-        out = wrapper(input_ids=ids, attention_mask=mask, generation_config=config, logits_processor=[recorder])
-        runs[size] = (out, recorder.result(out, ids.shape[1]))
+    runs = {size: graph_decode.generate_in_calls(model, ids, mask, config, size, logprobs=True, say=print)
+            for size in (None, max_batch)}
     (whole, whole_lp), (split, split_lp) = runs[None], runs[max_batch]
     assert whole.shape[0] == split.shape[0] == 3
     width = min(whole.shape[1], split.shape[1])
@@ -716,16 +727,17 @@ def test_dropout_left_on_is_refused_once_at_install():
     assert graph_decode.state_blockers(peft_model) == ["dropout p=[0.1] in train mode"]
 
 
-def test_wrapper_checks_only_the_call_options(model, monkeypatch):
-    # the model's blockers are auto_decode_graphs' (once, at install); a call checks its options only
+def test_the_sampler_checks_only_the_call_options(model, monkeypatch):
+    # the model's blockers are auto_decode_graphs' (once, when the trainer is built); a call checks its options only
     def checked(*args, **kwargs):
         raise AssertionError("blockers checked on a generate call")
 
     for name in ("graph_blockers", "model_blockers", "state_blockers"):
         monkeypatch.setattr(graph_decode, name, checked)
-    wrapper = graph_decode.GraphDecodeGenerate(model, lambda **kw: "transformers", say=print)
     ids, mask = left_padded_prompts()
-    assert wrapper(input_ids=ids, attention_mask=mask, generation_config=trl_config(do_sample=False)).shape[0] == 3
+    sequences, _ = Sampler(SamplerSpec("graph_decode"), say=print).generate(model, ids, mask,
+                                                                            trl_config(do_sample=False))
+    assert sequences.shape[0] == 3
 
 
 class NotGptOss(torch.nn.Module):

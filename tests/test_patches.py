@@ -376,8 +376,8 @@ def test_each_patch_exists_and_names_the_versions_it_serves(entry):
 
 
 # public functions of the patch modules that are helpers of a registered patch, not patches themselves
-HELPERS = {"saved_tensors_hooks_readable", "grouped_mm_experts_for_decode", "padding_bounds", "same_function",
-           "causal_window", "bounded_block_mask"}
+HELPERS = {"saved_tensors_hooks_readable", "grouped_mm_experts_for_decode", "release_grouped_mm_experts_for_decode",
+           "padding_bounds", "same_function", "causal_window", "bounded_block_mask"}
 
 
 @pytest.mark.parametrize("module", ["torch_patches", "transformers_patches", "trl_patches", "accelerate_patches"])

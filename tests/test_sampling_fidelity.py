@@ -1,29 +1,32 @@
-"""sampling_fidelity.py: the sampler's log-probabilities reach TRL aligned with the completions, the gap metrics and
-the IMPORTANCE_SAMPLING loss are TRL's formulas on hand-made batches, a tiny GRPO run logs them; the vLLM weight sync
-leaves the base weights as they were (sampler.py); REPORT_TO refuses what cannot work (trackers.py).
+"""sampling_fidelity.py and the trainer's overrides (training/trainer.py): the sampler's log-probabilities reach
+TRL aligned with the completions, the gap metrics and the IMPORTANCE_SAMPLING loss are TRL's formulas on hand-made
+batches, a tiny GRPO run logs them; the vLLM weight sync leaves the base weights as they were (sampler.py); REPORT_TO
+refuses what cannot work (trackers.py).
 
-TRL's own _compute_loss runs on a stand-in trainer holding just the attributes it reads (TRL 1.16), so the loss is
-TRL's arithmetic, not a copy of it.
+GptOssGRPOTrainer's overrides run on a stand-in trainer (the class, without its constructor) holding just the
+attributes TRL 1.16 reads, with TRL's own _compute_loss under them, so the loss is TRL's arithmetic, not a copy of it.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import types
 from collections import defaultdict
 from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import GenerationConfig, GptOssConfig, GptOssForCausalLM
+from trl import GRPOTrainer
 
 import train_grpo
 from tes_grpo.run import trackers
-from tes_grpo.sampling import graph_decode, sampler, sampling_fidelity
-from tes_grpo.sampling.sampler import RecordingGenerate, SamplerSpec
-from tes_grpo.sampling.sampling_fidelity import GEN_KL, LOGP_MAX, LOGP_MEAN, Correction, FidelityHook
+from tes_grpo.run.processes import SayOnce
+from tes_grpo.sampling import sampling_fidelity
+from tes_grpo.sampling.sampler import BaseWeightsKept, Sampler, SamplerSpec
+from tes_grpo.sampling.sampling_fidelity import GEN_KL, LOGP_MAX, LOGP_MEAN, Correction, GapMeter
 from tes_grpo.training.batch_layout import batch_layout
+from tes_grpo.training.trainer import GptOssGRPOTrainer, sampler_problem
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PAD = 5
@@ -72,26 +75,29 @@ def test_recorded_logprobs_are_of_the_distribution_sampled_from(route, changes):
                          return_dict_in_generate=True)
     new = out.sequences[:, ids.shape[1]:]
     expected = torch.log_softmax(torch.stack(out.scores, dim=1), dim=-1).gather(2, new[..., None]).squeeze(2)
-    generate = model.generate
-    if route == "graph_decode":
-        generate = graph_decode.GraphDecodeGenerate(model, model.generate)
-    recording = RecordingGenerate(model, generate)
     torch.manual_seed(5)
-    sequences = recording(input_ids=ids, attention_mask=mask, generation_config=config)
+    backend = "graph_decode" if route == "graph_decode" else "generate"
+    sequences, got = Sampler(SamplerSpec(backend)).generate(model, ids, mask, config)
     assert torch.equal(sequences, out.sequences)  # recording changes nothing that is sampled
-    got = recording.take()
-    assert got.shape == new.shape and recording.take() is None  # handed out once
+    assert got.shape == new.shape
     live = ((new == 3).long().cumsum(dim=1) - (new == 3).long()) == 0  # up to and including the end token
     torch.testing.assert_close(got[live], expected[live], atol=1e-5, rtol=0)
 
 
-class StandInTrainer:
-    """The attributes TRL 1.16's GRPOTrainer._compute_loss reads, with its real _compute_loss bound; the training
-    forward is replaced by `logps` (a leaf tensor, so the gradient can be checked)."""
+class TrainingForward(GRPOTrainer):
+    """Under GptOssGRPOTrainer in the stand-in's classes: the training forward gives `logps` (a leaf tensor, so the
+    gradient can be checked); everything else is TRL's."""
 
-    def __init__(self, logps: torch.Tensor, loss_type: str = "dr_grpo", max_completion_length: int = 8):
-        from trl import GRPOTrainer
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        return self.logps, torch.zeros_like(self.logps), None
 
+
+class StandInTrainer(GptOssGRPOTrainer, TrainingForward):
+    """GptOssGRPOTrainer's overrides over TRL 1.16's GRPOTrainer, with the attributes TRL's _compute_loss reads and
+    no constructor (no model to load)."""
+
+    def __init__(self, logps: torch.Tensor, loss_type: str = "dr_grpo", max_completion_length: int = 8,
+                 correction: Correction | None = None, say=print):
         self.logps = logps
         self.loss_type, self.max_completion_length = loss_type, max_completion_length
         self.top_entropy_quantile, self.off_policy_mask_threshold, self.importance_sampling_level = 1.0, None, "token"
@@ -104,11 +110,9 @@ class StandInTrainer:
         self.accelerator = SimpleNamespace(reduce=lambda t, reduction="sum": t, gather=lambda t: t,
                                            sync_gradients=True, num_processes=1)
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
-        self._compute_loss = types.MethodType(GRPOTrainer._compute_loss, self)
-        self._generate_single_turn = lambda *args, **kwargs: (None, None)
-
-    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
-        return self.logps, torch.zeros_like(self.logps), None
+        self.full_logits, self._scored_batch, self.say = False, None, say
+        self._say_once = SayOnce(say)
+        self.gap = GapMeter(correction)
 
 
 def micro_batch(sampling):
@@ -149,8 +153,7 @@ LOSS_CASES = [
 @pytest.mark.parametrize("mode, cap, loss_type", LOSS_CASES)
 def test_importance_sampling_loss_is_trls_formula(mode, cap, loss_type):
     logps = torch.tensor(TRAINER, requires_grad=True)
-    trainer = StandInTrainer(logps, loss_type)
-    FidelityHook(trainer, Correction(mode, cap)).attach()
+    trainer = StandInTrainer(logps, loss_type, correction=Correction(mode, cap))
     batch = micro_batch(SAMPLER)
     loss = trainer._compute_loss(None, batch)
     loss.backward()
@@ -173,8 +176,7 @@ def test_importance_sampling_loss_is_trls_formula(mode, cap, loss_type):
 
 @pytest.mark.parametrize("mode", ["off", "token_truncate", "sequence_mask"])
 def test_gap_metrics_are_trls_names_and_formulas(mode):
-    trainer = StandInTrainer(torch.tensor(TRAINER, requires_grad=True))
-    FidelityHook(trainer, Correction(mode, 1.5)).attach()
+    trainer = StandInTrainer(torch.tensor(TRAINER, requires_grad=True), correction=Correction(mode, 1.5))
     trainer._compute_loss(None, micro_batch(SAMPLER))
     logged = {name: values[-1] for name, values in trainer._metrics["train"].items() if name.startswith("sampling/")}
     # the 6 scored tokens (padding and the NaN one left out): delta = 0.2, 0, -1.1, 0, -0.5, 1.1
@@ -197,7 +199,6 @@ def test_gap_metrics_are_trls_names_and_formulas(mode):
 def test_metrics_cover_every_micro_batch_of_a_step():
     # logged once per optimizer step, as a token mean over its micro-batches (not a mean of their means)
     trainer = StandInTrainer(torch.tensor(TRAINER))
-    FidelityHook(trainer, Correction()).attach()
     trainer.accelerator.sync_gradients = False
     first = micro_batch(SAMPLER)
     first["completion_mask"] = torch.tensor([[1, 0, 0, 0], [0, 0, 0, 0]])  # one token: |delta| 0.2
@@ -208,33 +209,76 @@ def test_metrics_cover_every_micro_batch_of_a_step():
     assert trainer._metrics["train"]["sampling/sampling_logp_difference/mean"] == [pytest.approx(3.1 / 7)]
 
 
-def test_generate_single_turn_hands_trl_the_logprobs_cut_to_each_completion():
+def test_the_sampled_logprobs_are_cut_to_each_completion():
     said = []
-    trainer = StandInTrainer(torch.zeros(2, 4))
+    trainer = StandInTrainer(torch.zeros(2, 4), say=said.append)
     completions = [[7, 8, 3], [9], [4, 4, 4, 3]]  # TRL cut each after its end token
-    trainer._generate_single_turn = lambda *args, **kwargs: (completions, None)
-    hook = FidelityHook(trainer, Correction(), say=said.append)
-    hook.attach()
-    assert trainer._generate_single_turn([], None, {}, 3) == (completions, None)  # nothing recorded: said, once
-    assert trainer._generate_single_turn([], None, {}, 3) == (completions, None)
+    assert trainer._per_completion(None, completions) is None  # nothing recorded: said, once
+    assert trainer._per_completion(None, completions) is None
     assert len(said) == 1 and "no sampled log-probabilities" in said[0]
-
     recorded = torch.arange(12, dtype=torch.float32).view(3, 4) / -10
+    assert trainer._per_completion(recorded, completions) == [
+        pytest.approx([0.0, -0.1, -0.2]), pytest.approx([-0.4]), pytest.approx([-0.8, -0.9, -1.0, -1.1])]
+    with pytest.raises(RuntimeError, match="log-probabilities for 2 completions"):
+        trainer._per_completion(recorded, completions[:2])
 
-    class Recording:
-        latest = None
 
-        def take(self):
-            return recorded
+def test_completions_end_at_their_first_end_token_as_trl_cuts_them():
+    trainer = StandInTrainer(torch.zeros(2, 4))
+    trainer.eos_token_ids = [3, 2]
+    rows = torch.tensor([[7, 8, 3, 3, 5], [9, 9, 9, 9, 9], [2, 0, 0, 0, 0], [4, 3, 2, 0, 0]])
+    assert trainer._lengths_to_first_end(rows).tolist() == [3, 5, 1, 2]
 
-    hook.recording = Recording()
-    ids, logprobs = trainer._generate_single_turn([], None, {}, 3)
-    assert ids is completions
-    assert logprobs == [pytest.approx([0.0, -0.1, -0.2]), pytest.approx([-0.4]), pytest.approx([-0.8, -0.9, -1.0,
-                                                                                                   -1.1])]
-    trainer_logprobs = [[-1.0]]  # a path that returns its own (vLLM): passed through
-    hook._generate_single_turn = lambda *args, **kwargs: (completions, trainer_logprobs)
-    assert trainer._generate_single_turn([], None, {}, 3)[1] is trainer_logprobs
+
+class CountingModel(torch.nn.Module):
+    """A LoRA-wrapped model's stand-in for the trainer's generation: transformers' generate() appends two tokens."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.calls = []
+        self.is_gradient_checkpointing = False  # what TRL's unwrap_model_for_generation reads
+
+    def get_base_model(self):
+        return self.model
+
+    def generate(self, input_ids, attention_mask, generation_config, logits_processor=None, **kwargs):
+        self.calls.append(input_ids)
+        sequences = input_ids
+        for token in (11, 3):  # each step's scores through the processors, as generate() runs them
+            for processor in logits_processor or ():
+                processor(sequences, torch.zeros(sequences.shape[0], 256))
+            sequences = torch.cat([sequences, torch.full((sequences.shape[0], 1), token)], dim=1)
+        return sequences
+
+
+@pytest.mark.parametrize("measure", [True, False])
+def test_generate_single_turn_pads_prompts_as_trl_and_samples_through_the_sampler(measure):
+    from accelerate import Accelerator
+    from trl.distributed import DistributedBackend
+
+    trainer = StandInTrainer(torch.zeros(2, 4), say=lambda text: None)
+    trainer.gap = trainer.gap if measure else None
+    trainer.accelerator = Accelerator(cpu=True)
+    trainer._dist = DistributedBackend(trainer.accelerator)
+    model = CountingModel(small_model())
+    trainer.model_wrapped = model
+    trainer.args = SimpleNamespace(ds3_gather_for_generation=True, gradient_checkpointing_kwargs=None, report_to=[],
+                                   device=torch.device("cpu"))
+    trainer.is_deepspeed_enabled = False
+    trainer.state = SimpleNamespace(global_step=0)
+    trainer._tokenizer = SimpleNamespace(pad_token_id=PAD)
+    trainer.pad_to_multiple_of, trainer.eos_token_ids, trainer.generation_kwargs = None, [3], None
+    trainer.use_transformers_continuous_batching = False
+    trainer.generation_config = trl_config(max_new_tokens=2)
+    trainer.sampler = Sampler(SamplerSpec("generate"), record=measure, say=lambda text: None)
+    ids, logprobs = trainer._generate_single_turn([[20, 21, 22], [30]], None, {}, 1)
+    assert ids == [[11, 3], [11, 3]]  # up to and including the end token
+    assert model.calls[0].tolist() == [[20, 21, 22], [PAD, PAD, 30]]  # left-padded, as TRL pads
+    if measure:  # uniform scores over the 256 tokens: each sampled token's log-probability is -log 256
+        assert logprobs == [pytest.approx([-math.log(256)] * 2)] * 2
+    else:
+        assert logprobs is None
 
 
 @pytest.mark.parametrize("mode, cap, loss_type, words", [
@@ -328,31 +372,21 @@ def bases(model) -> dict:
     return {name: p.detach().clone() for name, p in model.named_parameters() if "base_layer" in name}
 
 
-def vllm_trainer(model, generation):
-    """What sampler.install reads of a GRPOTrainer that generates with vLLM (TRL 1.16's names)."""
-    def unused(*args, **kwargs):
-        raise AssertionError("not called here")
-
-    return SimpleNamespace(vllm_generation=generation, model=model, use_vllm=True,
-                           vllm_importance_sampling_correction=False, accelerator=SimpleNamespace(mixed_precision="no"),
-                           _generate_single_turn=unused, _compute_loss=unused,
-                           _get_per_token_logps_and_entropies=unused, _metrics={})
-
-
 @pytest.mark.parametrize("kept", [False, True])
 def test_vllm_sync_leaves_the_base_bit_identical(kept):
-    """With the trainer's hooks installed (train_grpo's build_trainer calls sampler.install), each sync
-    still sends vLLM the merged weights and the trainer's base stays bit for bit; without them it drifts."""
+    """Through BaseWeightsKept (the trainer's vLLM path syncs with it), each sync still sends vLLM the merged weights
+    and the trainer's base stays bit for bit; TRL's own sync alone lets it drift."""
     model = bf16_lora_model()
     generation, received = mocked_vllm_generation(model)
-    trainer = vllm_trainer(model, generation)
-    if kept:
-        sampler.install(trainer, SamplerSpec("vllm"), say=lambda text: None)
-        assert isinstance(generation.sync_weights, sampler.BaseWeightsKept)
+    guard = BaseWeightsKept(model)
+
+    def sync():
+        return guard(generation.sync_weights) if kept else generation.sync_weights()
+
     before = bases(model)
     g = torch.Generator().manual_seed(0)
     for _ in range(200):  # a sync per optimizer step; the adapter trains in between
-        generation.sync_weights()
+        sync()
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if "lora_B" in name:
@@ -361,7 +395,7 @@ def test_vllm_sync_leaves_the_base_bit_identical(kept):
     q = model.base_model.model.model.layers[0].self_attn.q_proj
     with torch.no_grad():  # base (bf16) += delta (PEFT keeps the factors in float32): summed in float32, rounded
         merged = (q.base_layer.weight.float() + q.get_delta_weight("default")).to(torch.bfloat16)
-    generation.sync_weights()
+    sync()
     assert torch.equal(received["model.layers.0.self_attn.q_proj.weight"], merged)
     after = bases(model)
     moved = sum(int((before[n] != after[n]).sum()) for n in before) / sum(t.numel() for t in before.values())
@@ -369,6 +403,68 @@ def test_vllm_sync_leaves_the_base_bit_identical(kept):
         assert moved == 0
     else:
         assert moved > 0.01  # TRL's merge and unmerge in place move the frozen base (measured: 74 % after 200 syncs)
+
+
+class VllmGeneration(GRPOTrainer):
+    """Under GptOssGRPOTrainer in the vLLM stand-in's classes: TRL's own vLLM generation, which would sync again if
+    the step had not been marked loaded."""
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if self.state.global_step != self._last_loaded_step:
+            raise AssertionError("TRL would sync the weights again, without the base kept")
+        return [[1, 3]], [[-0.5, -0.25]]
+
+
+class VllmStandIn(GptOssGRPOTrainer, VllmGeneration):
+    def __init__(self, model, generation):
+        self.use_vllm, self.model, self.vllm_generation = True, model, generation
+        self.state, self._last_loaded_step = SimpleNamespace(global_step=3), 2
+        self.args = SimpleNamespace(report_to=[])
+        self.accelerator = SimpleNamespace(is_main_process=True)
+        self._base_weights_kept = BaseWeightsKept(model)
+
+
+def test_the_trainers_vllm_path_syncs_once_with_the_base_kept():
+    model = bf16_lora_model()
+    generation, received = mocked_vllm_generation(model)
+    trainer = VllmStandIn(model, generation)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.add_(0.01)
+    before = bases(model)
+    assert trainer._generate_single_turn([[5, 6]], None, {}, 1) == ([[1, 3]], [[-0.5, -0.25]])  # vLLM's own
+    assert received and trainer._last_loaded_step == 3  # synced, once for this step
+    assert all(torch.equal(before[n], p) for n, p in bases(model).items())
+
+
+def test_without_the_measurement_nothing_is_recorded_or_measured():
+    """bench_grpo's SAMPLING_METRICS=0 times a step without the measurement: the sampler records nothing and the
+    trainer measures nothing."""
+    trainer = StandInTrainer(torch.tensor(TRAINER, requires_grad=True))
+    trainer.gap = None
+    trainer._compute_loss(None, micro_batch(SAMPLER))
+    assert not any(name.startswith("sampling/") for name in trainer._metrics["train"])
+    ids, _ = prompts()
+    sequences, logprobs = Sampler(SamplerSpec("generate"), record=False).generate(small_model(), ids, None,
+                                                                                  trl_config(max_new_tokens=2))
+    assert logprobs is None and sequences.shape[0] == 3
+
+
+# (the sampler's backend, TRL's use_vllm, TRL's own vLLM correction, words of the problem)
+REFUSED = [
+    ("vllm", True, True, "TRL's own vLLM importance sampling is on"),
+    ("vllm", False, False, "use_vllm is False"),  # a vLLM sampler for a trainer that does not generate with vLLM
+    ("graph_decode", True, False, "use_vllm is True"),
+    ("vllm", True, False, None),
+    ("generate", False, True, None),  # TRL's correction is vLLM's only
+]
+
+
+@pytest.mark.parametrize("backend, use_vllm, correction, words", REFUSED)
+def test_a_sampler_that_cannot_work_is_refused(backend, use_vllm, correction, words):
+    problem = sampler_problem(backend, use_vllm, correction)
+    assert (problem is None) if words is None else (words in problem), problem
 
 
 # --- REPORT_TO -------------------------------------------------------------------------------------------------
@@ -431,42 +527,3 @@ def test_gap_summary_for_the_completion_log():
     assert sampling_fidelity.gap_summary([{"step": 1, "reward": 0.1}]) is None  # a run without the metrics
 
 
-def test_detach_gives_back_what_install_wrapped():
-    """bench_grpo's SAMPLING_METRICS=0 times a step without the measurement: detach restores the trainer's methods
-    and the model's generate()."""
-    from tes_grpo.training.lm_head import causal_lm
-
-    model = bf16_lora_model()
-    trainer = vllm_trainer(model, None)
-    trainer.use_vllm = False
-    inner = causal_lm(model)
-    before = {name: getattr(trainer, name) for name in
-              ("_generate_single_turn", "_compute_loss", "_get_per_token_logps_and_entropies")}
-    generate = inner.generate
-    hook = sampler.install(trainer, SamplerSpec("generate"), say=lambda text: None)
-    assert isinstance(inner.generate, RecordingGenerate) and trainer.sampling_fidelity is hook
-    assert all(getattr(trainer, name) is not method for name, method in before.items())
-    hook.detach()
-    assert inner.generate == generate and not hasattr(trainer, "sampling_fidelity")
-    assert all(getattr(trainer, name) is method for name, method in before.items())
-
-
-# (what is wrong with the trainer, words of the error)
-REFUSED = [
-    ({"vllm_importance_sampling_correction": True}, "TRL's own vLLM importance sampling is on"),
-    ({"use_vllm": False}, "use_vllm is False"),  # a vLLM sampler for a trainer that does not generate with vLLM
-]
-
-
-@pytest.mark.parametrize("changes, words", REFUSED)
-def test_a_sampler_that_cannot_work_is_refused_before_anything_is_wrapped(changes, words):
-    model = bf16_lora_model()
-    generation, _ = mocked_vllm_generation(model)
-    trainer = vllm_trainer(model, generation)
-    sync = generation.sync_weights
-    for name, value in changes.items():
-        setattr(trainer, name, value)
-    with pytest.raises(ValueError, match=words):
-        sampler.install(trainer, SamplerSpec("vllm"), say=lambda text: None)
-    assert generation.sync_weights == sync and not isinstance(generation.sync_weights, sampler.BaseWeightsKept)
-    assert not hasattr(trainer, "sampling_fidelity")

@@ -15,7 +15,6 @@ from peft import LoraConfig, get_peft_model
 from transformers import GptOssConfig, GptOssForCausalLM
 
 from tes_grpo.layers import decode_glue, train_glue
-from tes_grpo.patches.transformers_patches import flex_sinks_in_training, rotary_embedding_in_training
 
 
 def lora_model(dtype: torch.dtype, dropout: float = 0.0):
@@ -55,12 +54,12 @@ class Counting:
 def installed(model, glue):
     """The training glue on `model` and the rotary patch for a with-block, both undone after."""
     train_glue.use_train_glue(model, glue)
-    rotary_embedding_in_training(glue)
+    train_glue.rope_through(glue)
     try:
         yield model
     finally:
         train_glue.drop_train_glue(model)
-        rotary_embedding_in_training(None)
+        train_glue.rope_through(None)
 
 
 def loss_and_grads(model, autocast: torch.dtype | None, grad: bool = True):
@@ -112,7 +111,7 @@ def test_installing_counts_the_modules_and_dropping_gives_the_class_forward_back
 FALLBACK_CASES = [
     ("no_grad", 0),  # sampling and evaluation: the libraries' code, whatever the device
     ("bf16 without autocast", 0),  # PEFT's cast to the float32 adapter then changes what lora_A computes in
-    ("dropout", 0),  # LoRA dropout on in training: decode_math.lora_parts refuses it, PEFT's forward runs
+    ("dropout", 0),  # LoRA dropout on in training: layers/lora.py's lora_parts refuses it, PEFT's forward runs
 ]
 
 
@@ -167,13 +166,13 @@ def test_the_library_patches_install_swap_and_restore():
     first, second = Counting().glue, Counting().glue
     try:
         for glue in (first, second):  # installing again swaps the glue, never wraps a wrapper
-            assert rotary_embedding_in_training(glue) and flex_sinks_in_training(glue)
+            assert train_glue.rope_through(glue) and train_glue.sinks_through(glue)
             assert modeling_gpt_oss.apply_rotary_pos_emb.wraps_original is rope
             assert ALL_ATTENTION_FUNCTIONS["flex_attention"].wraps_original is flex
             assert ALL_ATTENTION_FUNCTIONS["flex_attention"].glue is glue
     finally:
-        rotary_embedding_in_training(None)
-        flex_sinks_in_training(None)
+        train_glue.rope_through(None)
+        train_glue.sinks_through(None)
     assert modeling_gpt_oss.apply_rotary_pos_emb is rope and ALL_ATTENTION_FUNCTIONS["flex_attention"] is flex
 
 

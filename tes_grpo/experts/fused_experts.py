@@ -27,7 +27,7 @@ transformers' own forward, so sampling and its log-probabilities are untouched.
 
 from __future__ import annotations
 
-import types
+import functools
 
 import torch
 from transformers.integrations.moe import _grouped_linear
@@ -35,7 +35,8 @@ from transformers.integrations.moe import _grouped_linear
 from tes_grpo.experts.mxfp4_experts import is_resident
 
 __all__ = ["bias_swiglu", "bias_swiglu_backward", "bias_weight_combine", "bias_weight_combine_backward",
-           "fused_experts_forward", "fusable", "use_fused_experts", "uses_fused_experts"]
+           "drop_fused_experts", "experts_class", "fused_class", "fused_experts_forward", "fusable",
+           "use_fused_experts", "uses_fused_experts"]
 
 
 def bias_swiglu(gate_up: torch.Tensor, bias: torch.Tensor, expert_ids: torch.Tensor, alpha: float,
@@ -191,27 +192,57 @@ def fusable(experts) -> list[str]:
 def _training_forward(self, hidden_states, router_indices=None, routing_weights=None):
     capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
     if not torch.is_grad_enabled() or capturing or fusable(self):
-        return type(self).forward(self, hidden_states, router_indices, routing_weights)
+        return self.without_fused.forward(self, hidden_states, router_indices, routing_weights)
     return fused_experts_forward(self, hidden_states, router_indices, routing_weights)
 
 
+@functools.cache
+def fused_class(cls: type) -> type:
+    """The fused-training variant of an experts class (one per class, so isinstance(module, cls) still holds): its
+    forward is the fused one while gradients are on, `without_fused` the class it came from (whose forward runs
+    otherwise); a name in this module, so a pickled model finds it again."""
+    name = f"Fused{cls.__name__}"
+    variant = type(name, (cls,), {"__module__": __name__, "__qualname__": name, "without_fused": cls,
+                                  "forward": _training_forward})
+    globals()[name] = variant
+    return variant
+
+
+def experts_class(module) -> type:
+    """The experts class a module is, under the fused-training variant use_fused_experts may have given it."""
+    return getattr(type(module), "without_fused", type(module))
+
+
 def uses_fused_experts(module) -> bool:
-    return getattr(getattr(module, "forward", None), "__func__", None) is _training_forward
+    return experts_class(module) is not type(module)
+
+
+def drop_fused_experts(model) -> int:
+    """Gives the experts modules use_fused_experts changed their class back; returns how many."""
+    dropped = 0
+    for module in model.modules():
+        if uses_fused_experts(module):
+            module.__class__ = experts_class(module)
+            dropped += 1
+    return dropped
 
 
 def use_fused_experts(model, say=print) -> int:
-    """Gives every gpt-oss experts module of `model` the fused training forward (an instance attribute over the
-    class's forward, which stays in use under no_grad); returns how many. Modules that cannot take it keep
+    """Gives every gpt-oss experts module of `model` the fused training forward (its class swapped for fused_class's
+    variant, whose forward runs the class's own under no_grad); returns how many. Modules that cannot take it keep
     transformers' forward, and `say` names them and why."""
     done, refused = 0, {}
     for name, module in model.named_modules():
+        if uses_fused_experts(module):
+            done += 1
+            continue
         if type(module).__name__ != "GptOssExperts" and not is_resident(module):
             continue
         reasons = fusable(module)
         if reasons:
             refused.setdefault("; ".join(reasons), []).append(name)
             continue
-        module.forward = types.MethodType(_training_forward, module)
+        module.__class__ = fused_class(type(module))
         done += 1
     for why, names in refused.items():
         say(f"TRAIN_EXPERTS=fused: {len(names)} experts module(s) keep transformers' forward ({why}), e.g. {names[0]}")

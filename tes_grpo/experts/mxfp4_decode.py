@@ -296,8 +296,9 @@ def pack_blockers(experts) -> list[str]:
         if experts.expert_dtype != torch.bfloat16:
             reasons.append(f"the resident experts compute in {experts.expert_dtype} (the kernel takes bf16)")
         return reasons
-    if type(experts).__name__ != "GptOssExperts":
-        reasons.append(f"experts are {type(experts).__name__} (LoRA on the experts, or not gpt-oss)")
+    kind = getattr(type(experts), "without_fused", type(experts))  # fused_experts' training variant decodes as its own
+    if kind.__name__ != "GptOssExperts":
+        reasons.append(f"experts are {kind.__name__} (LoRA on the experts, or not gpt-oss)")
         return reasons
     for name in ("gate_up_proj", "down_proj"):
         param = getattr(experts, name, None)

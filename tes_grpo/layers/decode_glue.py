@@ -76,17 +76,17 @@ def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tor
 
 def add_lora(outputs: list[torch.Tensor], extras: list[torch.Tensor]) -> list[torch.Tensor]:
     """PEFT 0.21's lora.Linear.forward's `result = (result + lora_B(lora_A(x)) * scaling).to(result.dtype)` for
-    each base output and its adapter output (decode_math.LowRank computes the latter)."""
+    each base output and its adapter output (lora.py's LowRank computes the latter)."""
     return [(out + extra).to(out.dtype) for out, extra in zip(outputs, extras, strict=True)]
 
 
 def norm_weights(module) -> tuple[torch.Tensor, float] | None:
     """(weight, eps) of a norm that rms_norm computes exactly: a GptOssRMSNorm running its class's forward with no
-    hooks, or train_glue's training forward, which computes rms_norm too. None for anything else (another class, a
-    forward replaced on the instance as a hub kernel would, or forward hooks, which only a module call runs): call
-    the module."""
-    replaced = vars(module).get("forward")
-    if type(module) is not GptOssRMSNorm or not getattr(replaced, "computes_rms_norm", replaced is None):
+    hooks, or train_glue's variant of it (glue_class), which computes rms_norm too. None for anything else (another
+    class, a forward replaced on the instance as a hub kernel would, or forward hooks, which only a module call
+    runs): call the module."""
+    computes = type(module) is GptOssRMSNorm or getattr(type(module), "computes_rms_norm", False)
+    if not computes or "forward" in vars(module):
         return None
     if module._forward_hooks or module._forward_pre_hooks:
         return None

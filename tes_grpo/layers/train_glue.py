@@ -20,7 +20,7 @@ gradient checkpointing's recompute, and in the backward:
 Here, while gradients are on (the training forward):
 - each GptOssRMSNorm computes decode_glue.rms_norm (its forward cast for cast) compiled, its backward derived by
   torch.compile from the same function;
-- each plain-LoRA projection (decode_math.lora_parts takes it) computes base_layer(x) and lora_B(lora_A(x)) on the
+- each plain-LoRA projection (lora.py's lora_parts takes it) computes base_layer(x) and lora_B(lora_A(x)) on the
   input as it comes where PEFT's cast to the adapter's dtype changes nothing lora_A computes (no cast needed, or
   autocast casts to its own dtype from a float32 or same-dtype adapter), and adds `result + low * scaling` in one
   compiled kernel;
@@ -42,13 +42,14 @@ float32 between their steps and round once, so gradients agree with autograd's e
 
 `decide(device_type, mode)` says how the functions run (compiled on CUDA, eager elsewhere or where inductor lacks
 the option; decided once per process for a device type and mode); `use_train_glue(model, glue)` gives the norms and
-the LoRA projections their training forward (an instance attribute over the class's, as fused_experts.py does) and
-returns how many of each.
+the LoRA projections their training forward (each module's class swapped for a subclass whose forward is the one
+below, as torch's parametrize and mxfp4_experts.py do: nothing is rebound on an instance) and returns how many of
+each.
 """
 
 from __future__ import annotations
 
-import types
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -57,11 +58,13 @@ from peft.tuners.lora.layer import Linear as LoraLinear
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm, apply_rotary_pos_emb
 
 from tes_grpo.layers import decode_glue
-from tes_grpo.sampling.decode_math import lora_parts
+from tes_grpo.layers.lora import lora_parts
+from tes_grpo.patches import transformers_patches
+from tes_grpo.run.processes import say as _say
 
 __all__ = ["EAGER", "GLUE_MODES", "RopeForTraining", "SinksInTraining", "TrainGlue", "add_scaled", "compiled",
            "decide", "drop_train_glue", "lora_training_forward", "norm_training_forward", "rms_norm", "rope",
-           "use_train_glue", "uses_train_glue", "with_sinks"]
+           "rope_through", "sinks_through", "use_train_glue", "uses_train_glue", "with_sinks"]
 
 GLUE_MODES = decode_glue.GLUE_MODES
 # graphs a compiled function may keep: dims that change between micro-batches are marked dynamic, so a few suffice
@@ -178,26 +181,38 @@ def norm_training_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     """transformers 5.17-5.24's GptOssRMSNorm.forward in the training forward: the glue's rms_norm of its weight and
     epsilon (the same function, cast for cast)."""
     if not _training(hidden_states):
-        return type(self).forward(self, hidden_states)
+        return self.without_glue.forward(self, hidden_states)
     return self._train_glue.norm(hidden_states, self.weight, self.variance_epsilon)
 
 
-norm_training_forward.computes_rms_norm = True  # decode_glue.norm_weights: the module still computes rms_norm
-
-
 def lora_training_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """peft 0.21's lora.Linear.forward in the training forward, for a plain adapter (decode_math.lora_parts): the base
+    """peft 0.21's lora.Linear.forward in the training forward, for a plain adapter (lora.py's lora_parts): the base
     layer, then lora_B(lora_A(x)) on x as it comes where autocast casts it to the same dtype anyway (PEFT first
     casts it to the adapter's dtype), added by the glue's add_scaled. Anything else runs PEFT's forward."""
     parts = None if args or kwargs or not _training(x) else lora_parts(self)
     if parts is None or parts[2] is None:
-        return type(self).forward(self, x, *args, **kwargs)
+        return self.without_glue.forward(self, x, *args, **kwargs)
     name = next(a for a in self.active_adapters if a in self.lora_A)
     lora_A, lora_B = self.lora_A[name], self.lora_B[name]
     if not cast_changes_nothing(x, lora_A.weight.dtype):
-        return type(self).forward(self, x, *args, **kwargs)
+        return self.without_glue.forward(self, x, *args, **kwargs)
     result = self.base_layer(x)
     return self._train_glue.add(result, lora_B(lora_A(self.lora_dropout[name](x))), self.scaling[name])
+
+
+@functools.cache
+def glue_class(cls: type) -> type:
+    """The training-glue variant of a norm or LoRA layer class (one per class, so isinstance(module, cls) still
+    holds): its forward is norm_training_forward or lora_training_forward, `without_glue` the class it came from,
+    and norms keep computing rms_norm (decode_glue.norm_weights reads their weights); a name in this module, so a
+    pickled model finds it again."""
+    norm = issubclass(cls, GptOssRMSNorm)
+    name = f"TrainGlue{cls.__name__}"
+    attributes = {"__module__": __name__, "__qualname__": name, "without_glue": cls, "computes_rms_norm": norm,
+                  "forward": norm_training_forward if norm else lora_training_forward}
+    variant = type(name, (cls,), attributes)
+    globals()[name] = variant
+    return variant
 
 
 def cast_changes_nothing(x: torch.Tensor, adapter_dtype: torch.dtype) -> bool:
@@ -242,6 +257,20 @@ class SinksInTraining:
         return self.glue.sinks(out, lse, s_aux), lse
 
 
+def rope_through(glue: TrainGlue | None, say=_say) -> bool:
+    """transformers' rotary embedding runs through `glue` in the training forward (RopeForTraining, installed by
+    patches.transformers_patches.rotary_embedding_in_training); None puts the library's function back."""
+    wrap = None if glue is None else functools.partial(RopeForTraining, glue=glue)
+    return transformers_patches.rotary_embedding_in_training(wrap, say)
+
+
+def sinks_through(glue: TrainGlue | None, say=_say) -> bool:
+    """flex attention's sink step runs through `glue` in the training forward (SinksInTraining, installed by
+    patches.transformers_patches.flex_sinks_in_training); None puts the library's entry back."""
+    wrap = None if glue is None else functools.partial(SinksInTraining, glue=glue)
+    return transformers_patches.flex_sinks_in_training(wrap, say)
+
+
 def _is_lora_linear(module) -> bool:
     """A PEFT LoRA layer over an nn.Linear that runs lora.Linear's own forward (the one lora_training_forward
     mirrors; a subclass with another forward keeps it)."""
@@ -251,40 +280,31 @@ def _is_lora_linear(module) -> bool:
 
 def use_train_glue(model, glue: TrainGlue) -> tuple[int, int]:
     """Gives every GptOssRMSNorm (running its class's forward) and every LoRA projection of `model` its training
-    forward above, calling `glue`; returns (norms, projections). Modules that have it already take the new glue;
-    modules whose forward was replaced otherwise (a hub kernel) are left as they are."""
+    forward above (glue_class), calling `glue`; returns (norms, projections). Modules that have it already take the
+    new glue; modules whose forward was replaced otherwise (a hub kernel) are left as they are."""
     norms = projections = 0
     for module in model.modules():
-        if uses_train_glue(module):
-            module._train_glue = glue
-            norms += type(module) is GptOssRMSNorm
-            projections += type(module) is not GptOssRMSNorm
-            continue
-        if "forward" in vars(module):
-            continue
-        if type(module) is GptOssRMSNorm:
-            module.forward = types.MethodType(norm_training_forward, module)
-            norms += 1
-        elif _is_lora_linear(module):
-            module.forward = types.MethodType(lora_training_forward, module)
-            projections += 1
-        else:
-            continue
+        if not uses_train_glue(module):
+            if "forward" in vars(module) or not (type(module) is GptOssRMSNorm or _is_lora_linear(module)):
+                continue
+            module.__class__ = glue_class(type(module))
         module._train_glue = glue
+        norms += isinstance(module, GptOssRMSNorm)
+        projections += not isinstance(module, GptOssRMSNorm)
     return norms, projections
 
 
 def uses_train_glue(module) -> bool:
     """Whether use_train_glue gave `module` its training forward."""
-    return getattr(getattr(module, "forward", None), "__func__", None) in (norm_training_forward,
-                                                                           lora_training_forward)
+    return getattr(type(module), "without_glue", None) is not None
 
 
 def drop_train_glue(model) -> int:
-    """Gives the modules use_train_glue changed their class's forward back; returns how many."""
+    """Gives the modules use_train_glue changed their class back; returns how many."""
     dropped = 0
     for module in model.modules():
         if uses_train_glue(module):
-            del module.forward, module._train_glue
+            module.__class__ = type(module).without_glue
+            del module._train_glue
             dropped += 1
     return dropped

@@ -29,6 +29,7 @@ import torch
 from peft import PeftModel
 from tqdm import tqdm
 
+from tes_grpo.layers.lora import causal_lm
 from tes_grpo.model.model_loading import (
     dtype_name,
     load_for_inference,
@@ -151,7 +152,7 @@ def adapter_switch(policy: PolicyModel, use_adapter: bool):
 def decode_experts_context(policy: PolicyModel, batch_len: int):
     """Keeps grouped_mm experts while decoding for large GPU batches (see GROUPED_MM_MIN_BATCH); else no change."""
     if policy.device == "cuda" and batch_len >= GROUPED_MM_MIN_BATCH:
-        return grouped_mm_experts_for_decode(policy.model, say=print)
+        return grouped_mm_experts_for_decode(causal_lm(policy.model), say=print)
     return contextlib.nullcontext()
 
 

@@ -9,8 +9,11 @@
 - registry: every patch with the library function it relies on, the versions it was checked on, and that
   function's fingerprint on each of them
 
-The sampler's own wrappers around library calls (cross-process sync, vLLM's base-weight guard) live in sampler.py,
-and sampling_fidelity.py's hooks of TRL's private GRPOTrainer methods there; registry.PATCHED lists them too.
+Code elsewhere in the package that mirrors or overrides a library's internals (the trainer's overrides of TRL's private
+GRPOTrainer methods, the decode step's copy of gpt-oss's forward, the sampler's reading of generate()'s options, the
+training glue's copies of PEFT's and transformers' forwards) is registered here too: registry.PATCHED names each with
+the library function it mirrors, and tests/test_patches.py scans the whole package for code that names a library
+version in its docstring or assigns into a library's module or class, and fails on any that is not registered.
 
 A fingerprint is a hash of a function's code with docstrings, comments and whitespace left out (or of a builtin's
 signature). tests/test_patches.py fails when an installed library's function has a fingerprint not listed, naming

@@ -95,30 +95,33 @@ PATCHED = (  # patch, library, target, ((version, fingerprint), ...)
     Patched("patches.accelerate_patches.give_trainable_weights_storage", "accelerate",
             "accelerate.utils.fsdp_utils:fsdp2_switch_optimizer_parameters",
             (("1.15.0", "ef718eb8b1b5"),)),
-    Patched("sampling.sampler.SyncedGenerate", "transformers",
-            "transformers.generation.utils:GenerationMixin.generate",
+    Patched("sampling.sampler.Sampler.generate", "transformers",
+            "transformers.generation.utils:GenerationMixin.generate",  # synced_gpus, logits_processor, the output
             (("5.24.0", "5eb11517091e"), ("5.17.0", "89fe0eae9dc9"))),
     Patched("sampling.sampler.BaseWeightsKept", "trl",
             "trl.generation.vllm_generation:VLLMGeneration.sync_weights",
             (("1.16.0", "891eefcde1cb"),)),
-    Patched("sampling.sampling_fidelity.FidelityHook.generate_single_turn", "trl",
+    Patched("training.trainer.GptOssGRPOTrainer._generate_single_turn", "trl",
             "trl.trainer.grpo_trainer:GRPOTrainer._generate_single_turn",
             (("1.16.0", "00f3a766d295"),)),
-    Patched("sampling.sampling_fidelity.FidelityHook.compute_loss", "trl",
+    Patched("training.trainer.GptOssGRPOTrainer._compute_loss", "trl",
             "trl.trainer.grpo_trainer:GRPOTrainer._compute_loss",
             (("1.16.0", "24eeba60c27c"),)),
-    Patched("sampling.sampling_fidelity.FidelityHook.per_token_logps", "trl",
+    Patched("training.trainer.GptOssGRPOTrainer._get_per_token_logps_and_entropies", "trl",
             "trl.trainer.grpo_trainer:GRPOTrainer._get_per_token_logps_and_entropies",
             (("1.16.0", "90405f3bc44e"),)),
 )
 
 
 def resolve(target: str):
-    """The object `module:qualified.name` names (a property's getter for a property)."""
+    """The object `module:qualified.name` names (a property's getter for a property), the library's own where a patch
+    of this package has wrapped it (every wrapper here keeps the original as `wraps_original`)."""
     module_name, _, qualified = target.partition(":")
     obj = importlib.import_module(module_name)
     for part in qualified.split("."):
         found = inspect.getattr_static(obj, part) if inspect.isclass(obj) else getattr(obj, part)
+        while hasattr(found, "wraps_original"):
+            found = found.wraps_original
         obj = found.fget if isinstance(found, property) else getattr(found, "__func__", found)
     return obj
 

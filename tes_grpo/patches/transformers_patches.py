@@ -1,46 +1,81 @@
 """Patches of transformers, each with the versions it was checked on and why. Which of them a run takes is decided
-by fast_paths.py (the speed choices) or tes_grpo.patches.fixes (the corrections)."""
+by training/fast_paths.py (the speed choices) or tes_grpo.patches.fixes (the corrections). What a patch puts in
+place of a library function is given to it by its caller (a patch module knows the library, not the project's
+layers)."""
 
 from __future__ import annotations
 
 import contextlib
+import weakref
+from collections.abc import Callable
 
 import torch
 import transformers.masking_utils as masking_utils
 import transformers.models.gpt_oss.modeling_gpt_oss as modeling_gpt_oss
 from torch.nn.attention import flex_attention as torch_flex_attention
+from transformers.generation.utils import GenerationMixin
 from transformers.integrations import TensorBoardCallback
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from tes_grpo.run.processes import say as _say
-from tes_grpo.training.lm_head import causal_lm
+
+# the models whose experts stay on grouped_mm while generating (keep_grouped_mm_experts_for_decode)
+_KEEP_GROUPED_MM: weakref.WeakSet = weakref.WeakSet()
+
+
+class ExpertsSwitchUnlessKept:
+    """GenerationMixin._optimize_model_for_decode for the process: transformers' own switch, but none for the models
+    keep_grouped_mm_experts_for_decode names."""
+
+    def __init__(self, original):
+        self.wraps_original = original
+
+    def __get__(self, model, owner=None):
+        if model is None:
+            return self
+        if model in _KEEP_GROUPED_MM:
+            return contextlib.nullcontext
+        return self.wraps_original.__get__(model, owner)
 
 
 def keep_grouped_mm_experts_for_decode(model, say=_say) -> bool:
-    """transformers 5.17-5.24: stops generate() from switching grouped_mm experts to batched_mm for decoding.
+    """transformers 5.17-5.24: stops generate() from switching this model's grouped_mm experts to batched_mm for
+    decoding (`model`: the causal LM whose generate() runs, the PEFT base model under LoRA).
 
     transformers (on GPUs) swaps in `batched_mm` for the decode phase, which gathers every token's expert weights:
     fast for a few sequences, but GRPO decodes 64 at once, where it needs more memory and is slower (BENCHMARKS.md,
-    "Generation alone: which experts implementation decodes"). Permanent for this model object;
-    returns whether there was a switch to turn off.
+    "Generation alone: which experts implementation decodes"). GenerationMixin's method is wrapped once for the
+    process (ExpertsSwitchUnlessKept); the models named here get no switch, every other model transformers' own. For
+    as long as the model lives (release_grouped_mm_experts_for_decode ends it); returns whether there was a switch to
+    turn off.
     """
-    inner = causal_lm(model)
-    if not hasattr(inner, "_optimize_model_for_decode"):
+    current = getattr(GenerationMixin, "_optimize_model_for_decode", None)
+    if current is None:
         say("note: this transformers has no decode-time experts switch; nothing to keep")
         return False
-    inner._optimize_model_for_decode = contextlib.nullcontext
+    if not isinstance(vars(GenerationMixin)["_optimize_model_for_decode"], ExpertsSwitchUnlessKept):
+        GenerationMixin._optimize_model_for_decode = ExpertsSwitchUnlessKept(
+            vars(GenerationMixin)["_optimize_model_for_decode"])
+    _KEEP_GROUPED_MM.add(model)
     return True
+
+
+def release_grouped_mm_experts_for_decode(model) -> None:
+    """Gives `model` transformers' decode-time experts switch back."""
+    _KEEP_GROUPED_MM.discard(model)
 
 
 @contextlib.contextmanager
 def grouped_mm_experts_for_decode(model, say=_say):
-    """keep_grouped_mm_experts_for_decode for the duration of a with-block (transformers' switch comes back after)."""
-    inner = causal_lm(model)
+    """keep_grouped_mm_experts_for_decode for the duration of a with-block (transformers' switch comes back after,
+    unless the model was kept already)."""
+    kept_before = model in _KEEP_GROUPED_MM
     kept = keep_grouped_mm_experts_for_decode(model, say)
     try:
         yield model
     finally:
-        if kept:
-            del inner._optimize_model_for_decode
+        if kept and not kept_before:
+            release_grouped_mm_experts_for_decode(model)
 
 
 def dequantized_experts_in_dtype(model, dtype, say=_say) -> int:
@@ -251,46 +286,41 @@ def flex_masks_with_padding_bounds(say=_say) -> bool:
     return True
 
 
-def rotary_embedding_in_training(glue, say=_say) -> bool:
-    """transformers 5.17-5.24: gpt-oss's attention applies the rotary embedding through train_glue's `glue` in the
-    training forward.
+def rotary_embedding_in_training(wrap: Callable | None, say=_say) -> bool:
+    """transformers 5.17-5.24: gpt-oss's attention applies the rotary embedding through `wrap(original)` (the training
+    glue's RopeForTraining, layers/train_glue.py) instead of the library's function.
 
     GptOssAttention.forward calls the module-level `apply_rotary_pos_emb` of modeling_gpt_oss by name (it is not an
     attribute of the module, so no instance can be given another); its seven elementwise kernels over the query and
     the key become one compiled kernel (train_glue.py says why and how; the same numbers). The module's name is
-    pointed at train_glue.RopeForTraining, which calls the library's function wherever the call is not the
-    training forward's. For the process; installing again swaps the glue; glue None puts the library's function
-    back. Returns False, and says so, if this transformers' gpt-oss has no such function.
+    pointed at what `wrap` makes of the library's function, which it calls wherever the call is not the training
+    forward's. For the process; installing again replaces it; wrap None puts the library's function back. Returns
+    False, and says so, if this transformers' gpt-oss has no such function.
     """
-    from tes_grpo.layers.train_glue import RopeForTraining
-
     current = getattr(modeling_gpt_oss, "apply_rotary_pos_emb", None)
     if current is None:
         say("note: this transformers' gpt-oss has no apply_rotary_pos_emb; the rotary embedding stays kernel by kernel")
         return False
     original = getattr(current, "wraps_original", current)
-    modeling_gpt_oss.apply_rotary_pos_emb = original if glue is None else RopeForTraining(original, glue)
+    modeling_gpt_oss.apply_rotary_pos_emb = original if wrap is None else wrap(original)
     return True
 
 
-def flex_sinks_in_training(glue, say=_say) -> bool:
-    """transformers 5.17-5.24: flex attention's sink step in the training forward through train_glue's `glue`.
+def flex_sinks_in_training(wrap: Callable | None, say=_say) -> bool:
+    """transformers 5.17-5.24: flex attention's sink step in the training forward through `wrap(original)` (the
+    training glue's SinksInTraining, layers/train_glue.py).
 
     flex_attention_forward renormalises its output for gpt-oss's sinks with a float32 product over the whole output,
     a cast back and a transposed copy (train_glue.py says why that costs); its entry in ALL_ATTENTION_FUNCTIONS is
-    wrapped by train_glue.SinksInTraining, which calls it without the sinks and applies them in one compiled kernel
-    (the same arithmetic). For the process; installing again swaps the glue; glue None puts the library's entry
-    back. Returns False, and says so, if this transformers has no flex attention entry.
+    replaced by what `wrap` makes of it, which calls it without the sinks and applies them in one compiled kernel (the
+    same arithmetic). For the process; installing again replaces it; wrap None puts the library's entry back. Returns
+    False, and says so, if this transformers has no flex attention entry.
     """
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    from tes_grpo.layers.train_glue import SinksInTraining
-
     try:
         current = ALL_ATTENTION_FUNCTIONS["flex_attention"]
     except KeyError:
         say("note: this transformers has no flex_attention entry; its sink step stays kernel by kernel")
         return False
     original = getattr(current, "wraps_original", current)
-    ALL_ATTENTION_FUNCTIONS["flex_attention"] = original if glue is None else SinksInTraining(original, glue)
+    ALL_ATTENTION_FUNCTIONS["flex_attention"] = original if wrap is None else wrap(original)
     return True

@@ -10,7 +10,7 @@ into one [rows, sum of outputs] tensor, W the W_j one after another (each read t
 concatenated copy). That is PEFT 0.21's lora.Linear.forward under the trainer's bf16 autocast, rounding for rounding:
 the base layer's product with its bias rounded once (cuBLAS adds the bias before rounding), the adapter's two
 products each rounded, the scaling's product rounded (none when it is a power of two folded into B: the same
-numbers), the sum rounded. A and B are decode_math.LowRank's: the projections' A stacked, their B block-diagonal.
+numbers), the sum rounded. A and B are layers/lora.py's LowRank's: the projections' A stacked, their B block-diagonal.
 The sums are float32 in another order than cuBLAS's, as another cuBLAS kernel's would be (the trainer's forward runs
 other shapes, so other kernels).
 

@@ -1,5 +1,5 @@
 """Sampling from gpt-oss with a static KV cache, each decode step replayed as one CUDA graph, in the trainer's
-arithmetic: the GRPO sampler's fast backend (sampler.py installs it when fast_paths.py chooses it).
+arithmetic: the GRPO sampler's fast backend (sampler.py calls it when fast_paths.py chooses it).
 
     python benchmarks/bench_generate.py --NUM_SEQS=64 --NEW_TOKENS=128 --VARIANTS=grouped_mm,graphs   # GPU machine
 
@@ -7,9 +7,9 @@ arithmetic: the GRPO sampler's fast backend (sampler.py installs it when fast_pa
 with transformers' own warpers; end tokens; pad after the end): the prompt is prefilled into a static cache
 (decode_cache.py), each new token is one decode step (decode_math.py; a CUDA graph replay on GPUs), and each
 token is drawn as generate() draws it (token_sampling.py), so the random numbers drawn are generate()'s.
-`GraphDecodeGenerate` stands in for a model's generate(): this path for the calls it supports, transformers' own
-for the rest (`unsupported_options` names why, once). `auto_decode_graphs` is the one check of whether a model can
-take this path at all (`model_blockers`, `state_blockers`, `graph_blockers`).
+sampler.py calls it (`generate_in_calls`) for the calls it supports and transformers' generate for the rest
+(`unsupported_options` names why). `auto_decode_graphs` is the one check of whether a model can take this path at
+all (`model_blockers`, `state_blockers`, `graph_blockers`).
 
 Why it exists: through transformers' generate a decode step of the 20B model at 64 sequences is mostly Python and
 thousands of kernel launches; a CUDA graph replays a step's kernels with one launch, but only if the step has fixed
@@ -32,10 +32,10 @@ from __future__ import annotations
 import torch
 import transformers
 
+from tes_grpo.layers.lora import causal_lm
 from tes_grpo.sampling.decode_cache import decode_steps, prefill
 from tes_grpo.sampling.decode_math import decode_weights
-from tes_grpo.sampling.token_sampling import SampledLogprobs, draw, logits_warpers
-from tes_grpo.training.lm_head import causal_lm
+from tes_grpo.sampling.token_sampling import draw, logits_warpers
 
 # generate() options this path implements, with the values it accepts (None = any value)
 _ACCEPTED = {
@@ -205,7 +205,7 @@ def state_blockers(model, training: bool | None = None) -> list[str]:
 
 def auto_decode_graphs(model, cuda: bool | None = None, sharded: bool = False) -> tuple[bool, str]:
     """What DECODE_GRAPHS="auto" means for this model: (on, why), `why` fit for a log line. The one check of the
-    model, its state and its capturability: GraphDecodeGenerate does not repeat it on each call.
+    model, its state and its capturability: the sampler does not repeat it on each call.
 
     On when the model is on CUDA (default: torch.cuda.is_available()), not sharded by FSDP, has no dropout in train
     mode (GRPO generates in it) and nothing blocks capturing its decode steps; the reason names what turned it off.
@@ -237,52 +237,19 @@ def joined_rows(parts: list[torch.Tensor], fill) -> torch.Tensor:
     return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=fill) for p in parts])
 
 
-class GraphDecodeGenerate:
-    """Stands in for a model's generate(): graph_decode.generate for the calls it supports, transformers' own for
-    the others (said once per reason). Whether the model itself can take this path is the installer's check
-    (auto_decode_graphs), made once; each call checks only its options (unsupported_options).
-
-    model: the GptOssForCausalLM; original: the generate() to fall back on; experts ("model" or "mxfp4", see
-    generate), lora ("peft" or "merged"), glue ("eager" or "compiled", see generate), autocast (the trainer's
-    autocast dtype, or None), max_batch (rows a generate call takes at most: a larger batch is generated in
-    consecutive calls of that many rows, as the memory plan allows; None = all at once). A logits_processor of
-    token_sampling.SampledLogprobs recorders is served here: each gets the sampled tokens' log-probabilities; any
-    other processor sends the call to transformers' generate.
-    """
-
-    def __init__(self, model, original, experts: str = "model", lora: str = "peft",
-                 autocast: torch.dtype | None = None, max_batch: int | None = None, say=print, glue: str = "eager"):
-        self.model, self.original, self.say, self.glue = model, original, say, glue
-        self.experts, self.lora, self.autocast, self.max_batch = experts, lora, autocast, max_batch
-        self.reported: set[str] = set()
-
-    def __call__(self, input_ids=None, attention_mask=None, generation_config=None, logits_processor=None, **kwargs):
-        config = generation_config if generation_config is not None else self.model.generation_config
-        recorders = [p for p in logits_processor or () if isinstance(p, SampledLogprobs)]
-        others = [p for p in logits_processor or () if not isinstance(p, SampledLogprobs)]
-        reasons = unsupported_options(config, {**kwargs, "logits_processor": others or None})
-        if input_ids is None:
-            reasons.append("no input_ids")
-        if reasons:
-            text = ", ".join(reasons)
-            if text not in self.reported:
-                self.reported.add(text)
-                self.say(f"DECODE_GRAPHS: this generate call uses transformers' generate ({text} not supported)")
-            if logits_processor is not None:
-                kwargs["logits_processor"] = logits_processor
-            return self.original(input_ids=input_ids, attention_mask=attention_mask,
-                                 generation_config=generation_config, **kwargs)
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        size = self.max_batch or input_ids.shape[0]
-        parts = [generate(self.model, input_ids[i:i + size], attention_mask[i:i + size], config, experts=self.experts,
-                          say=self.say, lora=self.lora, autocast=self.autocast, logprobs=bool(recorders),
-                          glue=self.glue)
-                 for i in range(0, input_ids.shape[0], size)]
-        pad = config.pad_token_id if config.pad_token_id is not None else first_end_token(config)
-        if not recorders:
-            return joined_rows(parts, pad)
-        logprobs = joined_rows([p[1] for p in parts], 0.0)
-        for recorder in recorders:
-            recorder.record(logprobs)
-        return joined_rows([p[0] for p in parts], pad)
+def generate_in_calls(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, generation_config,
+                      max_batch: int | None = None, logprobs: bool = False, **options):
+    """`generate` over a batch in consecutive calls of at most `max_batch` rows (as the memory plan allows; None = all
+    at once), the rows of the calls joined as one batch: (ids, log-probabilities or None when `logprobs` is off).
+    options: generate's (experts, lora, autocast, glue, say, ...)."""
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    size = max_batch or input_ids.shape[0]
+    parts = [generate(model, input_ids[i:i + size], attention_mask[i:i + size], generation_config, logprobs=logprobs,
+                      **options)
+             for i in range(0, input_ids.shape[0], size)]
+    pad = generation_config.pad_token_id
+    pad = pad if pad is not None else first_end_token(generation_config)
+    if not logprobs:
+        return joined_rows(parts, pad), None
+    return joined_rows([p[0] for p in parts], pad), joined_rows([p[1] for p in parts], 0.0)

@@ -1,5 +1,6 @@
 """How closely the completions were sampled from the policy being trained, measured every step, and an optional
-correction (IMPORTANCE_SAMPLING). Library module: sampler.install hooks it into the trainer (`hook_trainer`).
+correction (IMPORTANCE_SAMPLING). Library module: the trainer (training/trainer.py) hands each micro-batch to a
+`GapMeter`.
 
 Why: GRPO's gradient assumes the completions were drawn from the policy the trainer computes. The sampler computes
 its own forward (graph_decode's decode steps, transformers' generate, or vLLM), with other kernels and other
@@ -24,8 +25,7 @@ TensorBoard and REPORT_TO's trackers; the progress line shows the first), under 
   drawn from pi_sampler, E[r - 1 - log r] = KL(pi_sampler || pi_train), per token, never negative. NeMo-RL's
   gpt-oss-20b release check requires it below 0.002.
 
-Where the log-probabilities come from (hooks on the GRPOTrainer instance, TRL 1.16: `hook_trainer` checks the private
-methods exist and says when the TRL version differs):
+Where the log-probabilities come from (training/trainer.py's GRPOTrainer subclass, TRL 1.16):
 - the sampler's: vLLM returns them (TRL asks for them, after processing); graph_decode's sampling loop computes them
   (generate(logprobs=True)); transformers' generate gets SampledLogprobs as its last custom logits processor. The
   trainer's `_generate_single_turn` returns them to TRL, which then carries them as `sampling_per_token_logps` in
@@ -52,11 +52,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-import trl
 
 from tes_grpo.run.choices import IS_MODES
 
-TRL_SERVED = "1.16"  # the TRL version whose private GRPOTrainer methods these hooks replace
 LOGP_MEAN = "sampling/sampling_logp_difference/mean"
 LOGP_MAX = "sampling/sampling_logp_difference/max"
 RATIO_MIN = "sampling/importance_sampling_ratio/min"
@@ -147,79 +145,21 @@ class GapWindow:
                 RATIO_MAX: highs[1] if ratio_count else 0.0, GEN_KL: kl_sum / tokens}
 
 
-class FidelityHook:
-    """The hooks `hook_trainer` puts on one GRPOTrainer (TRL 1.16): see the module docstring. `latest`: the metrics
-    of the latest optimizer step (benchmarks read it); `recording`: the sampler's recorder (sampler.RecordingGenerate,
-    whose `take()` hands out a generate call's sampled log-probabilities [B, n]; None under vLLM, which returns them
-    itself)."""
+class GapMeter:
+    """The sampler-trainer gap of each optimizer step, and IMPORTANCE_SAMPLING's weights (the module docstring): the
+    trainer hands it each micro-batch that carries the sampler's log-probabilities (`measure`); `latest` holds the
+    metrics of the latest step (benchmarks read it)."""
 
-    def __init__(self, trainer, correction: Correction, recording=None, say=print):
-        self.trainer, self.correction, self.recording, self.say = trainer, correction, recording, say
+    def __init__(self, correction: Correction | None = None):
+        self.correction = correction or Correction()
         self.windows = {"train": GapWindow(), "eval": GapWindow()}
         self.latest: dict = {}
-        self.batch: dict | None = None
-        self.said_missing = False
-        self._generate_single_turn = trainer._generate_single_turn
-        self._compute_loss = trainer._compute_loss
-        self._per_token_logps = trainer._get_per_token_logps_and_entropies
 
-    def attach(self) -> None:
-        """Replaces the trainer's three methods with this hook's (on the instance; the class is untouched)."""
-        self.trainer._generate_single_turn = self.generate_single_turn
-        self.trainer._compute_loss = self.compute_loss
-        self.trainer._get_per_token_logps_and_entropies = self.per_token_logps
-
-    def detach(self) -> None:
-        """Undoes sampler.install's measurement (benchmarks time a step without it): the trainer's three methods and the
-        model's generate() as they were. The vLLM base-weight guard stays: it is a fix, not a measurement."""
-        self.trainer._generate_single_turn = self._generate_single_turn
-        self.trainer._compute_loss = self._compute_loss
-        self.trainer._get_per_token_logps_and_entropies = self._per_token_logps
-        if self.recording is not None:
-            self.recording.model.generate = self.recording.generate
-            self.recording = None
-        self.trainer.__dict__.pop("sampling_fidelity", None)
-
-    def generate_single_turn(self, *args, **kwargs):
-        """TRL 1.16's _generate_single_turn, returning the sampled tokens' log-probabilities where TRL returns None
-        (transformers' generate, graph_decode), cut to each completion as TRL cut its ids."""
-        if self.recording is not None:
-            self.recording.latest = None
-        completion_ids, logprobs = self._generate_single_turn(*args, **kwargs)
-        if logprobs is not None:
-            return completion_ids, logprobs
-        sampled = self.recording.take() if self.recording is not None else None
-        if sampled is None:
-            if not self.said_missing:
-                self.said_missing = True
-                self.say("sampling metrics: this generation path gave no sampled log-probabilities; sampling/* are "
-                         "not logged" + (" and IMPORTANCE_SAMPLING is not applied" if self.correction.on else ""))
-            return completion_ids, None
-        rows = sampled.float().cpu()
-        if rows.shape[0] != len(completion_ids) or any(len(ids) > rows.shape[1] for ids in completion_ids):
-            raise RuntimeError(f"sampling metrics: {tuple(rows.shape)} log-probabilities for {len(completion_ids)} "
-                               f"completions of up to {max(map(len, completion_ids), default=0)} tokens")
-        return completion_ids, [rows[i, :len(ids)].tolist() for i, ids in enumerate(completion_ids)]
-
-    def compute_loss(self, model, inputs):
-        """TRL 1.16's _compute_loss on a copy of the micro-batch (per_token_logps may scale its advantages)."""
-        self.batch = dict(inputs)
-        try:
-            return self._compute_loss(model, self.batch)
-        finally:
-            self.batch = None
-
-    def per_token_logps(self, *args, **kwargs):
-        """TRL 1.16's _get_per_token_logps_and_entropies; inside _compute_loss, measures (and corrects) the gap."""
-        logps, entropies, aux_loss = self._per_token_logps(*args, **kwargs)
-        batch, self.batch = self.batch, None  # only _compute_loss's own call, once
-        if batch is not None and batch.get("sampling_per_token_logps") is not None:
-            self.measure(batch, logps)
-        return logps, entropies, aux_loss
-
-    def measure(self, batch: dict, logps: torch.Tensor) -> None:
-        """Adds a micro-batch's gaps to the step's window (and, with the correction on, scales its advantages);
-        at the optimizer step's last micro-batch, logs the step's metrics."""
+    def measure(self, batch: dict, logps: torch.Tensor, mode: str, step_ends: bool, accelerator) -> dict | None:
+        """Adds a micro-batch's gaps (batch: TRL 1.16's micro-batch inputs; logps: the trainer's log-probabilities of
+        its completion tokens) to the window of `mode` ("train" or "eval") and, with the correction on, scales the
+        batch's advantages by the weights. At the step's last micro-batch (`step_ends`: a collective, every process
+        calls it at the same micro-batch) returns the step's metrics, else None."""
         mask = batch["completion_mask"] if "tool_mask" not in batch else batch["completion_mask"] * batch["tool_mask"]
         old = batch.get("old_per_token_logps")
         old = logps.detach() if old is None else old
@@ -228,41 +168,13 @@ class FidelityHook:
         if weights is not None:
             advantages = batch["advantages"]
             batch["advantages"] = (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages) * weights
-        mode = "train" if self.trainer.model.training else "eval"
         self.windows[mode].add(delta, mask, weights, self.correction.sequence_level)
-        if mode == "eval" or self.trainer.accelerator.sync_gradients:
-            totals = self.windows[mode].totals(self.trainer.accelerator)
-            if totals is not None:
-                self.latest = totals
-                for name, value in totals.items():
-                    self.trainer._metrics[mode][name].append(value)
-
-
-def check_trainer(trainer, say=print) -> None:
-    """Raises when `trainer` lacks the TRL 1.16 private methods the hooks replace, or measures vLLM's gap itself;
-    says when its TRL version is another one. sampler.install calls it before it changes anything."""
-    missing = [name for name in ("_generate_single_turn", "_compute_loss", "_get_per_token_logps_and_entropies",
-                                 "_metrics") if not hasattr(trainer, name)]
-    if missing:
-        raise RuntimeError(f"sampling_fidelity: TRL {trl.__version__}'s GRPOTrainer has no {', '.join(missing)} (the "
-                           f"hooks serve TRL {TRL_SERVED})")
-    if not trl.__version__.startswith(TRL_SERVED + "."):
-        say(f"note: sampling_fidelity hooks TRL {TRL_SERVED}'s private GRPOTrainer methods; this is TRL "
-            f"{trl.__version__} (they exist, so the hooks are on: check that sampling/* are logged)")
-    if getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_importance_sampling_correction", False):
-        raise ValueError("sampling_fidelity: TRL's own vLLM importance sampling is on; set "
-                         "vllm_importance_sampling_correction=False (IMPORTANCE_SAMPLING corrects every path)")
-
-
-def hook_trainer(trainer, correction: Correction, recording=None, say=print) -> FidelityHook:
-    """Measures the sampler-trainer gap on `trainer` every step (and applies `correction`): hooks TRL 1.16's
-    _generate_single_turn, _compute_loss and _get_per_token_logps_and_entropies on this instance, reading the
-    sampler's log-probabilities from `recording` (sampler.install builds it; None under vLLM). Checked first by
-    check_trainer. The hook is also kept as trainer.sampling_fidelity."""
-    hook = FidelityHook(trainer, correction, recording, say)
-    hook.attach()
-    trainer.sampling_fidelity = hook
-    return hook
+        if not step_ends:
+            return None
+        totals = self.windows[mode].totals(accelerator)
+        if totals is not None:
+            self.latest = totals
+        return totals
 
 
 def gap_summary(records: list[dict]) -> str | None:

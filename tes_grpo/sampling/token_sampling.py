@@ -2,9 +2,8 @@
 
 `logits_warpers` builds transformers' own warpers for a generation config (temperature, top-k, top-p, min-p, in
 generate()'s order); `draw` picks each row's next token from the warped scores and, when asked, the log-probability
-it was drawn with; `SampledLogprobs` is the recorder of those log-probabilities that a generate() call is handed as a
-logits processor: transformers' generate feeds it every step's scores, graph_decode hands it what `draw` computed.
-sampler.py's RecordingGenerate keeps what it recorded for sampling_fidelity.py.
+it was drawn with (graph_decode's loop); `SampledLogprobs` is the recorder of those log-probabilities that
+transformers' generate() is handed as a logits processor (sampler.py), fed every step's scores.
 """
 
 from __future__ import annotations
@@ -59,15 +58,13 @@ class SampledLogprobs:
     processors but before the sampling warpers (generate appends those after custom processors), so it applies the
     warpers itself (`warpers`: logits_warpers of the call's config, the same classes in the same order;
     each returns a new tensor, so generate's own pass is untouched); the token chosen from a step is read at the next
-    step (the last column of input_ids) and the last one from the returned sequences (`result`). graph_decode's
-    GraphDecodeGenerate hands it the log-probabilities its sampling loop computed (`record`).
+    step (the last column of input_ids) and the last one from the returned sequences (`result`).
     """
 
     def __init__(self, warpers=None):
         self.warpers = warpers
         self.steps: list[torch.Tensor] = []
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.given: torch.Tensor | None = None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         self._close(input_ids[:, -1])
@@ -81,14 +78,8 @@ class SampledLogprobs:
             self.steps.append(warped.gather(1, chosen[:, None]).squeeze(1).float() - total)
             self.pending = None
 
-    def record(self, logprobs: torch.Tensor) -> None:
-        """graph_decode: the sampled tokens' log-probabilities [B, n], as its sampling loop computed them."""
-        self.given = logprobs
-
     def result(self, sequences: torch.Tensor, prompt_len: int) -> torch.Tensor:
         """[B, n] float32 log-probabilities of sequences[:, prompt_len:] (n new tokens)."""
-        if self.given is not None:
-            return self.given
         self._close(sequences[:, -1])
         new = sequences.shape[1] - prompt_len
         if len(self.steps) != new:

@@ -1,9 +1,9 @@
 """Which fast paths a GRPO run takes, decided once: the one place that chooses kernels.
 
-train_grpo.py calls `check_settings(s)` with its other setting checks (before anything slow) and, once the trainer
-has wrapped the model in LoRA, `choose(s, trainer, cuda)`, which returns the decisions with their reasons
-(FastPaths); `install(trainer, paths)` applies the training side of them and sampler.install builds the sampler
-`paths.sampler` names. The settings:
+train_grpo.py calls `check_settings(s)` with its other setting checks (before anything slow); the trainer
+(trainer.py), once TRL has wrapped the model in LoRA, calls `choose(s, trainer, cuda)`, which returns the decisions
+with their reasons (FastPaths), `install(trainer, paths)`, which applies the training side of them, and builds the
+sampler `paths.sampler` names (sampling/sampler.py). The settings:
 
 - DECODE_GRAPHS (auto | on | off): sample with graph_decode.py (static KV cache, each decode step replayed as a
   CUDA graph) instead of transformers' generate. auto = on when graph_decode.auto_decode_graphs finds nothing in
@@ -42,12 +42,12 @@ from dataclasses import dataclass
 
 from tes_grpo.experts.fused_experts import use_fused_experts
 from tes_grpo.layers import train_glue
+from tes_grpo.layers.lora import causal_lm
 from tes_grpo.patches import transformers_patches, trl_patches
 from tes_grpo.run.processes import process_count, uses_fsdp
 from tes_grpo.run.script_config import SettingsError
 from tes_grpo.sampling import decode_math, graph_decode
 from tes_grpo.sampling.sampler import SamplerSpec, training_autocast
-from tes_grpo.training.lm_head import causal_lm
 from tes_grpo.triton_support import triton_installed
 
 
@@ -205,11 +205,11 @@ def choose(s, trainer, cuda: bool, generation_sequences: int | None = None) -> F
 
 
 def install(trainer, paths: FastPaths) -> list[str]:
-    """Applies `paths`' training-side choices and speed patches to a GRPOTrainer (the sampler is sampler.install's);
+    """Applies `paths`' training-side choices and speed patches to a GRPOTrainer (the trainer builds the sampler);
     returns the log lines: the choices' reasons, then what each install did."""
     lines = list(paths.reasons)
     model = trainer.model
-    if paths.keep_grouped_mm_for_decode and transformers_patches.keep_grouped_mm_experts_for_decode(model,
+    if paths.keep_grouped_mm_for_decode and transformers_patches.keep_grouped_mm_experts_for_decode(causal_lm(model),
                                                                                                    lines.append):
         lines.append("decoding experts: the model's own experts stay on grouped_mm while generating (transformers "
                      "would switch them to batched_mm; they run the prefill and any layer the MXFP4 kernel does not "
@@ -226,10 +226,10 @@ def install(trainer, paths: FastPaths) -> list[str]:
     if paths.train_glue == "compiled":
         glue = train_glue.decide(paths.device_type, "compiled")
         norms, projections = train_glue.use_train_glue(model, glue)
-        rotary = transformers_patches.rotary_embedding_in_training(glue, lines.append)
+        rotary = train_glue.rope_through(glue, lines.append)
         # the wrapper acts only where flex attention returns its log-sum-exp: on CUDA
         sinks = (paths.flex_masks_from_bounds and paths.device_type == "cuda"
-                 and transformers_patches.flex_sinks_in_training(glue, lines.append))
+                 and train_glue.sinks_through(glue, lines.append))
         lines.append(f"training glue: {norms} norms, {projections} LoRA projections"
                      + (", the rotary embedding" if rotary else "") + (", flex attention's sink step" if sinks else "")
                      + f" {glue.how} ({paths.train_glue_why}; train_glue.py)")

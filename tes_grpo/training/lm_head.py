@@ -26,17 +26,18 @@ in site-packages/trl/):
 Nothing here changes TRL. `fused_head_tile` reads the tile from the installed TRL (None when it has no such head,
 and the memory plan then counts full logits), `describe_lm_head` says at startup what the trained model does,
 and `full_logits_logps_and_entropies` is the unfused computation (TRL before its fused head), the reference the
-tests compare the fused head with and the benchmark's "full" variant.
+tests compare the fused head with and the benchmark's "full" variant (the trainer's `full_logits`).
 """
 
 from __future__ import annotations
 
 import importlib
-import types
 
 import trl
 import trl.trainer.utils as trl_utils
 from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+
+from tes_grpo.layers.lora import causal_lm
 
 # TRL 1.16's tile: (kernels/chunked_logprob.TOKEN_CHUNK_SIZE, _CHUNKED_LOGPROB_CHUNK_SIZE). fused_head_tile() reads
 # the installed TRL instead; this is what the memory estimate assumes where it was not asked.
@@ -55,11 +56,6 @@ def fused_head_tile() -> tuple[int, int] | None:
     if not (isinstance(tokens, int) and isinstance(vocab, int)):
         return None
     return tokens, vocab
-
-
-def causal_lm(model):
-    """The model TRL patches: the PEFT base model under LoRA, else the model itself."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def uses_fused_lm_head(model) -> bool:
@@ -91,18 +87,3 @@ def full_logits_logps_and_entropies(model, input_ids, attention_mask, logits_to_
     logits = logits[:, :-1, :] / temperature
     logps = selective_log_softmax(logits, input_ids[:, -logits_to_keep:])
     return logps, entropy_from_logits(logits) if compute_entropy else None
-
-
-def use_full_logits(trainer) -> None:
-    """Makes `trainer` (a GRPOTrainer) score through full_logits_logps_and_entropies instead of TRL's fused head,
-    for this trainer object only (the benchmark's "without chunking" variant; training never calls it)."""
-    def per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
-                                      compute_entropy=False, compute_aux_loss=False, **unused):
-        if compute_aux_loss or any(value is not None for value in unused.values()):
-            raise ValueError("use_full_logits covers text-only batches without the MoE aux loss")
-        with self.accelerator.autocast():
-            logps, entropies = full_logits_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
-                                                               self.temperature, compute_entropy)
-        return logps, entropies, None
-
-    trainer._get_per_token_logps_and_entropies = types.MethodType(per_token_logps_and_entropies, trainer)
