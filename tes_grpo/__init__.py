@@ -1,6 +1,6 @@
 """The helpers the top-level scripts import, grouped by concern; nothing here is run directly (the scripts at the
-repo's top level are). Each sub-package's docstring lists its modules. From the bottom up (a package imports only
-those listed before it):
+repo's top level are). Each sub-package's docstring lists its modules. From the bottom up: a part imports only the
+parts listed before it (tests/test_lint.py holds the package to that order):
 
 - triton_support: whether Triton is installed and whether kernels run under its interpreter (imports nothing)
 - run: settings and --NAME=value overrides, the run folder, files, processes, callbacks, trackers

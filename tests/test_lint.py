@@ -108,6 +108,30 @@ def test_the_package_has_no_import_circle():
     assert import_cycle(graph) is None, f"import circle: {' -> '.join(import_cycle(graph))}"
 
 
+# the package's parts from the bottom up (tes_grpo/__init__.py's docstring): each imports only parts before it
+PARTS = ["triton_support", "run", "patches", "task", "experts", "layers", "model", "sampling", "training"]
+
+
+def part_of(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else module
+
+
+def test_each_part_of_the_package_imports_only_the_parts_below_it():
+    """No import runs back up: a module in tes_grpo/<part>/ imports modules of its own part and of those listed
+    before it in PARTS, at any depth (inside functions too), so the drawing of the tree has one direction."""
+    modules = package_modules()
+    assert {part_of(m) for m in modules if m != "tes_grpo"} == set(PARTS), "PARTS lists every sub-package"
+    upward = []
+    for name, path in sorted(modules.items()):
+        if name == "tes_grpo":
+            continue
+        level = PARTS.index(part_of(name))
+        for imported in sorted(package_imports(path, modules)):
+            if imported != "tes_grpo" and PARTS.index(part_of(imported)) > level:
+                upward.append(f"{name} imports {imported}")
+    assert not upward, "imports that run back up: " + "; ".join(upward)
+
+
 def test_the_training_script_imports_no_torch_before_main():
     """--help and the settings table must not wait seconds for torch: train_grpo.py imports it inside its functions."""
     done = subprocess.run([sys.executable, "-c", "import sys, train_grpo; print(sorted(m for m in ('torch', "
