@@ -131,13 +131,12 @@ def _scope_nodes(body: list[ast.stmt]) -> Iterator[ast.AST]:
 
 
 def _aliases(body: list[ast.stmt], library: set[str]) -> set[str]:
-    """Names a scope binds to a library object by plain reading (`registry = masking_utils.ALL_MASK...`, no call),
-    repeated until no new one comes (an alias of an alias)."""
+    """Names a scope binds to a library object by reading it (`registry = masking_utils.ALL_MASK...`, getattr and
+    vars included; not another call's result), repeated until no new one comes (an alias of an alias)."""
     found = set(library)
     while True:
         new = {target.id for node in _scope_nodes(body) if isinstance(node, ast.Assign)
-               and not isinstance(node.value, ast.Call) and _root(node.value) in found
-               for target in node.targets if isinstance(target, ast.Name)} - found
+               and _root(node.value) in found for target in node.targets if isinstance(target, ast.Name)} - found
         if not new:
             return found
         found |= new

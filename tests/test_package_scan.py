@@ -65,6 +65,8 @@ ASSIGNMENTS = planted('''
         setattr(GenerationMixin, "generate", fn)
         del vars(GenerationMixin)["generate"]
         torch.backends.cuda.matmul.allow_tf32 = True
+        found = getattr(mu, "ALL_MASK_ATTENTION_FUNCTIONS")
+        found.update(sdpa=fn)
 
         def inner():
             from transformers.models.gpt_oss import modeling_gpt_oss
@@ -91,7 +93,7 @@ def test_assignments_into_a_library_outside_a_registered_patch_are_found():
         (9, "layers.planted.unregistered"), (10, "layers.planted.unregistered"), (11, "layers.planted.unregistered"),
         (13, "layers.planted.unregistered"), (14, "layers.planted.unregistered"),
         (15, "layers.planted.unregistered"), (16, "layers.planted.unregistered"),
-        (20, "layers.planted.unregistered.inner")]
+        (18, "layers.planted.unregistered"), (22, "layers.planted.unregistered.inner")]
 
 
 def test_a_registered_patch_may_assign_into_a_library():
