@@ -2,7 +2,7 @@
 Library module, not a script; train_grpo.py installs it (TRAIN_EXPERTS), the benchmark times it:
     python benchmarks/bench_train_pass.py      # GPU machine: one micro-batch, transformers' experts against these
 
-Why: transformers' grouped_mm path (5.17-5.23) runs every step between the two grouped GEMMs as its own kernel over
+Why: transformers' grouped_mm path (5.17-5.24) runs every step between the two grouped GEMMs as its own kernel over
 all S = tokens x 4 routed rows: a gather of the bias rows, `add_`, two clamps, `* alpha`, sigmoid, two products,
 `+ 1`; then the down bias, the routing weight, a gather back to token order and the top-k sum. At a training
 micro-batch (16 x 2,335 tokens, S = 149,440 rows of 5,760 / 2,880 bf16 values) that is ~28 GB of memory traffic a
@@ -43,7 +43,8 @@ def bias_swiglu(gate_up: torch.Tensor, bias: torch.Tensor, expert_ids: torch.Ten
                 limit: float) -> torch.Tensor:
     """gpt-oss's activation of rows sorted by expert: gate_up [S, 2I] (interleaved gate, up columns) + bias[expert]
     [S, 2I], then (clamp(up, +-limit) + 1) * gate' * sigmoid(alpha * gate') with gate' = min(gate, limit) -> [S, I].
-    The ops and their order are transformers' (`out.add_(bias)`, GptOssExperts._apply_gate)."""
+    The ops and their order are transformers 5.17-5.24's (_grouped_linear's `out.add_(bias)`,
+    GptOssExperts._apply_gate)."""
     h = gate_up + bias[expert_ids]
     gate = h[:, ::2].clamp(min=None, max=limit)
     up = h[:, 1::2].clamp(min=-limit, max=limit)
@@ -74,7 +75,7 @@ def bias_weight_combine(down: torch.Tensor, bias: torch.Tensor, expert_ids: torc
                         inv_perm: torch.Tensor, top_k: int) -> torch.Tensor:
     """Each token's output [T, H] from the down projection's rows sorted by expert, down [S, H]: + bias[expert], x
     the row's routing weight, back to token order (row inv_perm[i] of the sorted ones is routed row i), the top_k rows
-    of a token summed. transformers' ops in its order."""
+    of a token summed. transformers 5.17-5.24's ops (grouped_mm_experts_forward's) in its order."""
     y = (down + bias[expert_ids]) * weights.unsqueeze(-1)
     return y[inv_perm].view(-1, top_k, y.shape[-1]).sum(dim=1)
 
@@ -146,8 +147,8 @@ class _BiasWeightCombine(torch.autograd.Function):
 
 def fused_experts_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                           top_k_weights: torch.Tensor) -> torch.Tensor:
-    """transformers' grouped_mm_experts_forward for GptOssExperts with the two fused Functions: hidden_states
-    [T, H], top_k_index / top_k_weights [T, k] -> [T, H]."""
+    """transformers 5.17-5.24's grouped_mm_experts_forward for GptOssExperts with the two fused Functions (the
+    grouped GEMMs its own _grouped_linear): hidden_states [T, H], top_k_index / top_k_weights [T, k] -> [T, H]."""
     top_k = top_k_index.shape[-1]
     expert_ids, perm = torch.sort(top_k_index.reshape(-1))
     inv_perm = torch.empty_like(perm)
@@ -190,6 +191,8 @@ def fusable(experts) -> list[str]:
 
 
 def _training_forward(self, hidden_states, router_indices=None, routing_weights=None):
+    """The fused variant's forward, with transformers 5.17-5.24's GptOssExperts.forward signature: the fused path
+    while gradients are on, the class's own forward otherwise (or where the module cannot take it)."""
     capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
     if not torch.is_grad_enabled() or capturing or fusable(self):
         return self.without_fused.forward(self, hidden_states, router_indices, routing_weights)

@@ -95,7 +95,9 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Inverse of `quantize_mxfp4`: (`[..., rows, G, 16]`, `[..., rows, G]`) -> `[..., rows, G*32]` in `dtype`."""
+    """Inverse of `quantize_mxfp4`: (`[..., rows, G, 16]`, `[..., rows, G]`) -> `[..., rows, G*32]` in `dtype`:
+    the values of transformers 5.17-5.24's integrations.mxfp4.convert_moe_packed_tensors (its lookup table, its
+    integer exponents)."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
     if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != BLOCK_SIZE // 2:

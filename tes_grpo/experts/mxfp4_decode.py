@@ -446,8 +446,10 @@ def plain_router(router) -> bool:
 
 def moe_forward(mlp, packed: PackedExperts, hidden: torch.Tensor, tiles: Tiles | None = None,
                 routing: str = "auto") -> torch.Tensor:
-    """gpt-oss's MLP (router, top-k experts, weighted sum) for hidden [..., H] with the experts read from `packed`,
-    by the kernel with `tiles` (default: the pack's own, PackedExperts.tiles; its tile must be the pack's order).
+    """gpt-oss's MLP (router, top-k experts, weighted sum: transformers 5.17-5.24's GptOssMLP.forward,
+    GptOssTopKRouter.forward and grouped_mm_experts_forward's roundings) for hidden [..., H] with the experts read from
+    `packed`, by the kernel with `tiles` (default: the pack's own, PackedExperts.tiles; its tile must be the pack's
+    order).
     routing: how the router's top-k is taken and the routed rows sorted by expert: "torch" (the router module, then
     sort, searchsorted, division), "triton" (the router module, then moe_routing.route_with_triton: the same tensors
     from one program) or "fused" (the router's product, then moe_routing.top_k_route_with_triton: the top-k and the

@@ -128,8 +128,9 @@ def dequantize_experts(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.
                        size: tuple[int, int] | None = None) -> torch.Tensor:
     """A checkpoint's expert blocks/scales (or, with size = (out, in), the same in the Hopper layout, what a
     resident module keeps, or in tile order) -> transformers' expert parameter [E, in, out] (contiguous, `dtype`):
-    the values transformers' dequantized load holds (integrations.mxfp4.convert_moe_packed_tensors), bit for bit. On
-    CUDA through the Triton kernel; on the CPU (and on CUDA without Triton, said once) through torch's codec."""
+    the values transformers 5.17-5.24's dequantized load holds (integrations.mxfp4.convert_moe_packed_tensors), bit
+    for bit. On CUDA through the Triton kernel; on the CPU (and on CUDA without Triton, said once) through torch's
+    codec."""
     if blocks.is_cuda:
         if triton_installed():
             return dequantize_with_triton(blocks, scales, dtype, size=size)

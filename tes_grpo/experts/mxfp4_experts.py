@@ -175,7 +175,10 @@ class _JustInTime:
 
 class ResidentMxfp4Experts:
     """Mixed into a gpt-oss experts class (resident_class): gate_up_proj / down_proj dequantized from the resident
-    `{proj}_blocks` / `{proj}_scales` buffers when read, once per call of the module (see the module docstring)."""
+    `{proj}_blocks` / `{proj}_scales` buffers when read, once per call of the module (see the module docstring).
+    transformers 5.17-5.24's experts forwards (GptOssExperts.forward, grouped_mm_experts_forward) read each projection
+    as an attribute within the call; `_apply` follows torch 2.11-2.13's Module._apply, whose `fn` converts the
+    module's tensors (what the dequantized load's parameters would become)."""
 
     mxfp4_resident = True
     expert_dtype: torch.dtype  # what the dequantized load's parameters would be: the forward's weight dtype

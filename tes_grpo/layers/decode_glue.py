@@ -36,7 +36,7 @@ GLUE_MODES = ("eager", "compiled")  # eager: kernel by kernel; compiled: through
 
 
 def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """GptOssRMSNorm.forward (transformers 5.x) as a function of its weight and epsilon, cast for cast: the hidden
+    """GptOssRMSNorm.forward (transformers 5.17-5.24) as a function of its weight and epsilon, cast for cast: the hidden
     states in float32, times rsqrt(mean of squares + eps), times the weight (float32 by promotion), rounded to the
     input's dtype."""
     input_dtype = hidden.dtype
@@ -48,16 +48,17 @@ def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 
 def residual_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hidden, normed): hidden = residual + delta (a decoder layer's residual add, in the residual's dtype), normed =
-    rms_norm of it (the next norm: the layer's post-attention norm, the next layer's input norm or the final norm)."""
+    """(hidden, normed): hidden = residual + delta (a decoder layer's residual add, in the residual's dtype, as
+    transformers 5.17-5.24's GptOssDecoderLayer.forward adds), normed = rms_norm of it (the next norm: the layer's
+    post-attention norm, the next layer's input norm or the final norm)."""
     hidden = residual + delta
     return hidden, rms_norm(hidden, weight, eps)
 
 
 def rope_qk(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rotary embedding of query [B, H, 1, D] and key [B, KV, 1, D]: transformers' apply_rotary_pos_emb itself
-    (cos, sin as gpt-oss's rotary embedding gives them, in the hidden states' dtype)."""
+    """The rotary embedding of query [B, H, 1, D] and key [B, KV, 1, D]: transformers 5.17-5.24's
+    apply_rotary_pos_emb itself (cos, sin as gpt-oss's rotary embedding gives them, in the hidden states' dtype)."""
     return apply_rotary_pos_emb(query, key, cos, sin)
 
 

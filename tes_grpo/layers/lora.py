@@ -90,9 +90,10 @@ def lora_parts(module):
 
 
 def merged_linear(module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """LORA="merged" (kept to compare with): (weight, bias) with each active adapter's delta (PEFT's
-    get_delta_weight, scaling included) added to the base weight in float32 and rounded once to the weight's dtype,
-    for F.linear: a new tensor, the model is untouched. None (call the module) where lora_parts gives None.
+    """LORA="merged" (kept to compare with): (weight, bias) with each active adapter's delta (PEFT 0.21's
+    lora.Linear.get_delta_weight, scaling included) added to the base weight in float32 and rounded once to the
+    weight's dtype, for F.linear: a new tensor, the model is untouched. None (call the module) where lora_parts gives
+    None.
 
     What it costs in fidelity: the merged copy's rounding errors are independent of the trainer's, which rounds the
     base product and adds the LoRA output to it (BENCHMARKS.md, "Measured on the CPU", compares the two orders).

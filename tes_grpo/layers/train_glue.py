@@ -73,8 +73,9 @@ GRAPHS_PER_FUNCTION = 32
 
 
 def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """decode_glue.rms_norm (GptOssRMSNorm's forward) behind a code object of its own: torch.compile keeps compiled
-    graphs per code object, so these (lengths dynamic) and the decode step's (fixed shapes) never share a cache."""
+    """decode_glue.rms_norm (transformers 5.17-5.24's GptOssRMSNorm.forward) behind a code object of its own:
+    torch.compile keeps compiled graphs per code object, so these (lengths dynamic) and the decode step's (fixed
+    shapes) never share a cache."""
     return decode_glue.rms_norm(hidden, weight, eps)
 
 
@@ -241,7 +242,8 @@ class SinksInTraining:
     """An attention function (transformers' ALL_ATTENTION_FUNCTIONS entry) whose sink step in the training forward is
     the glue's with_sinks on the output it returns: the wrapped function runs without the sinks, on CUDA (where flex
     attention returns the log-sum-exp), with gradients on, under autocast (module docstring); anything else calls it
-    as it is."""
+    as it is. Called as transformers 5.17-5.24's GptOssAttention.forward calls its attention function (sinks as
+    `s_aux`), wrapping flex_attention_forward, which returns (output, log-sum-exp)."""
 
     def __init__(self, original: Callable, glue: TrainGlue):
         self.wraps_original, self.glue = original, glue

@@ -93,7 +93,8 @@ def random_resident_blocks(experts, generator: torch.Generator, device) -> dict[
 
 def _build_resident(config, device, dtype, seed: int):
     """The model built on the meta device, its experts made resident with random blocks on `device`, then every
-    other weight materialized there and initialized as GptOssForCausalLM's own init does: no bf16 expert tensor."""
+    other weight materialized there and initialized as GptOssForCausalLM's own init does (transformers 5.17-5.24's
+    private _init_weights, module by module): no bf16 expert tensor."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

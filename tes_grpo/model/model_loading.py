@@ -264,7 +264,8 @@ def resident_skeleton(config, dtype, attn: str, keep_bf16_layers):
     """empty_policy_model for experts="mxfp4": the structure built on the meta device (all of it:
     init_empty_weights alone would allocate each parameter, bf16 experts included, before moving it there), the
     experts made resident with meta blocks/scales but those of keep_bf16_layers ({layer: why}), and the buffers (the
-    rotary frequencies) computed for real on the CPU by the model's own init."""
+    rotary frequencies) computed for real on the CPU by the model's own init (transformers 5.17-5.24's private
+    _init_weights: PreTrainedModel's computes a rotary embedding's inv_freq)."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
     for module in model.modules():
@@ -322,8 +323,8 @@ def _place(module, attr: str, tensor, device, name: str) -> None:
 def load_resident_model(path: str, dtype, attn: str, device: str = "cpu", keep_bf16_layers=None, say=print,
                         config=None):
     """An MXFP4 gpt-oss checkpoint with its experts resident (mxfp4_experts.py): the checkpoint's blocks/scales on
-    `device` as the only copy of the experts, everything else in `dtype`, as from_pretrained with
-    Mxfp4Config(dequantize=True) would give it (same values, dtypes, config, generation config, eval mode).
+    `device` as the only copy of the experts, everything else in `dtype`, as transformers 5.17-5.24's from_pretrained
+    with Mxfp4Config(dequantize=True) would give it (same values, dtypes, config, generation config, eval mode).
 
     The model is built on the meta device, then filled one checkpoint tensor at a time (host memory: one tensor),
     so no bf16 expert tensor is ever allocated. keep_bf16_layers ({layer: why}) get ordinary dequantized expert

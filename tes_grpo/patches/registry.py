@@ -1,5 +1,6 @@
-"""Every library patch with the function it relies on, the versions it was checked on and that function's
-fingerprints (see tes_grpo/patches/__init__.py); tests/test_patches.py holds the installed libraries to it.
+"""Every library patch, and every piece of the package's code that mirrors, overrides or relies on a library's
+internals, with the library code concerned, the versions it was checked on and that code's fingerprints (see
+tes_grpo/patches/__init__.py); tests/test_patches.py holds the installed libraries and the package to it.
 
     python -m tes_grpo.patches.registry                 # each patch's fingerprint on the installed libraries
     python -m tes_grpo.patches.registry UNPACKED_WHEEL  # the same from another version's files
@@ -22,8 +23,9 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class Patched:
-    """One patch: `target` (module:qualified.name) is the library code it relies on or replaces; `checked` the
-    (version of `library`, fingerprint of `target` there) pairs it was checked on."""
+    """One patch: `patch` is the project's code (relative to tes_grpo); `target` (module:qualified.name) the library
+    code it mirrors, overrides, relies on or replaces; `checked` the (version of `library`, fingerprint of `target`
+    there) pairs it was checked on. A patch relying on several pieces of library code has an entry for each."""
 
     patch: str
     library: str
@@ -31,7 +33,14 @@ class Patched:
     checked: tuple[tuple[str, str], ...]
 
 
+_GPT_OSS = "transformers.models.gpt_oss.modeling_gpt_oss:"
+_GENERATE = "transformers.generation.utils:GenerationMixin."
+_MOE = "transformers.integrations.moe:"
+_GRPO = "trl.trainer.grpo_trainer:GRPOTrainer."
+_LORA = "peft.tuners.lora.layer:Linear."
+
 PATCHED = (  # patch, library, target, ((version, fingerprint), ...)
+    # patches/: what replaces or wraps a library's code
     Patched("patches.torch_patches.saved_tensors_hooks_now", "torch",
             "torch._C._autograd:_top_saved_tensors_default_hooks",
             (("2.13.0", "111024718bb8"), ("2.11.0", "111024718bb8"))),
@@ -71,15 +80,6 @@ PATCHED = (  # patch, library, target, ((version, fingerprint), ...)
     Patched("patches.transformers_patches.flex_sinks_in_training", "transformers",
             "transformers.integrations.flex_attention:flex_attention_forward",
             (("5.24.0", "427e66caf9e5"), ("5.17.0", "427e66caf9e5"))),
-    Patched("layers.train_glue.norm_training_forward", "transformers",
-            "transformers.models.gpt_oss.modeling_gpt_oss:GptOssRMSNorm.forward",
-            (("5.24.0", "37184cecaff0"), ("5.17.0", "37184cecaff0"))),
-    Patched("layers.train_glue.lora_training_forward", "peft",
-            "peft.tuners.tuners_utils:BaseTunerLayer._cast_input_dtype",  # the cast it leaves out where exact
-            (("0.21.2", "85da1d12a02e"), ("0.21.0", "85da1d12a02e"))),
-    Patched("layers.train_glue.lora_training_forward", "peft",
-            "peft.tuners.lora.layer:Linear.forward",
-            (("0.21.2", "d2be59d6c446"), ("0.21.0", "d2be59d6c446"))),
     Patched("patches.trl_patches.score_only_completion_tokens_on_cpu", "trl",
             "trl.kernels.chunked_logprob:_use_triton",
             (("1.16.0", "41e2bdaf9a65"),)),
@@ -95,6 +95,7 @@ PATCHED = (  # patch, library, target, ((version, fingerprint), ...)
     Patched("patches.accelerate_patches.give_trainable_weights_storage", "accelerate",
             "accelerate.utils.fsdp_utils:fsdp2_switch_optimizer_parameters",
             (("1.15.0", "ef718eb8b1b5"),)),
+    # code elsewhere in the package that overrides, mirrors or relies on a library's internals
     Patched("sampling.sampler.Sampler.generate", "transformers",
             "transformers.generation.utils:GenerationMixin.generate",  # synced_gpus, logits_processor, the output
             (("5.24.0", "5eb11517091e"), ("5.17.0", "89fe0eae9dc9"))),
@@ -110,6 +111,210 @@ PATCHED = (  # patch, library, target, ((version, fingerprint), ...)
     Patched("training.trainer.GptOssGRPOTrainer._get_per_token_logps_and_entropies", "trl",
             "trl.trainer.grpo_trainer:GRPOTrainer._get_per_token_logps_and_entropies",
             (("1.16.0", "90405f3bc44e"),)),
+    Patched("training.trainer.GptOssGRPOTrainer", "trl",
+            _GRPO + "__init__",  # the attributes the class reads (use_vllm, vllm_generation, _last_loaded_step, ...)
+            (("1.16.0", "46c8a60b9a3e"),)),
+    Patched("training.trainer.GptOssGRPOTrainer._lengths_to_first_end", "trl",
+            _GRPO + "_generate_single_turn",  # its completion mask: up to and including the first end token
+            (("1.16.0", "00f3a766d295"),)),
+    Patched("training.lm_head.full_logits_logps_and_entropies", "trl",
+            "trl.trainer.utils:selective_log_softmax",
+            (("1.16.0", "88ed89efac8f"),)),
+    Patched("training.lm_head.full_logits_logps_and_entropies", "trl",
+            "trl.trainer.utils:entropy_from_logits",
+            (("1.16.0", "3dc42d16091d"),)),
+    Patched("training.lm_head.full_logits_logps_and_entropies", "trl",
+            _GRPO + "_get_per_token_logps_and_entropies",  # what it stands in for: logits_to_keep, temperature
+            (("1.16.0", "90405f3bc44e"),)),
+    Patched("training.lm_head.fused_head_tile", "trl",
+            "trl.kernels.chunked_logprob:ChunkedLogProbFunction.forward",  # its tile of TOKEN_CHUNK_SIZE tokens
+            (("1.16.0", "4a479a56a10a"),)),
+    Patched("training.lm_head.fused_head_tile", "trl",
+            "trl.trainer.utils:add_fused_lm_head",  # the vocabulary chunk it passes, _CHUNKED_LOGPROB_CHUNK_SIZE
+            (("1.16.0", "2e2a772e2e61"),)),
+    Patched("training.lm_head.uses_fused_lm_head", "trl",
+            "trl.trainer.utils:add_fused_lm_head",  # binds _fused_forward to the instance
+            (("1.16.0", "2e2a772e2e61"),)),
+    Patched("sampling.decode_math.head_logits", "trl",
+            "trl.kernels.chunked_logprob:ChunkedLogProbFunction.forward",
+            (("1.16.0", "4a479a56a10a"),)),
+    Patched("sampling.decode_math.head_logits", "trl",
+            "trl.kernels.chunked_logprob:_addmm_fp32",
+            (("1.16.0", "7e6c29e3aa0c"),)),
+    Patched("sampling.decode_math.one_query_attention", "transformers",
+            _GPT_OSS + "eager_attention_forward",
+            (("5.24.0", "a442b7fb3b2f"), ("5.17.0", "a442b7fb3b2f"))),
+    Patched("sampling.decode_math.decode_step", "transformers",
+            _GPT_OSS + "GptOssForCausalLM.forward",
+            (("5.24.0", "a5f53c0be37d"), ("5.17.0", "fde2dbb34f45"))),
+    Patched("sampling.decode_math._decode_hidden", "transformers",
+            _GPT_OSS + "GptOssModel.forward",
+            (("5.24.0", "22642ad9f5d2"), ("5.17.0", "9cffb8936cab"))),
+    Patched("sampling.decode_math._decode_hidden", "transformers",
+            _GPT_OSS + "GptOssDecoderLayer.forward",
+            (("5.24.0", "3f1744fa23e7"), ("5.17.0", "33a3662a39dc"))),
+    Patched("sampling.decode_math._decode_hidden", "transformers",
+            _GPT_OSS + "GptOssAttention.forward",
+            (("5.24.0", "3cdb5143b2e3"), ("5.17.0", "4c90f8c6cd75"))),
+    Patched("sampling.decode_math._decode_hidden", "transformers",
+            _GPT_OSS + "GptOssMLP.forward",  # its output's first element
+            (("5.24.0", "831c88d8dbb9"), ("5.17.0", "831c88d8dbb9"))),
+    Patched("sampling.decode_math.flex_decode_kernel", "torch",
+            "torch._inductor.kernel.flex.flex_decoding:create_flex_decoding_kernel",  # reads kernel_options' SPLIT_KV
+            (("2.13.0", "902acda62e3e"),)),
+    Patched("sampling.decode_cache.StaticCache.fill", "transformers",
+            "transformers.cache_utils:DynamicLayer.update",  # .keys / .values, the whole prompt
+            (("5.24.0", "a7e8d331ff4f"), ("5.17.0", "a7e8d331ff4f"))),
+    Patched("sampling.decode_cache.StaticCache.fill", "transformers",
+            "transformers.cache_utils:DynamicSlidingWindowLayer.update",  # the last window - 1 positions kept
+            (("5.24.0", "2cf5b821af6f"), ("5.17.0", "82c6fae934bb"))),
+    Patched("sampling.decode_cache.StaticCache.masks", "transformers",
+            "transformers.masking_utils:sliding_window_overlay",
+            (("5.24.0", "6cc6cc7fc2e5"), ("5.17.0", "6cc6cc7fc2e5"))),
+    Patched("sampling.decode_cache.StaticCache.masks", "transformers",
+            "transformers.masking_utils:causal_mask_function",
+            (("5.24.0", "71bbca9c4145"), ("5.17.0", "71bbca9c4145"))),
+    Patched("sampling.decode_cache.prefill", "transformers",
+            "transformers.cache_utils:DynamicCache.__init__",  # one layer per config layer, sliding where it slides
+            (("5.24.0", "a8b427b9dbb5"), ("5.17.0", "0f6b40d10b24"))),
+    Patched("sampling.decode_cache.prefill", "transformers",
+            _GPT_OSS + "GptOssModel.forward",  # past_key_values (5.24 deprecates it for `cache`), position_ids
+            (("5.24.0", "22642ad9f5d2"), ("5.17.0", "9cffb8936cab"))),
+    Patched("sampling.decode_cache.checkpointing_off", "transformers",
+            "transformers.modeling_layers:GradientCheckpointingLayer",  # drops the cache while gradient_checkpointing
+            (("5.24.0", "40e0fb63a0b0"), ("5.17.0", "fd1155e9df61"))),
+    Patched("sampling.token_sampling.logits_warpers", "transformers",
+            _GENERATE + "_get_logits_processor",  # the warpers and their order
+            (("5.24.0", "24134fe593fc"), ("5.17.0", "7e04698ccdb8"))),
+    Patched("sampling.token_sampling.recording_blockers", "transformers",
+            _GENERATE + "_get_logits_processor",  # the warpers logits_warpers leaves out
+            (("5.24.0", "24134fe593fc"), ("5.17.0", "7e04698ccdb8"))),
+    Patched("sampling.token_sampling.SampledLogprobs", "transformers",
+            _GENERATE + "_get_logits_processor",  # custom processors before the warpers
+            (("5.24.0", "24134fe593fc"), ("5.17.0", "7e04698ccdb8"))),
+    Patched("sampling.token_sampling.SampledLogprobs", "transformers",
+            _GENERATE + "_sample",  # processors called with (input_ids, scores), the chosen token appended
+            (("5.24.0", "aaf97d4a469b"), ("5.17.0", "6bb07e363ba5"))),
+    Patched("sampling.token_sampling.draw", "transformers",
+            _GENERATE + "_sample",
+            (("5.24.0", "aaf97d4a469b"), ("5.17.0", "6bb07e363ba5"))),
+    Patched("sampling.graph_decode.generate", "transformers",
+            _GENERATE + "_sample",
+            (("5.24.0", "aaf97d4a469b"), ("5.17.0", "6bb07e363ba5"))),
+    Patched("sampling.sampling_fidelity.importance_weights", "trl",
+            _GRPO + "_generate_and_score_completions",  # vLLM's importance-sampling correction
+            (("1.16.0", "7b910c5d3b65"),)),
+    Patched("sampling.sampling_fidelity.GapMeter.measure", "trl",
+            _GRPO + "_generate_and_score_completions",  # the micro-batch's keys
+            (("1.16.0", "7b910c5d3b65"),)),
+    Patched("sampling.sampling_fidelity.GapMeter.measure", "trl",
+            _GRPO + "_compute_loss",  # completion and tool masks, [B] or [B, T] advantages
+            (("1.16.0", "24eeba60c27c"),)),
+    Patched("sampling.decode_linear.linear", "peft",
+            _LORA + "forward",
+            (("0.21.2", "d2be59d6c446"), ("0.21.0", "d2be59d6c446"))),
+    Patched("layers.decode_glue.rms_norm", "transformers",
+            _GPT_OSS + "GptOssRMSNorm.forward",
+            (("5.24.0", "37184cecaff0"), ("5.17.0", "37184cecaff0"))),
+    Patched("layers.decode_glue.residual_norm", "transformers",
+            _GPT_OSS + "GptOssDecoderLayer.forward",
+            (("5.24.0", "3f1744fa23e7"), ("5.17.0", "33a3662a39dc"))),
+    Patched("layers.decode_glue.rope_qk", "transformers",
+            _GPT_OSS + "apply_rotary_pos_emb",
+            (("5.24.0", "01a839db2c8e"), ("5.17.0", "01a839db2c8e"))),
+    Patched("layers.decode_glue.with_sinks", "transformers",
+            "transformers.integrations.flex_attention:flex_attention_forward",
+            (("5.24.0", "427e66caf9e5"), ("5.17.0", "427e66caf9e5"))),
+    Patched("layers.decode_glue.add_lora", "peft",
+            _LORA + "forward",
+            (("0.21.2", "d2be59d6c446"), ("0.21.0", "d2be59d6c446"))),
+    Patched("layers.train_glue.norm_training_forward", "transformers",
+            _GPT_OSS + "GptOssRMSNorm.forward",
+            (("5.24.0", "37184cecaff0"), ("5.17.0", "37184cecaff0"))),
+    Patched("layers.train_glue.lora_training_forward", "peft",
+            "peft.tuners.tuners_utils:BaseTunerLayer._cast_input_dtype",  # the cast it leaves out where exact
+            (("0.21.2", "85da1d12a02e"), ("0.21.0", "85da1d12a02e"))),
+    Patched("layers.train_glue.lora_training_forward", "peft",
+            _LORA + "forward",
+            (("0.21.2", "d2be59d6c446"), ("0.21.0", "d2be59d6c446"))),
+    Patched("layers.train_glue.rms_norm", "transformers",
+            _GPT_OSS + "GptOssRMSNorm.forward",
+            (("5.24.0", "37184cecaff0"), ("5.17.0", "37184cecaff0"))),
+    Patched("layers.train_glue.add_scaled", "peft",
+            _LORA + "forward",
+            (("0.21.2", "d2be59d6c446"), ("0.21.0", "d2be59d6c446"))),
+    Patched("layers.train_glue.rope", "transformers",
+            _GPT_OSS + "apply_rotary_pos_emb",
+            (("5.24.0", "01a839db2c8e"), ("5.17.0", "01a839db2c8e"))),
+    Patched("layers.train_glue.with_sinks", "transformers",
+            "transformers.integrations.flex_attention:flex_attention_forward",
+            (("5.24.0", "427e66caf9e5"), ("5.17.0", "427e66caf9e5"))),
+    Patched("layers.train_glue.SinksInTraining", "transformers",
+            "transformers.integrations.flex_attention:flex_attention_forward",  # (output, lse) without s_aux
+            (("5.24.0", "427e66caf9e5"), ("5.17.0", "427e66caf9e5"))),
+    Patched("layers.train_glue.SinksInTraining", "transformers",
+            _GPT_OSS + "GptOssAttention.forward",  # how the attention function is called, s_aux the sinks
+            (("5.24.0", "3cdb5143b2e3"), ("5.17.0", "4c90f8c6cd75"))),
+    Patched("layers.lora.LowRank", "peft",
+            _LORA + "forward",
+            (("0.21.2", "d2be59d6c446"), ("0.21.0", "d2be59d6c446"))),
+    Patched("layers.lora.lora_parts", "peft",
+            _LORA + "forward",  # its branches: disabled, merged, active adapters, variants, dropout
+            (("0.21.2", "d2be59d6c446"), ("0.21.0", "d2be59d6c446"))),
+    Patched("layers.lora.merged_linear", "peft",
+            _LORA + "get_delta_weight",
+            (("0.21.2", "d72345fe5e39"), ("0.21.0", "d72345fe5e39"))),
+    Patched("experts.fused_experts.fused_experts_forward", "transformers",
+            _MOE + "grouped_mm_experts_forward",
+            (("5.24.0", "715f1749627b"), ("5.17.0", "9c1959109fa6"))),
+    Patched("experts.fused_experts.fused_experts_forward", "transformers",
+            _MOE + "_grouped_linear",  # called: the grouped GEMMs and their CPU fallback
+            (("5.24.0", "966c1d1469a7"), ("5.17.0", "966c1d1469a7"))),
+    Patched("experts.fused_experts.bias_swiglu", "transformers",
+            _GPT_OSS + "GptOssExperts._apply_gate",
+            (("5.24.0", "cb87b1a3b116"), ("5.17.0", "cb87b1a3b116"))),
+    Patched("experts.fused_experts.bias_weight_combine", "transformers",
+            _MOE + "grouped_mm_experts_forward",
+            (("5.24.0", "715f1749627b"), ("5.17.0", "9c1959109fa6"))),
+    Patched("experts.fused_experts._training_forward", "transformers",
+            _GPT_OSS + "GptOssExperts.forward",  # its signature, called for what the fused path does not take
+            (("5.24.0", "b198a2438d28"), ("5.17.0", "b198a2438d28"))),
+    Patched("experts.mxfp4.dequantize_mxfp4", "transformers",
+            "transformers.integrations.mxfp4:convert_moe_packed_tensors",
+            (("5.24.0", "d05d5b98542f"), ("5.17.0", "d05d5b98542f"))),
+    Patched("experts.mxfp4_dequant.dequantize_experts", "transformers",
+            "transformers.integrations.mxfp4:convert_moe_packed_tensors",
+            (("5.24.0", "d05d5b98542f"), ("5.17.0", "d05d5b98542f"))),
+    Patched("experts.mxfp4_experts.ResidentMxfp4Experts", "transformers",
+            _MOE + "grouped_mm_experts_forward",  # reads gate_up_proj / down_proj once each within a call
+            (("5.24.0", "715f1749627b"), ("5.17.0", "9c1959109fa6"))),
+    Patched("experts.mxfp4_experts.ResidentMxfp4Experts", "torch",
+            "torch.nn.modules.module:Module._apply",  # overridden: a private method, fn applied to each tensor
+            (("2.13.0", "e5f2a605a906"),)),
+    Patched("experts.mxfp4_decode.moe_forward", "transformers",
+            _GPT_OSS + "GptOssMLP.forward",
+            (("5.24.0", "831c88d8dbb9"), ("5.17.0", "831c88d8dbb9"))),
+    Patched("experts.mxfp4_decode.moe_forward", "transformers",
+            _GPT_OSS + "GptOssTopKRouter.forward",  # "fused" routing computes it: product, top-k, softmax
+            (("5.24.0", "c688df3b8d7f"), ("5.17.0", "c688df3b8d7f"))),
+    Patched("experts.mxfp4_decode.moe_forward", "transformers",
+            _MOE + "grouped_mm_experts_forward",  # the roundings the kernel repeats, the float32 top-k sum
+            (("5.24.0", "715f1749627b"), ("5.17.0", "9c1959109fa6"))),
+    Patched("model.model_loading.resident_skeleton", "transformers",
+            "transformers.modeling_utils:PreTrainedModel._init_weights",  # a rotary embedding's inv_freq
+            (("5.24.0", "7d3b231777a7"), ("5.17.0", "20a0e65a9ca0"))),
+    Patched("model.model_loading.resident_skeleton", "transformers",
+            _GPT_OSS + "GptOssPreTrainedModel._init_weights",
+            (("5.24.0", "ca07aa34136c"), ("5.17.0", "eaa1ffd5ee30"))),
+    Patched("model.model_loading.load_resident_model", "transformers",
+            "transformers.integrations.mxfp4:Mxfp4Dequantize.convert",  # what the dequantized load gives
+            (("5.24.0", "7f0c82749709"), ("5.17.0", "84b324c1894a"))),
+    Patched("model.gpt_oss_shapes._build_resident", "transformers",
+            "transformers.modeling_utils:PreTrainedModel._init_weights",
+            (("5.24.0", "7d3b231777a7"), ("5.17.0", "20a0e65a9ca0"))),
+    Patched("model.gpt_oss_shapes._build_resident", "transformers",
+            _GPT_OSS + "GptOssPreTrainedModel._init_weights",
+            (("5.24.0", "ca07aa34136c"), ("5.17.0", "eaa1ffd5ee30"))),
 )
 
 

@@ -98,9 +98,10 @@ class StaticCache:
         self.ring_slots = torch.arange(self.window, device=device)
 
     def fill(self, dynamic_cache, source: torch.Tensor | None = None) -> None:
-        """Copies a prefill's DynamicCache (transformers 5.x: .layers[i].keys/.values) into the buffers; row r of the
-        buffers takes row source[r] of the prefill (shared prompts; None = row r). A prefill of a longer prompt
-        (left-padded further) gives its last prompt_len slots: the rest were masked padding."""
+        """Copies a prefill's DynamicCache (transformers 5.17-5.24: .layers[i].keys/.values, a sliding-window layer
+        keeping its last window - 1 positions) into the buffers; row r of the buffers takes row source[r] of the
+        prefill (shared prompts; None = row r). A prefill of a longer prompt (left-padded further) gives its last
+        prompt_len slots: the rest were masked padding."""
         layers = getattr(dynamic_cache, "layers", None)
         if layers is None or len(layers) != len(self.keys):
             raise RuntimeError("graph_decode needs transformers' DynamicCache with one .layers entry per layer "
@@ -124,7 +125,8 @@ class StaticCache:
 
     def masks(self, slot: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Additive float32 masks [batch, slots] for a token written at `slot` (a 0-d device tensor): full layers over
-        the first `length` slots, sliding layers over the ring."""
+        the first `length` slots, sliding layers over the ring; what transformers 5.17-5.24's causal_mask_function and
+        sliding_window_overlay let the token see (a sliding layer: the last `window` positions, its own included)."""
         allowed = self.valid[:, :length] & (self.slots[:length] <= slot)
         full = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
         position = slot - torch.remainder(slot - self.ring_slots, self.window)  # newest position in each ring slot
@@ -207,8 +209,9 @@ class EagerSteps:
 def checkpointing_off(lm):
     """Switches the layers' gradient checkpointing off for a forward and back on after (exactly as it was).
 
-    A checkpointed layer in train mode runs without the KV cache (transformers sets past_key_values=None), which would
-    leave nothing to decode from. TRL already switches it off around generate(); this covers other callers."""
+    A checkpointed layer in train mode runs without the KV cache (transformers 5.17-5.24's GradientCheckpointingLayer
+    sets the cache to None while its `gradient_checkpointing` is on), which would leave nothing to decode from. TRL
+    already switches it off around generate(); this covers other callers."""
     layers = [m for m in lm.modules() if getattr(m, "gradient_checkpointing", False) is True]
     for layer in layers:
         layer.gradient_checkpointing = False
@@ -224,8 +227,9 @@ def prefill(lm, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_t
     """The prompt through the model's own forward; returns the last position's float32 logits [B, vocab] and the
     filled StaticCache. Positions are the columns of the batch as given (see the module docstring: the trainer's).
 
-    The forward is the model body's (GptOssModel, PEFT's LoRA layers included), under the trainer's autocast when
-    `autocast` names its dtype, and the logits come from head_logits: the trainer's arithmetic, as in decode_step.
+    The forward is the model body's (transformers 5.17-5.24's GptOssModel, into a DynamicCache built from the config;
+    PEFT's LoRA layers included), under the trainer's autocast when `autocast` names its dtype, and the logits come
+    from head_logits: the trainer's arithmetic, as in decode_step.
     For the forward only, the prompt is left-padded to prefill_length (bucket, default PREFILL_BUCKET_TOKENS) with
     pad_id (default the model's pad token) and masked, and identical rows are prefilled once when share_prompts
     (default SHARE_PROMPTS); the cache holds the prompt as given (the extra slots were masked padding).

@@ -147,10 +147,10 @@ def linear(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | No
            lora: tuple[torch.Tensor, torch.Tensor, float | None] | None = None,
            tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """x [..., K] bf16 times each of `weights` ([N_j, K] bf16, contiguous; up to MAX_WEIGHTS), their outputs side by
-    side: [..., sum N_j] bf16, as the module docstring computes it. bias: [sum N_j] (the weights' biases one after
-    another) or None. lora: (A [R, K], B [sum N_j, R], scaling or None) in bf16, or None (no adapter). tiles:
-    (BLOCK_N, BLOCK_K, warps, stages), default (block_n_for this GPU, BLOCK_K, NUM_WARPS, NUM_STAGES) (the benchmark
-    sweeps them; the tests set them)."""
+    side: [..., sum N_j] bf16, as the module docstring computes it (PEFT 0.21's lora.Linear.forward under bf16
+    autocast). bias: [sum N_j] (the weights' biases one after another) or None. lora: (A [R, K], B [sum N_j, R],
+    scaling or None) in bf16, or None (no adapter). tiles: (BLOCK_N, BLOCK_K, warps, stages), default (block_n_for
+    this GPU, BLOCK_K, NUM_WARPS, NUM_STAGES) (the benchmark sweeps them; the tests set them)."""
     if not 1 <= len(weights) <= MAX_WEIGHTS:
         raise ValueError(f"decode_linear: {len(weights)} weights; one call takes 1 to {MAX_WEIGHTS}")
     k = x.shape[-1]

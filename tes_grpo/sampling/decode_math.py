@@ -27,9 +27,10 @@ from tes_grpo.layers.lora import LowRank, lora_parts, low_rank, merged_linear
 
 
 def one_query_attention(query, keys, values, mask, sinks, scaling: float, seen=None) -> torch.Tensor:
-    """gpt-oss attention for one new token, step for step as transformers' eager attention computes it (the training
-    forward's attention on CPUs): softmax over the keys plus each head's sink logit (which takes probability mass but
-    has no value). query [B, H, 1, D]; keys/values [B, KV, L, D]; mask [B, L] additive (float32).
+    """gpt-oss attention for one new token, step for step as transformers 5.17-5.24's eager attention computes it
+    (modeling_gpt_oss.eager_attention_forward, the training forward's attention on CPUs): softmax over the keys plus
+    each head's sink logit (which takes probability mass but has no value). query [B, H, 1, D]; keys/values
+    [B, KV, L, D]; mask [B, L] additive (float32).
 
     Query heads are grouped onto their key/value head by a reshape (no repeat_kv copy of the cache). Every step is in
     the model's dtype, as eager attention rounds it: the scores out of the matmul, x scaling, + the mask (clamped to
@@ -288,12 +289,12 @@ def decode_step(lm, cache, tokens: torch.Tensor, slot: torch.Tensor, length: int
     """float32 logits [B, vocab] for tokens [B, 1] written at slot `slot` (0-d device tensor) of `cache`, a
     decode_cache.StaticCache.
 
-    Mirrors GptOssModel/GptOssDecoderLayer.forward for one token, with the module calls kept (so the experts
-    implementation applies) and attention replaced by attention_function's one-query attention over the static cache.
-    weights: the MXFP4 experts, the attention projections (the base products, then LoRA added in PEFT's order), the
-    trainer's autocast and how the glue between the products runs (DecodeWeights); the logits come from
-    head_logits, as the trainer's fused head computes them. Everything is a device operation on fixed shapes: no
-    host reads, so it can be captured as a CUDA graph.
+    Mirrors transformers 5.17-5.24's GptOssForCausalLM/GptOssModel/GptOssDecoderLayer.forward for one token
+    (_decode_hidden), with the module calls kept (so the experts implementation applies) and attention replaced by
+    attention_function's one-query attention over the static cache. weights: the MXFP4 experts, the attention
+    projections (the base products, then LoRA added in PEFT's order), the trainer's autocast and how the glue between
+    the products runs (DecodeWeights); the logits come from head_logits, as the trainer's fused head computes them.
+    Everything is a device operation on fixed shapes: no host reads, so it can be captured as a CUDA graph.
     """
     weights = weights or DecodeWeights()
     with autocast_context(tokens.device, weights.autocast):
@@ -301,6 +302,9 @@ def decode_step(lm, cache, tokens: torch.Tensor, slot: torch.Tensor, length: int
 
 
 def _decode_hidden(lm, cache, tokens, slot, length: int, weights: DecodeWeights) -> torch.Tensor:
+    """The final norm's output [B, 1, H] for decode_step: transformers 5.17-5.24's GptOssModel.forward,
+    GptOssDecoderLayer.forward, GptOssAttention.forward (projections, rotary embedding, cache, attention, o_proj) and
+    GptOssMLP.forward's output for one token, step for step."""
     packs, attention, glue = weights.experts, weights.attention, weights.glue
     body = lm.model
     layers = body.layers

@@ -85,6 +85,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     projection_kernel: the GPU's attention projections, "triton" (decode_linear.py) or "cublas" (cuBLAS's products,
     to time against it; decode_math.projection_linear).
     The random numbers drawn are generate()'s: one torch.multinomial over all rows per step, nothing in the prefill.
+    The loop is transformers 5.17-5.24's GenerationMixin._sample: warpers, draw, pad after a row's end, stop when every
+    row has ended.
     """
     lm = causal_lm(model)
     device = input_ids.device

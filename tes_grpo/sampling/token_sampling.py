@@ -22,7 +22,8 @@ _UNMIRRORED = {"typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_
                "watermarking_config": None, "num_beams": 1}
 
 def logits_warpers(generation_config):
-    """transformers' sampling warpers for the config, in generate()'s order (temperature, top-k, top-p, min-p)."""
+    """transformers' sampling warpers for the config, in generate()'s order (temperature, top-k, top-p, min-p: as
+    transformers 5.17-5.24's GenerationMixin._get_logits_processor appends them)."""
     g = generation_config
     warpers = LogitsProcessorList()
     if not g.do_sample:
@@ -40,8 +41,9 @@ def logits_warpers(generation_config):
 
 def draw(scores: torch.Tensor, do_sample: bool, logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each row's next token from warped scores [B, vocab] (one torch.multinomial over all rows when sampling, as
-    generate() draws; argmax otherwise) and, when `logprobs`, its log-probability under the distribution it was drawn
-    from (log_softmax of the scores at the chosen token), else None."""
+    transformers 5.17-5.24's GenerationMixin._sample draws; argmax otherwise) and, when `logprobs`, its
+    log-probability under the distribution it was drawn from (log_softmax of the scores at the chosen token), else
+    None."""
     if do_sample:
         chosen = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
     else:
@@ -54,11 +56,11 @@ def draw(scores: torch.Tensor, do_sample: bool, logprobs: bool) -> tuple[torch.T
 class SampledLogprobs:
     """Records the log-probability of each token a generate() call samples, under the distribution it samples from.
 
-    transformers' generate: passed as the last custom logits processor, it sees each step's scores after the other
-    processors but before the sampling warpers (generate appends those after custom processors), so it applies the
-    warpers itself (`warpers`: logits_warpers of the call's config, the same classes in the same order;
-    each returns a new tensor, so generate's own pass is untouched); the token chosen from a step is read at the next
-    step (the last column of input_ids) and the last one from the returned sequences (`result`).
+    transformers 5.17-5.24's generate: passed as the last custom logits processor, it sees each step's scores after
+    the other processors but before the sampling warpers (_get_logits_processor appends those after custom ones),
+    so it applies the warpers itself (`warpers`: logits_warpers of the call's config, the same classes in the same
+    order; each returns a new tensor, so generate's own pass is untouched); the token chosen from a step is read at
+    the next step (the last column of input_ids) and the last one from the returned sequences (`result`).
     """
 
     def __init__(self, warpers=None):
@@ -89,6 +91,7 @@ class SampledLogprobs:
 
 
 def recording_blockers(config) -> list[str]:
-    """Options of a generate() call under which SampledLogprobs would not see the distribution sampled from."""
+    """Options of a generate() call under which SampledLogprobs would not see the distribution sampled from: the
+    warpers transformers 5.17-5.24's _get_logits_processor adds besides logits_warpers' (and beam search)."""
     return [f"{name}={getattr(config, name, None)!r}" for name, neutral in _UNMIRRORED.items()
             if getattr(config, name, neutral) not in (neutral, None)]

@@ -59,8 +59,8 @@ def fused_head_tile() -> tuple[int, int] | None:
 
 
 def uses_fused_lm_head(model) -> bool:
-    """Whether TRL's add_fused_lm_head has patched this model's forward (it binds `_fused_forward` to the instance;
-    functools.wraps gives it the class forward's name, so the code object tells)."""
+    """Whether TRL's add_fused_lm_head has patched this model's forward (TRL 1.16 binds `_fused_forward` to the
+    instance; functools.wraps gives it the class forward's name, so the code object tells)."""
     forward = vars(causal_lm(model)).get("forward")
     code = getattr(getattr(forward, "__func__", None), "__code__", None)
     return code is not None and code.co_name == "_fused_forward" and "trl" in code.co_filename
@@ -81,7 +81,8 @@ def full_logits_logps_and_entropies(model, input_ids, attention_mask, logits_to_
                                     compute_entropy: bool = True):
     """(log-probs [B, logits_to_keep], entropies or None) of the last logits_to_keep tokens from the model's
     ordinary forward: the whole [B, logits_to_keep, V] logits, scaled by 1 / temperature, through TRL's own
-    selective_log_softmax and entropy_from_logits (what TRL did before its fused head)."""
+    selective_log_softmax and entropy_from_logits (what TRL did before its fused head; TRL 1.16's functions, in place
+    of its _get_per_token_logps_and_entropies)."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep + 1,
                    use_cache=False).logits
     logits = logits[:, :-1, :] / temperature
