@@ -138,6 +138,6 @@ def test_train_grpo_sets_the_allocator_before_training(monkeypatch):
     calls = []
     monkeypatch.setattr(oom, "use_expandable_segments",
                         lambda say, gpu, started, vllm=False: calls.append(("allocator", vllm)))
-    monkeypatch.setattr(train_grpo, "train", lambda settings, callbacks=(): calls.append(("train", None)))
+    monkeypatch.setattr(train_grpo, "train", lambda settings, callbacks=(), start=None: calls.append(("train", None)))
     assert train_grpo.main(["--MODEL_ID=tiny", "--USE_VLLM=1"]) == 0
     assert calls == [("allocator", True), ("train", None)]
