@@ -171,6 +171,11 @@ def load_merged_model(base_folder: Path, adapter_path: Path):
     from transformers import AutoModelForCausalLM, Mxfp4Config
 
     kwargs = {"quantization_config": Mxfp4Config(dequantize=True)} if checkpoint_is_mxfp4(base_folder) else {}
+    from tes_grpo.patches import transformers_patches
+
+    # transformers' dequantizing warnings (the check's FELL BACK line says why), PEFT's read of a deprecated property
+    transformers_patches.quiet_mxfp4_fallback_warnings()
+    transformers_patches.quiet_gradient_checkpointing_deprecation()
     base = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.bfloat16, **kwargs)
     peft_model = PeftModel.from_pretrained(base, str(adapter_path))
     touched = set()

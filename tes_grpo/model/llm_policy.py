@@ -37,7 +37,10 @@ from tes_grpo.model.model_loading import (
     resolve_device,
     resolve_dtype,
 )
-from tes_grpo.patches.transformers_patches import grouped_mm_experts_for_decode
+from tes_grpo.patches.transformers_patches import (
+    grouped_mm_experts_for_decode,
+    quiet_gradient_checkpointing_deprecation,
+)
 from tes_grpo.run.fileio import InputError
 from tes_grpo.run.run_folder import adapter_base_model, adapter_expert_layers, lora_adapter_config
 from tes_grpo.run.sources import check_model_id
@@ -120,6 +123,7 @@ def load_policy_model(base_model_id: str = "", adapter_path: str = "", quantized
         experts = f"FELL BACK: the experts could not stay MXFP4 ({experts})"
         print(experts, file=sys.stderr)
     if adapter_path:
+        quiet_gradient_checkpointing_deprecation()  # PEFT's wrap reads a property transformers 5.24 deprecated
         model = PeftModel.from_pretrained(model, adapter_path).eval()
     eos = model.generation_config.eos_token_id
     stop_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))

@@ -413,8 +413,12 @@ def load_dequantized(path: str, dtype, attn: str, device_map, say=print, config=
     them bf16: transformers_patches.dequantized_experts_in_dtype)."""
     from transformers import AutoModelForCausalLM, Mxfp4Config
 
-    from tes_grpo.patches.transformers_patches import dequantized_experts_in_dtype  # imports torch: not before here
+    from tes_grpo.patches.transformers_patches import (  # imports torch: not before here
+        dequantized_experts_in_dtype,
+        quiet_mxfp4_fallback_warnings,
+    )
 
+    quiet_mxfp4_fallback_warnings()  # the dequantization asked for is no fallback to warn about
     model = AutoModelForCausalLM.from_pretrained(
         path, config=config, quantization_config=Mxfp4Config(dequantize=True), dtype=dtype, attn_implementation=attn,
         device_map=device_map)
