@@ -18,10 +18,13 @@ MAX_COMPLETION_LEN, at most TRAIN_TOKENS_PER_PASS tokens; memory_plan.py). Every
 
 Environment (the seed's interface, read once here): GRPO_LOG_COMPLETIONS=0 turns the completion log off,
 GRPO_COMPLETION_LOG_PATH=file.csv writes it elsewhere, GRPO_STEPS_PER_GENERATION=k generates every k micro-steps
-instead of once per optimizer step (GENERATION_STEPS left at 1), GPT_OSS_TOKENIZER names the tokenizer folder.
+instead of once per optimizer step (GENERATION_STEPS left at 1), GPT_OSS_TOKENIZER names the tokenizer folder
+(unset: ../shared/gpt-oss-tokenizer beside the repo, else the Hub's openai/gpt-oss-20b; checked at start-up).
 
-Written to OUT_DIR: checkpoint-000020-style folders every SAVE_STEPS, train_config.json (resolved settings and what
-was derived), metrics.jsonl, completions.csv, tensorboard/, and at the end the adapter + tokenizer.
+Written to OUT_DIR (tes_grpo/run/run_folder.py says what each file is): train_config.json, metrics.jsonl,
+completions.csv, tensorboard/, checkpoint-000020-style folders every SAVE_STEPS, and at the end the adapter with its
+tokenizer, trainer_state.json and training_args.bin. Ctrl-C or running out of memory says the step and how the run
+goes on.
 """
 
 from __future__ import annotations

@@ -1,9 +1,18 @@
 """A training run's folder (runs/<name>/): checkpoint names, resume, the logs a resumed run trims, and what the
 folder says about its adapter and settings.
 
-What a run leaves there: checkpoint-000020-style folders (zero-padded so they sort by name), train_config.json,
-metrics.jsonl (one JSON line per step, appended), completions.csv (every completion, appended), tensorboard/,
-and at the end the adapter. Everything here runs before the (slow) model load, so a bad folder fails in seconds.
+What a run leaves there:
+- train_config.json: the resolved settings and what was derived from them (batch layout, versions, preset);
+- metrics.jsonl: one JSON line per logged step (appended), then one summary line of the Trainer's (train_runtime,
+  train_loss, ...) at the end of each run or resumed run;
+- completions.csv: every completion with its reward (appended; data_reward.CompletionLog);
+- tensorboard/: the same metrics for TensorBoard (REPORT_TO);
+- checkpoint-000020-style folders (zero-padded so they sort by name) every SAVE_STEPS: the adapter and tokenizer
+  as below, plus optimizer.pt, scheduler.pt, rng_state*.pth, trainer_state.json and training_args.bin;
+- at the end: the adapter (adapter_config.json, adapter_model.safetensors), the tokenizer (tokenizer.json,
+  tokenizer_config.json, chat_template.jinja), PEFT's model card README.md, trainer_state.json and
+  training_args.bin (the Trainer's arguments, pickled by transformers).
+Everything here runs before the (slow) model load, so a bad folder fails in seconds.
 
 Provenance (train, evaluation and export): `lora_adapter_config` is the one check of an adapter folder that
 evaluation (llm_policy.py, test_lora_adapter.py) and both exporters run before anything slow; `adapter_base_model`
