@@ -36,6 +36,7 @@ from tes_grpo.model.model_loading import (
     resolve_attention,
     resolve_device,
     resolve_dtype,
+    resolve_model_path,
 )
 from tes_grpo.patches.transformers_patches import (
     grouped_mm_experts_for_decode,
@@ -111,7 +112,7 @@ def load_policy_model(base_model_id: str = "", adapter_path: str = "", quantized
         check_model_id(base_model_id, f"{adapter_path}'s base_model_name_or_path", "set BASE_MODEL_ID to the base "
                        "model's folder or Hub id")
     else:
-        check_model_id(base_model_id, "BASE_MODEL_ID")
+        base_model_id = resolve_model_path(check_model_id(base_model_id, "BASE_MODEL_ID"))  # "tiny": its folder
     tokenizer = load_tokenizer_for(base_model_id)  # before the (slow) model: a missing tokenizer stops here
     device = resolve_device(device)
     torch_dtype = torch.bfloat16 if quantized else resolve_dtype(dtype, device)

@@ -338,7 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     from tes_grpo.run.script_config import resolve
 
     settings = resolve(globals(), argv)
-    ensure_tiny_checkpoint(settings.TINY_DIR, rebuild=settings.REBUILD, settings=settings)
+    try:
+        ensure_tiny_checkpoint(settings.TINY_DIR, rebuild=settings.REBUILD, settings=settings)
+    except ValueError as err:  # no tokenizer to build it with (harmony's SourceError), or settings that cannot work
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     return 0
 
 
