@@ -1,14 +1,17 @@
 """Boltzmann-softmax rewards from Q-values: reward_action_k = softmax(q_action_0..3 / tau)_k.
 
-    python calculate_reward.py                              # every Q table under data/, X_with_reward.csv beside it
+    python calculate_reward.py                              # every Q table under data/ -> runs/rewards/data/...
     python calculate_reward.py data --TAU=0.05 --OVERWRITE  # the same, replacing the files themselves
+    python calculate_reward.py data --OUT_DIR=              # X_with_reward.csv beside each X.csv
 
 PATHS may be files or folders (default: data). A folder means every CSV below it (recursively) whose header has
 the columns q_action_0..3, except `*_with_reward.csv` outputs of an earlier run. Without --OVERWRITE each
-FILE.csv gets a sibling FILE_with_reward.csv, and an existing one is refused; with --OVERWRITE the file itself is
-replaced atomically (a symlink's target is replaced, the link stays). The reward columns are inserted after
-q_action_3 (replaced in place if present); every other cell is kept as the same text (read as strings, never
-reformatted). TAU must be finite and > 0.
+FILE.csv gets a FILE_with_reward.csv under OUT_DIR, at the input's path from the working folder
+(data/train/x.csv -> runs/rewards/data/train/x_with_reward.csv), so that the shipped data/ stays as it is
+(make_example_data.py --CHECK compares it); OUT_DIR="" puts it beside the input. An existing output is refused.
+With --OVERWRITE the file itself is replaced atomically (a symlink's target is replaced, the link stays). The
+reward columns are inserted after q_action_3 (replaced in place if present); every other cell is kept as the same
+text (read as strings, never reformatted). TAU must be finite and > 0.
 Missing, non-numeric, NaN or infinite Q-values, duplicate column names and text that is not UTF-8 are errors
 that name the file, row (1 = first data row) and column; every file is checked before anything is written, and
 the files are written all or none (a failed write restores the ones already replaced).
@@ -18,6 +21,7 @@ Exit status: 0 done, 1 bad input file or failed write, 2 bad setting.
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -35,7 +39,8 @@ from tes_grpo.task import tes_env
 
 PATHS: list = ["data"]  # CSV files or folders (positional arguments)
 TAU = 0.05  # softmax temperature in Q units; must be finite and > 0
-OVERWRITE = False  # replace the input files instead of writing *_with_reward.csv siblings
+OVERWRITE = False  # replace the input files instead of writing *_with_reward.csv copies
+OUT_DIR = "runs/rewards"  # where the *_with_reward.csv copies go (at each input's path); "" = beside each input
 
 _WITH_REWARD_SUFFIX = "_with_reward"
 _Q_COLUMNS = list(tes_env.Q_COLUMNS)
@@ -90,8 +95,20 @@ def with_rewards(frame, tau: float, path) -> object:
     return out
 
 
-def reward_output_path(path: Path, overwrite: bool) -> Path:
-    return path if overwrite else path.with_name(f"{path.stem}{_WITH_REWARD_SUFFIX}{path.suffix}")
+def reward_output_path(path: Path, overwrite: bool, out_dir: str | os.PathLike = "") -> Path:
+    """The input itself (overwrite), else X_with_reward.csv: beside it, or under out_dir at the input's path from
+    the working folder (from the filesystem's root for an input outside it: never above out_dir)."""
+    if overwrite:
+        return path
+    named = path.with_name(f"{path.stem}{_WITH_REWARD_SUFFIX}{path.suffix}")
+    if not str(out_dir):
+        return named
+    absolute = Path(os.path.abspath(named))
+    try:
+        inner = absolute.relative_to(Path.cwd())
+    except ValueError:
+        inner = absolute.relative_to(absolute.anchor)
+    return Path(out_dir) / inner
 
 
 def is_q_table(path: Path) -> bool:
@@ -104,13 +121,14 @@ def expand_paths(paths: Sequence) -> tuple[list[Path], list[Path]]:
     return csv_files(paths, wanted=is_q_table)
 
 
-def calculate_rewards(paths: Sequence, tau: float, overwrite: bool) -> list[Path]:
-    """Checks every file, then writes them all (or none); raises InputError, nothing written, on the first error."""
+def calculate_rewards(paths: Sequence, tau: float, overwrite: bool, out_dir: str | os.PathLike = "") -> list[Path]:
+    """Checks every file, then writes them all (or none); raises InputError, nothing written, on the first error.
+    out_dir: where the copies go (reward_output_path); "" beside their inputs."""
     tau = check_tau(tau)
     files, _ = expand_paths(paths)
     if not files:
         raise InputError(", ".join(str(p) for p in paths) or "<no paths>", "no CSV with q_action_0..3 columns")
-    targets = [reward_output_path(path, overwrite) for path in files]
+    targets = [reward_output_path(path, overwrite, out_dir) for path in files]
     if not overwrite:
         existing = [target for target in targets if target.exists() or target.is_symlink()]
         if existing:
@@ -134,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         files, skipped = expand_paths(settings.PATHS)
         for path in skipped:
             print(f"skipped {path} (no q_action_0..3 columns, or an earlier {_WITH_REWARD_SUFFIX} output)")
-        written = calculate_rewards(files if files else settings.PATHS, settings.TAU, settings.OVERWRITE)
+        written = calculate_rewards(files if files else settings.PATHS, settings.TAU, settings.OVERWRITE,
+                                    settings.OUT_DIR)
     except InputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -70,7 +70,10 @@ def check_tokenizer_source(source: str, name: str = "TOKENIZER") -> None:
 
 
 def get_tokenizer(source: str = ""):
-    """The tokenizer from `source` ("" = the default); ValueError naming TOKENIZER if it cannot be loaded."""
+    """The tokenizer from `source` ("" = the default, whose errors name GPT_OSS_TOKENIZER: harmony.load_tokenizer);
+    ValueError naming TOKENIZER if the one it names cannot be loaded."""
+    if not source:
+        return load_tokenizer()
     resolved = resolve_tokenizer_source(source)
     check_tokenizer_source(resolved)
     local = Path(resolved).expanduser()

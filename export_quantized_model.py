@@ -33,6 +33,7 @@ from pathlib import Path
 from tes_grpo.run import run_folder  # the module: its UPPER_CASE names imported here would become settings
 from tes_grpo.run.fileio import InputError, give_default_modes, replace_folder, temporary_folder
 from tes_grpo.run.hub_upload import HubError, check_hub_access, hub_target, push_folder_to_hub, redact
+from tes_grpo.run.sources import SourceError, check_model_id
 
 if typing.TYPE_CHECKING:  # annotations only; the module is imported where it is used
     from tes_grpo.experts.mxfp4_checkpoint import SafetensorsCheckpoint
@@ -165,8 +166,12 @@ def load_merged_model(base_folder: Path, adapter_path: Path):
     from transformers import AutoModelForCausalLM, Mxfp4Config
 
     from tes_grpo.model.model_loading import checkpoint_is_mxfp4
+    from tes_grpo.patches import transformers_patches
 
     kwargs = {"quantization_config": Mxfp4Config(dequantize=True)} if checkpoint_is_mxfp4(base_folder) else {}
+    # transformers' dequantizing warnings (the check's FELL BACK line says why), PEFT's read of a deprecated property
+    transformers_patches.quiet_mxfp4_fallback_warnings()
+    transformers_patches.quiet_gradient_checkpointing_deprecation()
     base = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.bfloat16, **kwargs)
     peft_model = PeftModel.from_pretrained(base, str(adapter_path))
     touched = set()
@@ -192,16 +197,25 @@ def base_expert_passthrough(base_folder: Path, state_dict: dict, touched: set[st
     return SafetensorsCheckpoint(base_folder, only=wanted)
 
 
-def load_export_tokenizer(adapter_path: Path, base_folder: Path):
-    """The adapter's tokenizer (train_grpo.py saves it), else the base's, else the project's gpt-oss tokenizer."""
-    from transformers import AutoTokenizer
-
-    from tes_grpo.task.harmony import tokenizer_source
+def export_tokenizer_source(adapter_path: Path, base_folder: Path) -> str:
+    """Where the export's tokenizer comes from: the adapter's folder (train_grpo.py saves it there), else the base's,
+    else the project's gpt-oss tokenizer, checked (an ExportError naming GPT_OSS_TOKENIZER when there is none)."""
+    from tes_grpo.task.harmony import check_tokenizer_source
 
     for folder in (adapter_path, base_folder):
         if all((folder / name).is_file() for name in _TOKENIZER_FILES):
-            return AutoTokenizer.from_pretrained(folder), str(folder)
-    source = tokenizer_source()
+            return str(folder)
+    try:
+        return check_tokenizer_source()
+    except SourceError as err:
+        raise ExportError(str(err)) from None
+
+
+def load_export_tokenizer(adapter_path: Path, base_folder: Path):
+    """(tokenizer, where it came from: export_tokenizer_source)."""
+    from transformers import AutoTokenizer
+
+    source = export_tokenizer_source(adapter_path, base_folder)
     return AutoTokenizer.from_pretrained(source), source
 
 
@@ -403,10 +417,15 @@ def run_export(settings) -> dict:
     out = Path(settings.OUT_DIR)
     if out.exists() and not settings.OVERWRITE:
         raise ExportError(f"{out} already exists; pass --OVERWRITE to replace it")
+    try:  # a folder that is not there, or a Hub that cannot be reached: one line now, no download retries
+        check_model_id(base_id, "BASE_MODEL_ID" if settings.BASE_MODEL_ID else f"{adapter}'s base model")
+    except SourceError as err:
+        raise ExportError(str(err)) from None
     base_folder = resolve_base_folder(base_id)
     if not (base_folder / "config.json").is_file():
         raise ExportError(f"base {base_folder} has no config.json")
     check_adapter_fits_base(adapter, base_folder)
+    export_tokenizer_source(adapter, base_folder)  # no tokenizer anywhere: said now, not after the slow load
     margin = int(settings.DISK_MARGIN_GB * 1e9)
     check_free_space(out, checkpoint_bytes(base_folder) + margin)  # early estimate, before the slow load
     print(f"loading base {base_id} (dequantized to bf16) and merging adapter {adapter}")

@@ -74,10 +74,11 @@ def load_model(model_id: str, dequantize: bool, device: str):
 
     from tes_grpo.model.model_loading import load_for_inference, load_tokenizer_for, resolve_attention, resolve_device
 
+    tokenizer = load_tokenizer_for(model_id)  # before the (slow) model: a missing tokenizer stops here
     device = resolve_device(device)
     model, how, _ = load_for_inference(model_id, device, torch.bfloat16, resolve_attention("auto", device),
                                        experts="bf16" if dequantize else "auto")
-    return model, load_tokenizer_for(model_id), how
+    return model, tokenizer, how
 
 
 def final_answer(text: str) -> str | None:
@@ -131,9 +132,11 @@ def print_decisions(result) -> None:
 def main(argv: list[str] | None = None) -> int:
     from tes_grpo.run.fileio import InputError, write_csv_atomic
     from tes_grpo.run.script_config import resolve
+    from tes_grpo.run.sources import check_model_id
 
     s = resolve(globals(), argv)
     try:
+        check_model_id(s.MODEL_ID, local="give the folder export_quantized_model.py wrote (its OUT_DIR) or a Hub id")
         max_new_tokens, temperature = sampling_settings(s)
         prompts = load_prompts(s.PROMPT_PATH, s.MAX_ROWS)
         model, tokenizer, path = load_model(s.MODEL_ID, s.DEQUANTIZE, s.DEVICE)

@@ -20,10 +20,13 @@ process.
 
 Environment (the seed's interface, read once here): GRPO_LOG_COMPLETIONS=0 turns the completion log off,
 GRPO_COMPLETION_LOG_PATH=file.csv writes it elsewhere, GRPO_STEPS_PER_GENERATION=k generates every k micro-steps
-instead of once per optimizer step (GENERATION_STEPS left at 1), GPT_OSS_TOKENIZER names the tokenizer folder.
+instead of once per optimizer step (GENERATION_STEPS left at 1), GPT_OSS_TOKENIZER names the tokenizer folder
+(unset: ../shared/gpt-oss-tokenizer beside the repo, else the Hub's openai/gpt-oss-20b; checked at start-up).
 
-Written to OUT_DIR: checkpoint-000020-style folders every SAVE_STEPS, train_config.json (resolved settings and what
-was derived), metrics.jsonl, completions.csv, tensorboard/, and at the end the adapter + tokenizer.
+Written to OUT_DIR (tes_grpo/run/run_folder.py says what each file is): train_config.json, metrics.jsonl,
+completions.csv, tensorboard/, checkpoint-000020-style folders every SAVE_STEPS, and at the end the adapter with its
+tokenizer, trainer_state.json and training_args.bin. Ctrl-C or running out of memory says the step and how the run
+goes on.
 """
 
 from __future__ import annotations
@@ -37,15 +40,8 @@ from tes_grpo.run import choices
 from tes_grpo.run.fileio import InputError
 from tes_grpo.run.presets import presets_for
 from tes_grpo.run.processes import is_main_process, process_count, say
-from tes_grpo.run.script_config import (
-    ConfigError,
-    Settings,
-    SettingsError,
-    check_choices,
-    parse_bool,
-    resolve,
-    save_config,
-)
+from tes_grpo.run.script_config import ConfigError, Settings, SettingsError, resolve, save_config
+from tes_grpo.run.train_settings import check_plain_settings, expert_layers, read_environment
 from tes_grpo.task.harmony import REASONING_EFFORTS as _EFFORTS
 
 MODEL_ID = "openai/gpt-oss-20b"  # hub id or local folder of an MXFP4 gpt-oss checkpoint; "tiny" = embedded tiny model
@@ -129,92 +125,42 @@ def default_settings(**overrides) -> Settings:
         raise KeyError(str(err)) from None
 
 
-def _need(ok: bool, name: str, value, rule: str) -> None:
-    if not ok:
-        raise SettingsError(f"{name}={value!r}: {rule}")
-
-
 def check_settings(s) -> None:
     """Raises SettingsError naming the setting and value for settings that cannot work (before anything slow)."""
-    from tes_grpo.run.trackers import report_to_problem
+    check_plain_settings(s, CHOICES)
+    check_library_settings(s)
+
+
+def check_library_settings(s) -> None:
+    """The settings whose check asks the libraries (torch, TRL): the fast paths and the sampler-trainer correction."""
     from tes_grpo.sampling import sampling_fidelity
     from tes_grpo.training import fast_paths
 
-    for name in ("MAX_PROMPT_LEN", "MAX_COMPLETION_LEN", "TOTAL_STEPS", "SAVE_STEPS", "LORA_R", "LOGGING_STEPS",
-                 "PROMPTS_PER_STEP", "GRADIENT_ACCUMULATION_STEPS", "GENERATION_STEPS", "TRAIN_TOKENS_PER_PASS"):
-        _need(s[name] >= 1, name, s[name], "must be at least 1")
-    # a generation batch feeds GENERATION_STEPS steps: a checkpoint inside one would make a resumed run generate it
-    # again, and a run ending inside one would sample completions that no step trains
-    for name in ("SAVE_STEPS", "TOTAL_STEPS"):
-        _need(s[name] % s.GENERATION_STEPS == 0, name, s[name],
-              f"must be a multiple of GENERATION_STEPS={s.GENERATION_STEPS} (the steps one generation batch feeds)")
-    _need(s.NUM_GENERATIONS >= 2, "NUM_GENERATIONS", s.NUM_GENERATIONS,
-          "must be at least 2 (GRPO compares completions of the same prompt)")
-    _need(s.KEEP_CHECKPOINTS >= 0 and s.SEED >= 0, "KEEP_CHECKPOINTS/SEED", (s.KEEP_CHECKPOINTS, s.SEED),
-          "must not be negative")
-    _need(math.isfinite(s.LR) and s.LR > 0, "LR", s.LR, "must be a finite number above 0")
-    _need(math.isfinite(s.TEMPERATURE) and s.TEMPERATURE > 0, "TEMPERATURE", s.TEMPERATURE,
-          "must be a finite number above 0 (1.0 samples as gpt-oss recommends)")
-    _need(math.isfinite(s.BETA) and s.BETA >= 0, "BETA", s.BETA, "must be a finite number >= 0")
-    _need(math.isfinite(s.LORA_ALPHA) and s.LORA_ALPHA > 0, "LORA_ALPHA", s.LORA_ALPHA, "must be above 0")
-    _need(math.isfinite(s.WARMUP_RATIO) and 0 <= s.WARMUP_RATIO <= 1, "WARMUP_RATIO", s.WARMUP_RATIO,
-          "must be between 0 and 1")
-    _need(math.isfinite(s.ROUTER_AUX_LOSS_COEF) and s.ROUTER_AUX_LOSS_COEF >= 0, "ROUTER_AUX_LOSS_COEF",
-          s.ROUTER_AUX_LOSS_COEF, "must be a finite number >= 0")
-    _need(not math.isinf(s.INVALID_REWARD), "INVALID_REWARD", s.INVALID_REWARD, "must be a finite number or nan")
-    _need(s.MEMORY_BUDGET_GB >= 0, "MEMORY_BUDGET_GB", s.MEMORY_BUDGET_GB, "must be >= 0 (0 = the GPU's free memory)")
-    _need(0 < s.VLLM_GPU_MEMORY_UTILIZATION <= 1, "VLLM_GPU_MEMORY_UTILIZATION", s.VLLM_GPU_MEMORY_UTILIZATION,
-          "must be in (0, 1]")
-    _need(str(s.OUT_DIR).strip() != "", "OUT_DIR", s.OUT_DIR, "must name a folder")
-    try:
-        check_choices(s, CHOICES)
-    except ConfigError as err:
-        raise SettingsError(str(err)) from None
-    _need(str(s.TRAIN_BATCH_SIZE) == "auto" or str(s.TRAIN_BATCH_SIZE).isdigit() and int(s.TRAIN_BATCH_SIZE) >= 1,
-          "TRAIN_BATCH_SIZE", s.TRAIN_BATCH_SIZE, "must be auto or a whole number >= 1")
     fast_paths.check_settings(s)
-    expert_layers(s)
-    for problem in (sampling_fidelity.correction_problem(s.IMPORTANCE_SAMPLING, s.IMPORTANCE_SAMPLING_CAP,
-                                                         s.LOSS_TYPE), report_to_problem(s.REPORT_TO)):
-        if problem:
-            raise SettingsError(problem)
-
-
-def expert_layers(s) -> list[int]:
-    layers = []
-    for item in s.LORA_EXPERT_LAYERS:
-        try:
-            layers.append(int(item))
-        except ValueError:
-            raise SettingsError(f"LORA_EXPERT_LAYERS: {item!r} is not a layer number") from None
-    return layers
-
-
-def read_environment(environ) -> dict:
-    """The seed's environment variables, read once at the entry: the completion log and the generation cadence."""
-    try:
-        log = parse_bool("GRPO_LOG_COMPLETIONS", environ.get("GRPO_LOG_COMPLETIONS", "1"))
-    except ConfigError as err:
-        raise SettingsError(str(err)) from None
-    steps = environ.get("GRPO_STEPS_PER_GENERATION", "").strip()
-    if steps and not (steps.isdigit() and int(steps) >= 1):
-        raise SettingsError(f"GRPO_STEPS_PER_GENERATION={steps!r}: must be a whole number >= 1")
-    return {"log_completions": log, "completion_log_path": environ.get("GRPO_COMPLETION_LOG_PATH", ""),
-            "steps_per_generation": int(steps) if steps else None}
+    problem = sampling_fidelity.correction_problem(s.IMPORTANCE_SAMPLING, s.IMPORTANCE_SAMPLING_CAP, s.LOSS_TYPE)
+    if problem:
+        raise SettingsError(problem)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # The recipe's pieces: data stream, LoRA, GRPOConfig, trainer
 # ---------------------------------------------------------------------------------------------------------------
 
-def load_training_data(s, tokenizer):
-    """The checked training rows (data_reward.load_training_frames), reasoning effort set, long prompts handled."""
-    from data_reward import apply_reasoning_effort, check_prompt_lengths, load_training_frames
+def read_training_data(s):
+    """The checked training rows (data_reward.load_training_frames), reasoning effort set; no tokenizer needed."""
+    from data_reward import apply_reasoning_effort, load_training_frames
 
     frame = load_training_frames(s.DATA_DIR, s.EVAL_DIR)
     files = frame["source"].str.rpartition(":")[0].nunique()
     say(f"training data: {len(frame)} prompts from {files} file(s) under {s.DATA_DIR} ({s.EVAL_DIR} left out)")
-    frame = apply_reasoning_effort(frame, s.REASONING_EFFORT)
+    return apply_reasoning_effort(frame, s.REASONING_EFFORT)
+
+
+def load_training_data(s, tokenizer, frame=None):
+    """read_training_data's rows (or `frame`, read already) with each prompt's length, long prompts handled."""
+    from data_reward import check_prompt_lengths
+
+    frame = read_training_data(s) if frame is None else frame
     return check_prompt_lengths(frame, tokenizer, s.MAX_PROMPT_LEN, s.PROMPT_TOO_LONG)
 
 
@@ -342,8 +288,42 @@ def describe_run(s, layout: dict, trainer, completion_log) -> None:
 # main: settings, run folder, data, model, trainer, train, save
 # ---------------------------------------------------------------------------------------------------------------
 
-def train(s, environ=None, callbacks=()) -> Path:
-    """Runs GRPO for resolved settings; returns OUT_DIR. callbacks: extra TrainerCallbacks (tests look inside)."""
+def preflight(s, environ=None) -> dict:
+    """What train() checks from the settings and files alone, before torch and transformers are imported (a second
+    or two): the settings that need no library, the run folder and what RESUME asks of it, the training files, where
+    the model and the tokenizer come from. Returns what train() goes on with; "finished": the checkpoint resumed is
+    at TOTAL_STEPS already, nothing to train (said)."""
+    from tes_grpo.run.run_folder import prepare_resume
+    from tes_grpo.run.sources import check_model_id
+    from tes_grpo.task.harmony import check_tokenizer_source
+
+    check_plain_settings(s, CHOICES)
+    env = read_environment(os.environ if environ is None else environ)
+    out = Path(s.OUT_DIR)
+    log_path = Path(env["completion_log_path"]) if env["completion_log_path"] else out / "completions.csv"
+    checkpoint, step = prepare_resume(out, s.RESUME, log_path, process_count(), say, trim=False)
+    start = {"env": env, "log_path": log_path, "checkpoint": checkpoint, "step": step, "finished": False}
+    if checkpoint is not None and step >= s.TOTAL_STEPS:  # the trainer would run one step past max_steps
+        say(f"nothing to train: {checkpoint} is at step {step} of TOTAL_STEPS={s.TOTAL_STEPS}, and its adapter is "
+            "there (raise TOTAL_STEPS to train on; a new run needs another --OUT_DIR); the run folder is left as it is")
+        return {**start, "finished": True}
+    if checkpoint is not None and step % s.GENERATION_STEPS:  # only a checkpoint of other settings: SAVE_STEPS
+        say(f"note: {checkpoint} (step {step}) is inside a generation batch of GENERATION_STEPS={s.GENERATION_STEPS} "
+            "steps: TRL generates at the resumed run's first step, from that batch's prompts again, so its batches "
+            f"fall {step % s.GENERATION_STEPS} step(s) off those of the uninterrupted run")
+    frame = read_training_data(s)
+    check_model_id(s.MODEL_ID, say=say)
+    check_tokenizer_source(say=say)  # the reward decodes with it: a missing one stops here, not at the first step
+    return {**start, "frame": frame}
+
+
+def train(s, environ=None, callbacks=(), start: dict | None = None) -> Path:
+    """Runs GRPO for resolved settings; returns OUT_DIR. callbacks: extra TrainerCallbacks (tests look inside);
+    start: preflight's answer when main() has asked it already."""
+    start = preflight(s, environ) if start is None else start
+    out, env, checkpoint, step = Path(s.OUT_DIR), start["env"], start["checkpoint"], start["step"]
+    if start["finished"]:
+        return out
     from transformers import AutoConfig
 
     from data_reward import CompletionLog
@@ -355,39 +335,29 @@ def train(s, environ=None, callbacks=()) -> Path:
         resolve_model_path,
     )
     from tes_grpo.run.processes import start_process_group
-    from tes_grpo.run.run_folder import prepare_resume, run_summary
+    from tes_grpo.run.run_folder import drop_log_rows_after, run_summary
+    from tes_grpo.task.harmony import load_tokenizer
     from tes_grpo.training.batch_layout import batch_layout, check_generation_cadence
     from tes_grpo.training.memory_plan import plan_run
 
-    check_settings(s)
-    env = read_environment(os.environ if environ is None else environ)
+    check_library_settings(s)
     check_generation_cadence(s, env["steps_per_generation"])
-    out = Path(s.OUT_DIR)
-    log_path = Path(env["completion_log_path"]) if env["completion_log_path"] else out / "completions.csv"
-    # Settings, folder, resume: all from files, before anything slow.
-    checkpoint, step = prepare_resume(out, s.RESUME, log_path, process_count(), say, trim=is_main_process(),
-                                      total_steps=s.TOTAL_STEPS)
-    if checkpoint is not None and step >= s.TOTAL_STEPS:  # the trainer would run one step past max_steps
-        say(f"nothing to train: {checkpoint} is at step {step} of TOTAL_STEPS={s.TOTAL_STEPS}, and its adapter is "
-            "there (raise TOTAL_STEPS to train on); the run folder is left as it is")
-        return out
-    if checkpoint is not None and step % s.GENERATION_STEPS:  # only a checkpoint of other settings: SAVE_STEPS
-        say(f"note: {checkpoint} (step {step}) is inside a generation batch of GENERATION_STEPS={s.GENERATION_STEPS} "
-            "steps: TRL generates at the resumed run's first step, from that batch's prompts again, so its batches "
-            f"fall {step % s.GENERATION_STEPS} step(s) off those of the uninterrupted run")
+    if checkpoint is not None and is_main_process():  # the steps after the checkpoint are redone: their rows go
+        drop_log_rows_after(out, step, start["log_path"], say)
     check_machine(s.USE_VLLM, say)
     start_process_group()
     for name, (default, value) in s.preset.items():
         say(f"MODEL_ID={s.MODEL_ID}: preset {name}={value} (default {default})")
 
-    # Data (the model's tokenizer and config first: a MODEL_ID that cannot be reached stops here)
+    # Data (the model's tokenizer and config first: a MODEL_ID that cannot be loaded stops here)
     model_path = resolve_model_path(s.MODEL_ID)
     try:
         tokenizer = load_tokenizer_for(model_path, say=say)
         config = AutoConfig.from_pretrained(model_path)
-    except OSError as err:  # not a folder, not on the Hub, or no network: transformers says which
+    except OSError as err:  # a broken checkpoint folder, a download cut short: transformers says which
         raise SettingsError(f"MODEL_ID={s.MODEL_ID}: cannot load it: {' '.join(str(err).split())}") from None
-    frame = load_training_data(s, tokenizer)
+    load_tokenizer()  # the reward's (harmony's): loaded and checked now, not at the first step's scoring
+    frame = load_training_data(s, tokenizer, start["frame"])
     longest = int(frame["prompt_tokens"].max())
     if str(s.TRAIN_BATCH_SIZE) != "auto":  # auto's size comes from the memory plan, after loading
         batch_layout(s, longest, env["steps_per_generation"])  # a fixed size that cannot split the step stops here
@@ -403,13 +373,13 @@ def train(s, environ=None, callbacks=()) -> Path:
                     bf16_expert_layers=bf16_layers)
     layout = batch_layout(s, longest, env["steps_per_generation"], plan)
     slot = s.PROMPTS_PER_STEP * s.NUM_GENERATIONS  # completions of one gradient-accumulation slot
-    completion_log = CompletionLog(log_path, slot) if env["log_completions"] else None
+    completion_log = CompletionLog(start["log_path"], slot) if env["log_completions"] else None
     trainer = build_trainer(s, model, tokenizer, dataset, layout, completion_log, callbacks,
                             resume_step=step if checkpoint else None)
     describe_run(s, layout, trainer, completion_log)
     if is_main_process():
         extra = {"attn_implementation": model.config._attn_implementation, "dtype": str(model.dtype),
-                 "train_prompts": len(frame), "completion_log": str(log_path) if completion_log else ""}
+                 "train_prompts": len(frame), "completion_log": str(start["log_path"]) if completion_log else ""}
         save_config(run_summary(s, layout, extra, process_count()), out / "train_config.json")
 
     # Train and save
@@ -423,29 +393,53 @@ def train(s, environ=None, callbacks=()) -> Path:
 
 
 def main(argv: list[str] | None = None, callbacks=()) -> int:
-    """Command-line entry: resolves --NAME=value overrides (and the tiny preset), trains; returns the exit status."""
+    """Command-line entry: resolves --NAME=value overrides (and the tiny preset), trains; returns the exit status:
+    0 done, 1 an error said in one line, 130 stopped by Ctrl-C (saying where, and how the run goes on)."""
     settings = resolve(globals(), argv, presets=PRESETS, allow_nan={"INVALID_REWARD"}, choices=CHOICES)
-    import torch  # after resolve: --help needs no torch
-
-    from tes_grpo.patches.torch_patches import leave_process_group
-    from tes_grpo.run.oom import StepWatch, out_of_memory_message, use_expandable_segments
-    from tes_grpo.training.memory_plan import no_plan_reason
-
-    use_expandable_segments(say, torch.cuda.is_available(), torch.cuda.is_initialized(), vllm=settings.USE_VLLM)
-    watch = StepWatch()
+    watch = None
     try:
-        train(settings, callbacks=(*callbacks, watch))
+        start = preflight(settings)  # no torch yet: a bad folder, data file or model stops within a second or two
+        if start["finished"]:
+            return 0
+        import torch
+
+        from tes_grpo.run.oom import StepWatch, out_of_memory_message, use_expandable_segments
+        from tes_grpo.training.memory_plan import no_plan_reason
+
+        use_expandable_segments(say, torch.cuda.is_available(), torch.cuda.is_initialized(), vllm=settings.USE_VLLM)
+        watch = StepWatch()
+        try:
+            train(settings, callbacks=(*callbacks, watch), start=start)
+        except torch.OutOfMemoryError as err:  # one message, no traceback; the newest checkpoint stays resumable
+            planned = no_plan_reason(settings) is None
+            print(out_of_memory_message(settings, watch.step, err, planned, watch.ended), file=sys.stderr)
+            _leave_process_group(wait=False)
+            return 1
     except (InputError, SettingsError) as err:
         print(f"error: {err}", file=sys.stderr)
-        leave_process_group(wait=False)
+        _leave_process_group(wait=False)
         return 1
-    except torch.OutOfMemoryError as err:  # one message, no traceback; the newest checkpoint stays resumable
-        planned = no_plan_reason(settings) is None
-        print(out_of_memory_message(settings, watch.step, err, planned, watch.ended), file=sys.stderr)
-        leave_process_group(wait=False)
-        return 1
-    leave_process_group(wait=True)
+    except KeyboardInterrupt:
+        from tes_grpo.run.run_folder import stopped_message
+
+        if is_main_process():
+            step, ended = (watch.step, watch.ended) if watch is not None else (None, False)
+            print(stopped_message(Path(settings.OUT_DIR), settings.TOTAL_STEPS, step, ended, "stopped by Ctrl-C"),
+                  file=sys.stderr)
+        _leave_process_group(wait=False)
+        return 130
+    _leave_process_group(wait=True)
     return 0
+
+
+def _leave_process_group(wait: bool) -> None:
+    # asked of torch only where train() may have started a group: importing torch to ask would take seconds, and
+    # after a Ctrl-C inside `import torch` it may be half imported
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and getattr(dist, "is_initialized", lambda: False)():
+        from tes_grpo.patches.torch_patches import leave_process_group
+
+        leave_process_group(wait=wait)
 
 
 if __name__ == "__main__":

@@ -104,8 +104,9 @@ def write(path: Path, data: str | bytes) -> Path:
 
 # ---- 1. an existing output is refused without --OVERWRITE, naming it: (script, argv, existing output) ----------
 EXISTING_CASES = [
-    ("calculate_reward", ["q/a_q_dataset.csv"], "q/a_q_dataset_with_reward.csv"),  # the sibling output
-    ("calculate_reward", ["q"], "q/a_q_dataset_with_reward.csv"),  # found through the folder
+    ("calculate_reward", ["q/a_q_dataset.csv"], "runs/rewards/q/a_q_dataset_with_reward.csv"),  # OUT_DIR's copy
+    ("calculate_reward", ["q"], "runs/rewards/q/a_q_dataset_with_reward.csv"),  # found through the folder
+    ("calculate_reward", ["q", "--OUT_DIR="], "q/a_q_dataset_with_reward.csv"),  # beside the input
     ("make_q_dataset", ["series/a.csv", "--OUT_DIR=out"], "out/a_q_dataset.csv"),
     ("make_series", ["--OUT_DIR=out", "--N_WINDOWS=2"], "out/tes_2024-06-07.csv"),  # the second of two windows
     ("convert_to_harmony", ["q/a_q_dataset.csv"], "q/a_q_dataset_harmony.csv"),
@@ -248,7 +249,7 @@ def test_former_tracebacks_are_error_lines(work, capsys, script, argv, code, wor
 
 # (script, argv, words of its output showing the CSV inside the folder was read)
 FOLDER_NAMED_CSV_CASES = [
-    ("calculate_reward", ["q"], "wrote q/z.csv/inner_q_dataset_with_reward.csv"),
+    ("calculate_reward", ["q"], "wrote runs/rewards/q/z.csv/inner_q_dataset_with_reward.csv"),
     ("convert_to_harmony", ["q"], "wrote q/z.csv/inner_q_dataset_harmony.csv"),
     ("check_data", ["h"], "ok: 2 file(s)"),
 ]
@@ -393,8 +394,8 @@ def test_processes(work, script, args, code, words):
     assert "Traceback" not in result.stderr
     if code:
         assert words in one_error_line(result.stderr) and snapshot(work) == before
-    else:  # --overwrite false: a sibling output, the input untouched
-        assert (work / "q/a_q_dataset_with_reward.csv").exists()
+    else:  # --overwrite false: a copy under OUT_DIR, the input untouched
+        assert (work / "runs/rewards/q/a_q_dataset_with_reward.csv").exists()
         assert (work / "q/a_q_dataset.csv").read_bytes() == before["q/a_q_dataset.csv"][1]
 
 

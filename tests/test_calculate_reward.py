@@ -162,18 +162,43 @@ def test_cli(tmp_path, args, code, message):
     assert ("reward_action_0" in source.read_text()) == (code == 0)
 
 
-def test_no_path_reads_the_data_folder(tmp_path):
-    """`python calculate_reward.py` alone takes data/ (of the working folder), like check_data.py."""
+def test_no_path_reads_the_data_folder_and_leaves_it_as_it_is(tmp_path):
+    """`python calculate_reward.py` alone takes data/ (of the working folder), like check_data.py, and writes its
+    copies under runs/rewards/: the shipped data/ stays as make_example_data.py --CHECK compares it."""
     (tmp_path / "data" / "train").mkdir(parents=True)
     source = write_q_csv(tmp_path / "data" / "train" / "x_q_dataset.csv", GOOD)
     elsewhere = write_q_csv(tmp_path / "other_q_dataset.csv", GOOD)  # outside data/: not touched
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     result = subprocess.run([sys.executable, str(REPO / "calculate_reward.py")], cwd=tmp_path, capture_output=True,
                             text=True)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == [f"wrote {Path('data/train/x_q_dataset_with_reward.csv')} (tau=0.05)"]
-    assert "reward_action_0" in (tmp_path / "data" / "train" / "x_q_dataset_with_reward.csv").read_text()
+    written = Path("runs/rewards/data/train/x_q_dataset_with_reward.csv")
+    assert result.stdout.splitlines() == [f"wrote {written} (tau=0.05)"]
+    assert "reward_action_0" in (tmp_path / written).read_text()
     assert "reward_action_0" not in source.read_text() + elsewhere.read_text()
-    assert not (tmp_path / "other_q_dataset_with_reward.csv").exists()
+    after = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if not p.is_relative_to(tmp_path / "runs"))
+    assert after == before  # nothing new in data/ or beside it
+
+
+# (input path, OUT_DIR, --OVERWRITE, where the output goes; {cwd}: the working folder)
+OUTPUT_PATHS = [
+    ("data/train/x.csv", "runs/rewards", False, "runs/rewards/data/train/x_with_reward.csv"),  # the default
+    ("{cwd}/data/x.csv", "runs/rewards", False, "runs/rewards/data/x_with_reward.csv"),  # absolute, inside cwd
+    ("/elsewhere/q/x.csv", "runs/rewards", False, "runs/rewards/elsewhere/q/x_with_reward.csv"),  # outside cwd
+    ("../up/x.csv", "out", False, "out/{parent}/up/x_with_reward.csv"),  # never above OUT_DIR
+    ("data/x.csv", "", False, "data/x_with_reward.csv"),  # OUT_DIR="": beside the input
+    ("data/x.csv", "runs/rewards", True, "data/x.csv"),  # --OVERWRITE: the input itself
+]
+
+
+@pytest.mark.parametrize("path, out_dir, overwrite, expected", OUTPUT_PATHS)
+def test_reward_output_path(tmp_path, monkeypatch, path, out_dir, overwrite, expected):
+    cwd = tmp_path / "work"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    parent = str(tmp_path.relative_to(tmp_path.anchor))
+    got = cr.reward_output_path(Path(path.format(cwd=cwd)), overwrite, out_dir)
+    assert got == Path(expected.format(parent=parent))
 
 
 def test_main_twice_in_one_process_keeps_the_defaults(tmp_path, capsys):

@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from triton_interpreter import interpreted
+from triton_interpreter import interpreted, runtime_loops
 
 from tes_grpo.sampling import decode_math
 
@@ -19,6 +19,9 @@ pytestmark = [
 ]
 
 MASKED = torch.finfo(torch.float32).min  # decode_cache's masked value
+# the kernel's `range(first, last, BLOCK_N)`: where Triton's interpreter cannot run it, the compiled kernel is checked
+runs_kernel = runtime_loops("the compiled kernel is checked against the same float64 reference and flex attention "
+                            "on CUDA in tests/gpu_cuda_test.py")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -68,6 +71,7 @@ CASES = [
 ]
 
 
+@runs_kernel
 @pytest.mark.parametrize("batch, heads, kv_heads, dim, length, padded, parts, seen", CASES)
 def test_attention_matches_the_reference(batch, heads, kv_heads, dim, length, padded, parts, seen):
     query, keys, values, mask = inputs(batch, heads, kv_heads, dim, length, padded)
@@ -84,6 +88,7 @@ def test_attention_matches_the_reference(batch, heads, kv_heads, dim, length, pa
     assert (out.double() - exact_out).abs().max() <= exact_out.abs().max() * 2 ** -6
 
 
+@runs_kernel
 @pytest.mark.parametrize("parts", [1, 3])
 def test_slots_past_seen_are_not_read(parts):
     query, keys, values, mask = inputs(2, 8, 2, 16, 200, padded=10, spare=0)
@@ -96,6 +101,7 @@ def test_slots_past_seen_are_not_read(parts):
     assert torch.equal(unread[0], out) and torch.equal(unread[1], lse)
 
 
+@runs_kernel
 def test_masked_slots_add_nothing():
     # a masked slot's exponential is exactly 0 and leaves the running maximum alone, so reading the masked slots past
     # `seen` gives the same bits as not reading them
@@ -106,6 +112,7 @@ def test_masked_slots_add_nothing():
     assert torch.equal(read[0], skipped[0]) and torch.equal(read[1], skipped[1])
 
 
+@runs_kernel
 def test_with_sinks_matches_one_query_attention():
     # the kernel under the sink step, as a GPU decodes: the same bound as flex attention's (test_graph_decode.py)
     query, keys, values, mask = inputs(3, 8, 2, 16, 300, padded=60)

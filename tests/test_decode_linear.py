@@ -4,12 +4,15 @@ The compiled kernels are checked on CUDA in tests/gpu_cuda_test.py against cuBLA
 
 import pytest
 import torch
-from triton_interpreter import interpreted
+from triton_interpreter import interpreted, runtime_loops
 
 pytest.importorskip("triton", reason="requirements-test.txt installs triton (its interpreter runs these on CPU)")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 BF16 = torch.bfloat16
+# the kernel's `range(0, K, BLOCK_K)`: where Triton's interpreter cannot run it, the compiled kernel is checked
+runs_kernel = runtime_loops("the compiled kernel is checked against PEFT's rounding and the exact sums on CUDA in "
+                            "tests/gpu_cuda_test.py")
 SMALL_TILES = (16, 64, 4, 1)  # (BLOCK_N, BLOCK_K, warps, stages): small tiles keep the interpreter quick
 
 
@@ -43,6 +46,7 @@ def case(seed, rows, sizes, k, rank, scale, with_bias=True, values=integers):
     return x, weights, bias, lora
 
 
+@runs_kernel
 @pytest.mark.parametrize("rows, sizes, k, rank, scale, with_bias", [
     (6, (40, 24, 24), 200, 4, None, True),   # q, k, v in small, the scaling folded into B; K not whole blocks
     (6, (40, 24, 24), 200, 4, 1.5, True),    # a scaling that is not a power of two: its own rounding
@@ -60,6 +64,7 @@ def test_kernel_rounds_as_peft_bit_for_bit(rows, sizes, k, rank, scale, with_bia
     assert torch.equal(got, expected), (got != expected).sum()
 
 
+@runs_kernel
 def test_rows_read_through_their_stride():
     # x as a view whose rows are further apart than K (a slice of a wider buffer): each row read at its own start
     x, weights, bias, lora = case(2, 6, (40, 24, 24), 200, 4, None)
@@ -91,6 +96,7 @@ def gaussian(g, *shape, low=None, high=None):
     return (torch.randn(*shape, generator=g) * 0.05).to(BF16)
 
 
+@runs_kernel
 def test_float_inputs_within_one_rounding_of_the_exact_sums():
     # random values: the float32 sums are not exact, so a bf16 rounding may land one ulp away from the exact sum's on
     # a value near a rounding boundary, and no further

@@ -423,7 +423,11 @@ def test_the_gpus_projection_kernel_gives_the_trainers_projections(monkeypatch):
     # by attention_projections: PEFT's numbers but where its float32 sums, in another order, move a bf16 rounding
     # (a weight, bias or adapter missed or misplaced would change most elements)
     pytest.importorskip("triton", reason="requirements-test.txt installs triton (its interpreter runs it on CPU)")
-    from triton_interpreter import interpreted
+    from triton_interpreter import interpreted, loops_over_runtime_values
+
+    if not loops_over_runtime_values():  # the kernel's range(0, K, ...): see there
+        pytest.skip("this Triton's interpreter (< 3.7) cannot loop over a runtime value under NumPy >= 2.4; the "
+                    "compiled kernel gives PEFT's rounding on CUDA in tests/gpu_cuda_test.py")
 
     peft_model = rho_lora_model(1e-2)
     lm = causal_lm(peft_model)

@@ -138,6 +138,50 @@ def test_train_grpo_sets_the_allocator_before_training(monkeypatch):
     calls = []
     monkeypatch.setattr(oom, "use_expandable_segments",
                         lambda say, gpu, started, vllm=False: calls.append(("allocator", vllm)))
-    monkeypatch.setattr(train_grpo, "train", lambda settings, callbacks=(): calls.append(("train", None)))
+    monkeypatch.setattr(train_grpo, "train", lambda settings, callbacks=(), start=None: calls.append(("train", None)))
     assert train_grpo.main(["--MODEL_ID=tiny", "--USE_VLLM=1"]) == 0
     assert calls == [("allocator", True), ("train", None)]
+
+
+def test_out_of_memory_is_one_line_and_exit_1(tmp_path, capsys, monkeypatch):
+    """main's out-of-memory path without a model: the step the watch saw, one line, exit 1."""
+    from types import SimpleNamespace
+
+    def out_of_memory(settings, callbacks=(), start=None):
+        callbacks[-1].on_train_begin(None, SimpleNamespace(global_step=2), None)  # train_grpo's StepWatch
+        raise torch.OutOfMemoryError(ALLOCATOR_SAYS)
+
+    monkeypatch.setattr(train_grpo, "train", out_of_memory)
+    out = tmp_path / "run"
+    assert train_grpo.main(["--MODEL_ID=tiny", f"--OUT_DIR={out}", "--TOTAL_STEPS=10", "--SAVE_STEPS=2"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: out of GPU memory in step 3 of 10 (CUDA out of memory."), err
+    assert f"no checkpoint was written yet; {out} holds no run yet" in err[0]
+
+
+class FakeGraph:
+    """torch.cuda.CUDAGraph as far as keep_generator_registered uses it: the generators it was registered with."""
+
+    def __init__(self):
+        self.generators = []
+
+    def register_generator_state(self, generator):
+        self.generators.append(generator)
+
+
+def test_captures_never_allocate_for_the_generator(monkeypatch):
+    """Out of memory in a CUDA graph capture must stay an exception train_grpo can say in one line, never a graph
+    half registered with the generator whose destructor aborts the process (torch 2.11): every DecodeGraphs (one per
+    generate call) first makes sure one graph per device stays registered for good (decode_cache)."""
+    from tes_grpo.sampling import decode_cache
+
+    monkeypatch.setattr(decode_cache, "_GENERATOR_ANCHORS", {})
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "default_generators", ("generator 0", "generator 1"))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    for _ in range(3):  # three generate calls on the current device
+        decode_cache.DecodeGraphs(None, None, batch=2, device=torch.device("cpu"))
+    decode_cache.keep_generator_registered(torch.device("cuda", 1))
+    anchors = decode_cache._GENERATOR_ANCHORS
+    assert {index: graph.generators for index, graph in anchors.items()} == {0: ["generator 0"], 1: ["generator 1"]}

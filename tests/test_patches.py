@@ -463,7 +463,7 @@ def test_a_version_not_installed_is_fingerprinted_from_its_files(tmp_path):
 
 # (message, hidden?)
 DEPRECATIONS = [
-    ("`is_gradient_checkpointing` is deprecated and will be removed in v6.", True),  # TRL reads it every generate
+    ("`is_gradient_checkpointing` is deprecated and will be removed in v6.", True),  # TRL every generate, PEFT's wrap
     ("`gradient_checkpointing_disable` is deprecated and will be removed in v6.", True),  # TRL, around generate
     ("`gradient_checkpointing_enable` is deprecated and will be removed in v6.", True),
     ("`gradient_checkpointing_kwargs` is deprecated and will be removed in v6.", False),  # the project's to fix
@@ -471,16 +471,42 @@ DEPRECATIONS = [
 
 
 @pytest.mark.parametrize("message, hidden", DEPRECATIONS)
-def test_only_trls_deprecation_warnings_are_hidden(message, hidden):
+def test_only_the_deprecations_trl_and_peft_trigger_are_hidden(message, hidden):
     import warnings
 
-    from tes_grpo.patches.trl_patches import quiet_is_gradient_checkpointing_deprecation
+    from tes_grpo.patches.transformers_patches import quiet_gradient_checkpointing_deprecation
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        quiet_is_gradient_checkpointing_deprecation()
+        quiet_gradient_checkpointing_deprecation()
         warnings.warn(message, FutureWarning, stacklevel=1)
     assert (not caught) is hidden
+
+
+# (a message of transformers' MXFP4 quantizer, still shown?)
+MXFP4_WARNINGS = [
+    ("MXFP4 inference on CPU requires use_kernels=True, but use_kernels is disabled. We will dequantize the model to "
+     "bf16. To run MXFP4 natively on CPU, please set use_kernels=True.", False),  # even with dequantize=True asked
+    ("MXFP4 quantization requires the `kernels` package: Please install a compatible version (0.18.2 <= version < "
+     "0.19.0), e.g. `pip install kernels==0.18.2`We will default to dequantizing the model to bf16.", False),
+    ("MXFP4 quantization requires Triton: CUDA requires Triton >= 3.4.0, XPU/CPU requires Triton >= 3.5.0. Please "
+     "install triton: `pip install triton`. We will default to dequantizing the model to bf16.", False),
+    ("Something else about MXFP4", True),  # its other warnings pass
+]
+
+
+@pytest.mark.parametrize("message, shown", MXFP4_WARNINGS)
+def test_only_the_mxfp4_quantizers_dequantizing_warnings_are_dropped(message, shown):
+    import logging
+
+    from tes_grpo.patches.transformers_patches import MXFP4_LOGGER, quiet_mxfp4_fallback_warnings
+
+    logger = logging.getLogger(MXFP4_LOGGER)
+    record = logging.LogRecord(MXFP4_LOGGER, logging.WARNING, __file__, 1, message, None, None)
+    quiet_mxfp4_fallback_warnings()
+    quiet_mxfp4_fallback_warnings()  # once is enough: no second filter
+    assert bool(logger.filter(record)) is shown
+    assert len([f for f in logger.filters if type(f).__name__ == "Mxfp4FallbackFilter"]) == 1
 
 
 def test_fingerprints_of_a_folder_that_is_not_there_are_an_error(tmp_path, capsys):

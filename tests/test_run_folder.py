@@ -41,7 +41,12 @@ RESUME_CASES = [
     ([], "", None),  # new run in an empty folder
     (["checkpoint"], "", "--RESUME=1"),  # refuses to start over an existing run
     (["metrics.jsonl"], "", "already holds a run"),
-    ([], "1", "no complete checkpoint"),
+    (["checkpoint", "adapter"], "", "already holds a finished run (checkpoint-000004, adapter_model.safetensors); a "
+                                    "new run needs another --OUT_DIR, and --RESUME=1 with a higher --TOTAL_STEPS"),
+    ([], "1", "no complete checkpoint-* folder to resume from; {out} holds no run yet: a plain run (without "
+              "--RESUME) starts one there"),  # an empty folder: says what a plain run does
+    (["metrics.jsonl"], "1", "stopped before its first checkpoint, so it cannot be continued: a plain run (without "
+                             "--RESUME) starts over there once its metrics.jsonl are removed, or in another --OUT_DIR"),
     (["torn"], "1", "no complete checkpoint"),  # the only checkpoint is torn
     ([], "/nonexistent/checkpoint-3", "without trainer_state.json"),
 ]
@@ -55,11 +60,42 @@ def test_resume_rules(tmp_path, contents, resume, words):
         make_checkpoint(tmp_path, 4, state='{"global_st')
     if "metrics.jsonl" in contents:
         (tmp_path / "metrics.jsonl").write_text("{}\n")
+    if "adapter" in contents:
+        (tmp_path / "adapter_model.safetensors").write_bytes(b"")
     if words is None:
         assert resume_checkpoint(tmp_path, resume) is None
     else:
-        with pytest.raises(InputError, match=words):
+        with pytest.raises(InputError) as err:
             resume_checkpoint(tmp_path, resume)
+        assert words.format(out=tmp_path) in str(err.value)
+
+
+# (what OUT_DIR holds, the step in progress, after the last step?, the one line said)
+STOPPED_CASES = [
+    ([4], 7, False, "stopped by Ctrl-C in step 7 of 10; --RESUME=1 continues from {out}/checkpoint-000004 (step 4); "
+                    "the rows of later steps in the logs are dropped then"),
+    ([], 3, False, "stopped by Ctrl-C in step 3 of 10; no checkpoint was written yet; the run in {out} stopped before "
+                   "its first checkpoint, so it cannot be continued: a plain run (without --RESUME) starts over there "
+                   "once its metrics.jsonl are removed, or in another --OUT_DIR"),
+    (None, None, False, "stopped by Ctrl-C before the first training step; no checkpoint was written yet; {out} holds "
+                        "no run yet: a plain run (without --RESUME) starts one there"),  # nothing written at all
+    ([10], 11, True, "stopped by Ctrl-C after the last step (10), while saving the adapter; --RESUME=1 continues from "
+                     "{out}/checkpoint-000010 (step 10)"),
+]
+
+
+@pytest.mark.parametrize("checkpoints, step, ended, line", STOPPED_CASES)
+def test_a_stopped_run_says_where_and_how_to_go_on(tmp_path, checkpoints, step, ended, line):
+    from tes_grpo.run.run_folder import stopped_message
+
+    out = tmp_path / "run"
+    if checkpoints is not None:
+        out.mkdir()
+        (out / "metrics.jsonl").write_text('{"step": 1}\n')
+        for number in checkpoints:
+            make_checkpoint(out, number)
+    said = stopped_message(out, 10, step, ended, "stopped by Ctrl-C")
+    assert said.startswith(line.format(out=out)) and "\n" not in said
 
 
 # (trainer_state.json of the newest checkpoint (step 20); step 10's is complete)

@@ -677,20 +677,24 @@ def test_settings_that_conflict_stop_before_the_model_loads(tmp_path, tokenizer,
 
 
 @pytest.mark.parametrize("model_id, words", [
-    ("{tmp}/no-such-model", "Repo id must be"),  # a folder that does not exist
-    ("no-such-org/no-such-model", "couldn't connect to 'https://huggingface.co'"),  # a Hub id, offline (no network)
+    ("{tmp}/no-such-model", "MODEL_ID='{tmp}/no-such-model': no such folder; give a checkpoint folder"),
+    ("{tmp}", "the folder has no config.json"),  # a folder, but not a checkpoint
+    ("no-such-org/no-such-model", "not in the local Hugging Face cache, and HF_HUB_OFFLINE=1 keeps the Hub off"),
+    ("tinyy", "MODEL_ID='tinyy' (did you mean tiny?)"),  # a near miss, offline: no Hub asked, no retries
 ])
 def test_a_model_that_cannot_be_loaded_is_one_error_line(tmp_path, capsys, monkeypatch, model_id, words):
+    """Said before torch is imported (sources.check_model_id): the model loader is never reached."""
     import huggingface_hub.constants
 
     from tes_grpo.model import model_loading
 
-    # offline mode as HF_HUB_OFFLINE=1 sets it at import: the same answer as no network, without its retries
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # as HF_HUB_OFFLINE=1 sets it at import
     monkeypatch.setattr(model_loading, "load_training_model", lambda *args, **kwargs: pytest.fail("model loaded"))
+    monkeypatch.setattr(model_loading, "resolve_model_path", lambda *args, **kwargs: pytest.fail("model resolved"))
     code = train_grpo.main([f"--MODEL_ID={model_id.format(tmp=tmp_path)}", f"--OUT_DIR={tmp_path / 'run'}"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 1 and len(err) == 1 and err[0].startswith("error: MODEL_ID=") and words in err[0]
+    assert code == 1 and len(err) == 1 and err[0].startswith("error: MODEL_ID=")
+    assert words.format(tmp=tmp_path) in err[0], err[0]
 
 
 def test_bad_setting_exits_with_error(tmp_path, capsys):

@@ -1,10 +1,33 @@
-"""Triton's interpreter for a test module: a package module's @triton.jit kernels run on the CPU."""
+"""Triton's interpreter for a test module: a package module's @triton.jit kernels run on the CPU; and the skip for
+the interpreters that cannot run the project's loops."""
 
 import importlib
 import os
 from contextlib import contextmanager
+from importlib.metadata import version
+
+import pytest
+from versions import older_than
 
 from tes_grpo.triton_support import module_interpreted
+
+
+def loops_over_runtime_values() -> bool:
+    """Whether this Triton's interpreter runs a kernel whose `range(...)` takes a runtime value (an argument, a
+    program id, a loaded scalar: decode_attention's `range(first, last, ...)`, decode_linear's `range(0, K, ...)`).
+    Triton before 3.7 turns the value into an int with int() on a 1-element array, which NumPy 2.4 refuses ("only
+    0-dimensional arrays can be converted to Python scalars"; seen with Triton 3.6 and NumPy 2.4 and 2.5); 3.8 and
+    3.9 squeeze it first. The compiled kernels are not affected."""
+    return not older_than("triton", "3.7") or older_than("numpy", "2.4")
+
+
+def runtime_loops(compiled_check: str):
+    """skipif for a test whose kernel loops over a runtime value where this interpreter cannot (see
+    loops_over_runtime_values); compiled_check: where the compiled kernel is checked instead."""
+    return pytest.mark.skipif(
+        not loops_over_runtime_values(),
+        reason=f"Triton {version('triton')}'s interpreter (< 3.7) cannot loop over a runtime value under NumPy "
+               f"{version('numpy')} (>= 2.4: int() of a 1-element array); {compiled_check}")
 
 
 @contextmanager

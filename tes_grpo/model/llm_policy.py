@@ -37,10 +37,15 @@ from tes_grpo.model.model_loading import (
     resolve_attention,
     resolve_device,
     resolve_dtype,
+    resolve_model_path,
 )
-from tes_grpo.patches.transformers_patches import grouped_mm_experts_for_decode
+from tes_grpo.patches.transformers_patches import (
+    grouped_mm_experts_for_decode,
+    quiet_gradient_checkpointing_deprecation,
+)
 from tes_grpo.run.fileio import InputError
 from tes_grpo.run.run_folder import adapter_base_model, adapter_expert_layers, lora_adapter_config
+from tes_grpo.run.sources import check_model_id
 from tes_grpo.task.harmony import HARMONY_GLOB, STOP_TOKEN_IDS, harmony_csv_files, parse_action
 
 # From this many sequences per generate call on a GPU, the dequantized experts keep grouped_mm while decoding instead of
@@ -105,6 +110,11 @@ def load_policy_model(base_model_id: str = "", adapter_path: str = "", quantized
         if not adapter_path:
             raise ValueError("give BASE_MODEL_ID or ADAPTER_PATH")
         base_model_id = adapter_base_model(adapter_path)
+        check_model_id(base_model_id, f"{adapter_path}'s base_model_name_or_path", "set BASE_MODEL_ID to the base "
+                       "model's folder or Hub id")
+    else:
+        base_model_id = resolve_model_path(check_model_id(base_model_id, "BASE_MODEL_ID"))  # "tiny": its folder
+    tokenizer = load_tokenizer_for(base_model_id)  # before the (slow) model: a missing tokenizer stops here
     device = resolve_device(device)
     torch_dtype = torch.bfloat16 if quantized else resolve_dtype(dtype, device)
     attention = resolve_attention(attn_implementation, device)
@@ -115,8 +125,8 @@ def load_policy_model(base_model_id: str = "", adapter_path: str = "", quantized
         experts = f"FELL BACK: the experts could not stay MXFP4 ({experts})"
         print(experts, file=sys.stderr)
     if adapter_path:
+        quiet_gradient_checkpointing_deprecation()  # PEFT's wrap reads a property transformers 5.24 deprecated
         model = PeftModel.from_pretrained(model, adapter_path).eval()
-    tokenizer = load_tokenizer_for(base_model_id)
     eos = model.generation_config.eos_token_id
     stop_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
     if not stop_ids:

@@ -41,7 +41,7 @@ from tes_grpo.experts.mxfp4_experts import (
     resident_state,
 )
 from tes_grpo.model.tiny_model import ensure_tiny_checkpoint
-from tes_grpo.patches.transformers_patches import dequantized_experts_in_dtype
+from tes_grpo.patches.transformers_patches import dequantized_experts_in_dtype, quiet_mxfp4_fallback_warnings
 from tes_grpo.run.choices import EXPERTS_CHOICES
 from tes_grpo.run.presets import TINY_MODEL_ID
 from tes_grpo.run.processes import (
@@ -393,6 +393,7 @@ def load_for_inference(path: str, device: str, dtype, attn: str, experts: str = 
 def load_dequantized(path: str, dtype, attn: str, device_map, say=print, config=None):
     """An MXFP4 checkpoint through Mxfp4Config(dequantize=True), its experts in `dtype` (the library may leave
     them bf16: transformers_patches.dequantized_experts_in_dtype)."""
+    quiet_mxfp4_fallback_warnings()  # the dequantization asked for is no fallback to warn about
     model = AutoModelForCausalLM.from_pretrained(
         path, config=config, quantization_config=Mxfp4Config(dequantize=True), dtype=dtype, attn_implementation=attn,
         device_map=device_map)

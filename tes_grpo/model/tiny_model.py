@@ -311,7 +311,11 @@ def ensure_tiny_checkpoint(out_dir: str | os.PathLike | None = None, rebuild: bo
 
 def main(argv: list[str] | None = None) -> int:
     settings = resolve(globals(), argv)
-    ensure_tiny_checkpoint(settings.TINY_DIR, rebuild=settings.REBUILD, settings=settings)
+    try:
+        ensure_tiny_checkpoint(settings.TINY_DIR, rebuild=settings.REBUILD, settings=settings)
+    except ValueError as err:  # no tokenizer to build it with (harmony's SourceError), or settings that cannot work
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -9,7 +9,7 @@ from tes_grpo.patches import accelerate_patches, transformers_patches, trl_patch
 def quiet_library_warnings() -> None:
     """Before the trainer is built (TRL warns from its constructor on): the library warnings a user cannot act on."""
     trl_patches.quiet_all_rewards_none_warning()
-    trl_patches.quiet_is_gradient_checkpointing_deprecation()
+    transformers_patches.quiet_gradient_checkpointing_deprecation()
 
 
 def install(trainer, tensorboard_dir, resume_step: int | None = None) -> list[str]:

@@ -89,9 +89,21 @@ PATCHED = (  # patch, library, target, ((version, fingerprint), ...)
     Patched("patches.trl_patches.quiet_all_rewards_none_warning", "trl",
             "trl.trainer.grpo_trainer:GRPOTrainer._calculate_rewards",
             (("1.16.0", "d5df91194300"),)),
-    Patched("patches.trl_patches.quiet_is_gradient_checkpointing_deprecation", "trl",
-            "trl.models.utils:_unwrap_model_for_generation",
+    Patched("patches.transformers_patches.quiet_gradient_checkpointing_deprecation", "transformers",
+            "transformers.modeling_utils:PreTrainedModel.is_gradient_checkpointing",  # the warning (5.17: none)
+            (("5.24.0", "6c5d21dc1db4"), ("5.17.0", "9d800367be7d"))),
+    Patched("patches.transformers_patches.quiet_gradient_checkpointing_deprecation", "trl",
+            "trl.models.utils:_unwrap_model_for_generation",  # reads it around every generate() call
             (("1.16.0", "2b31cd6ad2f7"),)),
+    Patched("patches.transformers_patches.quiet_gradient_checkpointing_deprecation", "peft",
+            "peft.peft_model:PeftModel.__init__",  # reads it whenever a model is wrapped
+            (("0.21.2", "980c72f95837"), ("0.21.0", "980c72f95837"))),
+    Patched("patches.transformers_patches.quiet_mxfp4_fallback_warnings", "transformers",
+            "transformers.quantizers.quantizer_mxfp4:Mxfp4HfQuantizer._process_model_before_weight_loading",
+            (("5.24.0", "05277154ad76"), ("5.17.0", "fad9b02fa380"))),  # the CPU's warning, dequantize or not
+    Patched("patches.transformers_patches.quiet_mxfp4_fallback_warnings", "transformers",
+            "transformers.quantizers.quantizer_mxfp4:Mxfp4HfQuantizer.validate_environment",  # kernels, triton, GPU
+            (("5.24.0", "1e081d3de839"), ("5.17.0", "9b1dc72faa98"))),
     Patched("patches.accelerate_patches.give_trainable_weights_storage", "accelerate",
             "accelerate.utils.fsdp_utils:fsdp2_switch_optimizer_parameters",
             (("1.15.0", "ef718eb8b1b5"),)),

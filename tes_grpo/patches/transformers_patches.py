@@ -6,6 +6,8 @@ layers)."""
 from __future__ import annotations
 
 import contextlib
+import logging
+import warnings
 import weakref
 from collections.abc import Callable
 
@@ -36,6 +38,41 @@ class ExpertsSwitchUnlessKept:
         if model in _KEEP_GROUPED_MM:
             return contextlib.nullcontext
         return self.wraps_original.__get__(model, owner)
+
+GRADIENT_CHECKPOINTING_DEPRECATION = (r"`(is_gradient_checkpointing|gradient_checkpointing_enable|"
+                                      r"gradient_checkpointing_disable)` is deprecated")
+
+
+def quiet_gradient_checkpointing_deprecation() -> None:
+    """transformers 5.24 (5.17 does not warn), read by TRL 1.16 and PEFT 0.21: hides transformers' FutureWarnings
+    that `is_gradient_checkpointing`, `gradient_checkpointing_disable` and `gradient_checkpointing_enable` are
+    deprecated. TRL's generation helpers (trl/models/utils.py) call them around every generate() call, and PEFT reads
+    `is_gradient_checkpointing` whenever it wraps a model (PeftModel.__init__: training, evaluation, the export's
+    merge); the project never calls them itself, so the warnings say nothing a user can act on. Only those messages
+    are filtered, for the rest of the process."""
+    warnings.filterwarnings("ignore", message=GRADIENT_CHECKPOINTING_DEPRECATION, category=FutureWarning)
+
+
+MXFP4_LOGGER = "transformers.quantizers.quantizer_mxfp4"
+
+
+class Mxfp4FallbackFilter(logging.Filter):
+    """Logging filter for quiet_mxfp4_fallback_warnings: the quantizer's "we will dequantize" warnings."""
+
+    def filter(self, record) -> bool:
+        return "dequantiz" not in record.getMessage()
+
+
+def quiet_mxfp4_fallback_warnings() -> None:
+    """transformers 5.17-5.24: drops, for the rest of the process, the MXFP4 quantizer's warnings that it will
+    dequantize the experts to bf16, each inviting an install (`pip install kernels==...`, triton, use_kernels=True on
+    the CPU). The project asks for that dequantization itself (Mxfp4Config(dequantize=True): the training loader's
+    EXPERTS=bf16, the export's merge and check), where the CPU warning fires all the same; and where it loads a
+    checkpoint as it is to see what transformers does (the export's check), its own `FELL BACK:` line says why, from
+    model_loading.native_mxfp4_blockers. Its other warnings pass. Installed once however often it is called."""
+    logger = logging.getLogger(MXFP4_LOGGER)
+    if not any(isinstance(known, Mxfp4FallbackFilter) for known in logger.filters):
+        logger.addFilter(Mxfp4FallbackFilter())
 
 
 def keep_grouped_mm_experts_for_decode(model, say=_say) -> bool:

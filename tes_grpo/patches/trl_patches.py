@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import warnings
 
 import trl.trainer.utils as trl_utils
 
@@ -59,15 +58,3 @@ def quiet_all_rewards_none_warning() -> None:
     """
     logging.getLogger("trl.trainer.grpo_trainer").addFilter(AllRewardsNoneFilter())
     logging.getLogger("transformers.integrations.integration_utils").addFilter(AllRewardsNoneFilter())
-
-
-GRADIENT_CHECKPOINTING_DEPRECATION = (r"`(is_gradient_checkpointing|gradient_checkpointing_enable|"
-                                      r"gradient_checkpointing_disable)` is deprecated")
-
-
-def quiet_is_gradient_checkpointing_deprecation() -> None:
-    """TRL 1.16 with transformers 5.24: hides transformers' FutureWarnings that `is_gradient_checkpointing`,
-    `gradient_checkpointing_disable` and `gradient_checkpointing_enable` are deprecated. TRL's generation helpers
-    (trl/models/utils.py) call them around every generate() call; the project never does, so the warnings say nothing
-    a user can act on. Only those messages are filtered (transformers 5.17 does not warn)."""
-    warnings.filterwarnings("ignore", message=GRADIENT_CHECKPOINTING_DEPRECATION, category=FutureWarning)

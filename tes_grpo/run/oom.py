@@ -25,7 +25,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from tes_grpo.run.run_folder import checkpoint_step, newest_complete_checkpoint
+from tes_grpo.run.run_folder import how_to_go_on, where_stopped
 
 ALLOCATOR_VARIABLE = "PYTORCH_CUDA_ALLOC_CONF"  # torch's setting of its CUDA caching allocator
 GENERAL_VARIABLE = "PYTORCH_ALLOC_CONF"  # torch >= 2.9: the same for every device, read before the CUDA one
@@ -107,18 +107,7 @@ def out_of_memory_message(s, step: int | None, error: BaseException, memory_plan
     """One message for a run stopped by torch.OutOfMemoryError: the step (ended: after the last one, while saving),
     what the allocator said (its first line), the settings to lower, and whether and from where --RESUME=1 continues
     (the newest complete checkpoint in s.OUT_DIR)."""
-    out = Path(s.OUT_DIR)
-    if ended:
-        where = f"after the last step ({s.TOTAL_STEPS}), while saving the adapter"
-    else:
-        where = f"in step {step} of {s.TOTAL_STEPS}" if step is not None else "before the first training step"
     said = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    lower = settings_to_lower(s, memory_plan)
-    checkpoint = newest_complete_checkpoint(out, say=lambda line: None) if out.is_dir() else None
-    if checkpoint is not None:
-        resume = (f"--RESUME=1 continues from {checkpoint} (step {checkpoint_step(checkpoint)}); the rows of later "
-                  "steps in the logs are dropped then")
-    else:
-        resume = f"no checkpoint was written yet: start again with another --OUT_DIR (or empty {out})"
-    return (f"error: out of GPU memory {where} ({said}). Lower " + ", or ".join(lower)
-            + f", and run again with the same OUT_DIR: {resume}.")
+    return (f"error: out of GPU memory {where_stopped(s.TOTAL_STEPS, step, ended)} ({said}). Lower "
+            + ", or ".join(settings_to_lower(s, memory_plan))
+            + f", and run again with the same OUT_DIR: {how_to_go_on(Path(s.OUT_DIR))}.")

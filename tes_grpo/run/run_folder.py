@@ -1,9 +1,18 @@
 """A training run's folder (runs/<name>/): checkpoint names, resume, the logs a resumed run trims, and what the
 folder says about its adapter and settings.
 
-What a run leaves there: checkpoint-000020-style folders (zero-padded so they sort by name), train_config.json,
-metrics.jsonl (one JSON line per step, appended), completions.csv (every completion, appended), tensorboard/,
-and at the end the adapter. Everything here runs before the (slow) model load, so a bad folder fails in seconds.
+What a run leaves there:
+- train_config.json: the resolved settings and what was derived from them (batch layout, versions, preset);
+- metrics.jsonl: one JSON line per logged step (appended), then one summary line of the Trainer's (train_runtime,
+  train_loss, ...) at the end of each run or resumed run;
+- completions.csv: every completion with its reward (appended; data_reward.CompletionLog);
+- tensorboard/: the same metrics for TensorBoard (REPORT_TO);
+- checkpoint-000020-style folders (zero-padded so they sort by name) every SAVE_STEPS: the adapter and tokenizer
+  as below, plus optimizer.pt, scheduler.pt, rng_state*.pth, trainer_state.json and training_args.bin;
+- at the end: the adapter (adapter_config.json, adapter_model.safetensors), the tokenizer (tokenizer.json,
+  tokenizer_config.json, chat_template.jinja), PEFT's model card README.md, trainer_state.json and
+  training_args.bin (the Trainer's arguments, pickled by transformers).
+Everything here runs before the (slow) model load, so a bad folder fails in seconds.
 
 Provenance (train, evaluation and export): `lora_adapter_config` is the one check of an adapter folder that
 evaluation (llm_policy.py, test_lora_adapter.py) and both exporters run before anything slow; `adapter_base_model`
@@ -89,28 +98,68 @@ def newest_complete_checkpoint(out: Path, say=print) -> Path | None:
     return None
 
 
+def starting_over(out: Path) -> str:
+    """What a plain run (no --RESUME) does with `out` when there is no checkpoint to continue from."""
+    out = Path(out)
+    leftovers = [name for name in RUN_FILES if (out / name).exists()]
+    if not leftovers:
+        return f"{out} holds no run yet: a plain run (without --RESUME) starts one there"
+    return (f"the run in {out} stopped before its first checkpoint, so it cannot be continued: a plain run (without "
+            f"--RESUME) starts over there once its {', '.join(leftovers)} are removed, or in another --OUT_DIR")
+
+
+def how_to_go_on(out: Path) -> str:
+    """How a run stopped in `out` (Ctrl-C, out of memory) goes on: --RESUME=1 from its newest complete checkpoint,
+    or, with none written yet, what a plain run does (starting_over)."""
+    out = Path(out)
+    checkpoint = newest_complete_checkpoint(out, say=lambda line: None) if out.is_dir() else None
+    if checkpoint is None:
+        return f"no checkpoint was written yet; {starting_over(out)}"
+    return (f"--RESUME=1 continues from {checkpoint} (step {checkpoint_step(checkpoint)}); the rows of later steps in "
+            "the logs are dropped then")
+
+
 def resume_checkpoint(out: Path, resume: str, say=print) -> Path | None:
     """The checkpoint RESUME asks for ("" new run, "1" newest complete one in out, or a folder), or None for a new
-    run. A new run refuses a folder that already holds one."""
+    run. A new run refuses a folder that already holds one, saying whether it finished (then a new run needs another
+    folder) or can be continued; RESUME=1 without a checkpoint says what a plain run does instead."""
     out = Path(out)
     resume = str(resume).strip()
     if resume.lower() in _NO:
         existing = checkpoints_in(out)
         leftovers = [name for name in RUN_FILES if (out / name).exists()]
+        held = ", ".join([p.name for _, p in existing[-1:]] + leftovers)
+        if (out / ADAPTER_WEIGHTS).exists():  # written after the last step: the run finished
+            raise InputError(out, f"already holds a finished run ({held}); a new run needs another --OUT_DIR, and "
+                             "--RESUME=1 with a higher --TOTAL_STEPS trains this one on")
         if existing or leftovers:
-            raise InputError(out, "already holds a run (" + ", ".join([p.name for _, p in existing[-1:]] + leftovers)
-                             + "); pass --RESUME=1 to continue it, or choose another --OUT_DIR")
+            raise InputError(out, f"already holds a run ({held}); pass --RESUME=1 to continue it, or choose another "
+                             "--OUT_DIR")
         return None
     if resume.lower() in _LAST:
         checkpoint = newest_complete_checkpoint(out, say)
         if checkpoint is None:
-            raise InputError(out, "RESUME=1 but there is no complete checkpoint-* folder to resume from")
+            raise InputError(out, f"RESUME=1 but there is no complete checkpoint-* folder to resume from; "
+                             f"{starting_over(out)}")
         return checkpoint
     path = Path(resume)
     if not (path / "trainer_state.json").is_file():
         raise InputError(path, "RESUME names a folder without trainer_state.json (not a checkpoint)")
     checkpoint_step(path)
     return path
+
+
+def where_stopped(total_steps: int, step: int | None, ended: bool) -> str:
+    """Where a training run stopped: in the optimizer step in progress, before the first, or after the last while
+    saving the adapter (ended)."""
+    if ended:
+        return f"after the last step ({total_steps}), while saving the adapter"
+    return f"in step {step} of {total_steps}" if step is not None else "before the first training step"
+
+
+def stopped_message(out: Path, total_steps: int, step: int | None, ended: bool, why: str) -> str:
+    """One line for a training run that stopped (`why`: "stopped by Ctrl-C"): where, and how it goes on."""
+    return f"{why} {where_stopped(total_steps, step, ended)}; {how_to_go_on(out)}"
 
 
 def checkpoint_processes(checkpoint: Path) -> int | None:

@@ -11,9 +11,10 @@ run twice in one process. Then, for any constant `FOO_BAR`:
     python script.py a.csv b.csv        # positional words go to the constant named by `positional`
     python script.py --help             # lists every constant with its default and comment
 
-An unknown name or a value of the wrong type is an error that says what is wrong and lists the valid names (exit 2);
-a setting with a fixed set of values (`choices`) lists those values instead. Float settings must be finite (nan,
-inf and numbers too large for a float are refused).
+An unknown name is a one-line error with the nearest names ("did you mean --TOTAL_STEPS?"), a value of the wrong
+type one naming the setting, the value and the type it needs (exit 2); `--help` lists every name. A setting with a
+fixed set of values (`choices`) lists those values. Float settings must be finite (nan, inf and numbers too large
+for a float are refused).
 The value's type comes from the constant's default (or its annotation when the default is None).
 
 Presets are data: `resolve(..., presets={"MODEL_ID": {"tiny": {...}}})` replaces the defaults of the names in the
@@ -22,6 +23,7 @@ preset, unless given on the command line, when MODEL_ID resolves to "tiny"; `--h
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -62,6 +64,22 @@ def _annotation_types(annotation) -> tuple:
     return (annotation,) if isinstance(annotation, type) else ()
 
 
+def did_you_mean(word: str, names, prefix: str = "") -> str:
+    """" (did you mean --A or --B?)" for the names closest to a misspelt `word`, "" when none is close; names are
+    compared as written in upper case with underscores, so `--total-step` finds TOTAL_STEPS."""
+    key = word.upper().replace("-", "_")
+    close = difflib.get_close_matches(key, list(names), n=2, cutoff=0.75)
+    return f" (did you mean {' or '.join(prefix + name for name in close)}?)" if close else ""
+
+
+def unknown_setting(key: str, names) -> str:
+    """The one line for an unknown --key: the nearest names, never the whole list (--help has it)."""
+    return f"unknown setting --{key}{did_you_mean(key, names, '--')}; --help lists every setting"
+
+
+_KINDS = {int: "a whole number", float: "a finite number", bool: "one of 1/0, true/false, yes/no, on/off"}
+
+
 def parse_bool(name: str, text: str) -> bool:
     """A yes/no word (1/0, true/false, yes/no, on/off, any case) as a bool; ConfigError naming `name` otherwise."""
     low = str(text).strip().lower()
@@ -87,33 +105,41 @@ def convert_value(name: str, text: str, default, annotation=None, allow_nan: boo
             return None
         candidates = _annotation_types(annotation) if annotation is not None else (str,)
         kind = candidates[0] if candidates else str
+    shown = text if len(text) <= 40 else text[:40] + "..."
+    if kind in (list, tuple):
+        inner = type(default[0]) if default else str
+        items = [item for item in text.split(",") if item != ""]
+        if inner in (int, float):
+            try:
+                items = [_convert(item, inner, False) for item in items]
+            except ValueError as err:
+                raise ConfigError(f"--{name}={shown!r}: not a valid {inner.__name__} list ({err}); the default is "
+                                  f"{default!r}") from None
+        return kind(items)
     try:
-        if kind is bool:
-            low = text.strip().lower()
-            if low in _TRUE:
-                return True
-            if low in _FALSE:
-                return False
-            raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
-        if kind is int:
-            return int(text)
-        if kind is float:
-            value = float(text)
-            if allow_nan and math.isnan(value):
-                return value
-            if not math.isfinite(value):  # nan, inf, or a number too large for a float ("1e999")
-                raise ValueError("must be a finite number")
-            return value
-        if kind is Path:
-            return Path(text)
-        if kind in (list, tuple):
-            items = [item for item in text.split(",") if item != ""]
-            inner = type(default[0]) if default else str
-            converted = [convert_value(name, item, inner()) if inner in (int, float) else item for item in items]
-            return kind(converted)
-        return kind(text)
+        return _convert(text, kind, allow_nan)
     except ValueError as err:
-        raise ConfigError(f"--{name}={text!r}: not a valid {kind.__name__} ({err})") from None
+        raise ConfigError(f"--{name}={shown!r}: not a valid {kind.__name__} ({err}); the default is {default!r}"
+                          ) from None
+
+
+def _convert(text: str, kind, allow_nan: bool):
+    """text as a `kind`; ValueError saying what the type needs (Python's own wording, "invalid literal for int()
+    with base 10", says less)."""
+    if kind is bool:
+        low = text.strip().lower()
+        if low in _TRUE or low in _FALSE:
+            return low in _TRUE
+        raise ValueError(f"expected {_KINDS[bool]}")
+    if kind is Path:
+        return Path(text)
+    try:
+        value = kind(text)
+    except ValueError:
+        raise ValueError(f"expected {_KINDS.get(kind, kind.__name__)}") from None
+    if kind is float and not math.isfinite(value) and not (allow_nan and math.isnan(value)):
+        raise ValueError("must be a finite number")  # nan, inf, or a number too large for a float ("1e999")
+    return value
 
 
 def _doc_lines(namespace: dict) -> dict:
@@ -151,7 +177,6 @@ def parse_overrides(argv: list[str], defaults: dict, annotations: dict | None = 
     """Returns {NAME: converted value} for the overrides in argv; raises ConfigError on bad input. allow_nan: names
     of float settings that may be nan."""
     annotations = annotations or {}
-    valid = sorted(defaults)
     lookup = {name.lower().replace("_", "-"): name for name in defaults}
     result: dict = {}
     words: list[str] = []
@@ -165,7 +190,7 @@ def parse_overrides(argv: list[str], defaults: dict, annotations: dict | None = 
         key, has_value, text = arg[2:].partition("=")
         name = key if key in defaults else lookup.get(key.lower().replace("_", "-"))
         if name is None:
-            raise ConfigError(f"unknown setting --{key}. Valid names: {', '.join(valid)}")
+            raise ConfigError(unknown_setting(key, defaults))
         default = defaults[name]
         if not has_value:
             if isinstance(default, bool):
@@ -182,14 +207,11 @@ def parse_overrides(argv: list[str], defaults: dict, annotations: dict | None = 
                 raise ConfigError(f"--{key} needs a value (--{name}=value)")
             text = argv[i]
             i += 1
-        try:
-            result[name] = convert_value(name, text, default, annotations.get(name), allow_nan=name in allow_nan)
-        except ConfigError as err:
-            raise ConfigError(f"{err}. Valid names: {', '.join(valid)}") from None
+        result[name] = convert_value(name, text, default, annotations.get(name), allow_nan=name in allow_nan)
     if words:
         if positional is None:
-            raise ConfigError(f"unexpected argument {words[0]!r}: settings take the form --NAME=value. "
-                              f"Valid names: {', '.join(valid)}")
+            raise ConfigError(f"unexpected argument {words[0]!r}: settings take the form --NAME=value; --help lists "
+                              "every setting")
         default = defaults[positional]
         result[positional] = type(default)(words) if isinstance(default, (list, tuple)) else words[0]
     return result
@@ -248,7 +270,8 @@ def settings_from(namespace: dict, overrides: dict | None = None, presets: dict 
     overrides = dict(overrides or {})
     unknown = sorted(set(overrides) - set(defaults))
     if unknown:
-        raise ConfigError(f"unknown setting(s) {', '.join(unknown)}. Valid names: {', '.join(sorted(defaults))}")
+        raise ConfigError(f"unknown setting(s) {', '.join(unknown)}{did_you_mean(unknown[0], defaults)}. Valid names: "
+                          f"{', '.join(sorted(defaults))}")
     given = set(overrides) if given is None else set(given)
     values = {**defaults, **overrides}
     applied = {}
@@ -265,8 +288,8 @@ def resolve(namespace: dict, argv: list[str] | None = None, positional: str | No
             presets: dict | None = None, allow_nan=(), choices: Mapping | None = None) -> Settings:
     """The script's settings from its constants and the command line (the one way every script reads them).
 
-    Prints the constants (and presets, and each choice setting's values) and exits 0 on --help; prints
-    `error: ...` and exits 2 on an unknown name (listing the valid names), a value of the wrong type (naming the
+    Prints the constants (and presets, and each choice setting's values) and exits 0 on --help; prints one line
+    `error: ...` and exits 2 on an unknown name (with the nearest names), a value of the wrong type (naming the
     type it needs), or a value outside `choices` (listing the valid values). The namespace itself is left as
     written.
     """

@@ -157,6 +157,32 @@ def warm_up_stream(device) -> torch.cuda.Stream:
     return _WARM_UP_STREAMS[key]
 
 
+_GENERATOR_ANCHORS: dict = {}
+
+
+def keep_generator_registered(device) -> None:
+    """torch 2.11 (the GPU machine's): keeps one CUDA graph registered with the device's default generator for the
+    rest of the process, so that no capture has to allocate the generator's graph-safe seed and offset.
+
+    Why: a capture registers its graph with the generator in two steps (CUDAGeneratorImpl::register_graph: the graph
+    takes the generator's state, then the state records the graph), and when no other graph is registered (every
+    generate call frees its graphs) the second step allocates those two tensors. Out of GPU memory there, the graph
+    is left half registered, and its destructor aborts the process ("terminate called after throwing an instance of
+    'c10::Error' what(): The graph should be registered to the state") after train_grpo's one out-of-memory line,
+    instead of the exit 1 that line promises. With one graph always registered the tensors stay allocated (two
+    int64s) and a capture allocates nothing for the generator. torch 2.13 keeps a state per capture instead; this
+    graph is harmless there."""
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    if index in _GENERATOR_ANCHORS:
+        return
+    anchor = torch.cuda.CUDAGraph()
+    register = getattr(anchor, "register_generator_state", None)
+    if register is not None:
+        register(torch.cuda.default_generators[index])
+    _GENERATOR_ANCHORS[index] = anchor
+
+
 class DecodeGraphs:
     """decode_step captured as CUDA graphs, one per cache-length bucket, sharing one memory pool.
 
@@ -165,6 +191,7 @@ class DecodeGraphs:
     """
 
     def __init__(self, lm, cache: StaticCache, batch: int, device, weights: DecodeWeights | None = None):
+        keep_generator_registered(device)  # before memory runs short: see there
         self.lm, self.cache, self.weights = lm, cache, weights
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.slot = torch.zeros((), dtype=torch.long, device=device)

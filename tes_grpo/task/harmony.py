@@ -3,9 +3,12 @@ its chat template, the reasoning effort, the special tokens that end a message o
 `*_harmony.csv` naming of rendered datasets, and reading the action out of a completion's final message.
 
 Tokenizer: `GPT_OSS_TOKENIZER` (environment) names a local folder or hub id. Unset, the project uses
-`../shared/gpt-oss-tokenizer` beside the repo when it exists, else the hub id `openai/gpt-oss-20b`, and says which it
-chose. Every tokenizer loaded here is checked once against the token ids below, so a tokenizer that is not gpt-oss's
-fails at load with the ids it has, never later as a silent misreading of completions.
+`../shared/gpt-oss-tokenizer` beside the repo when it exists, else the hub id `openai/gpt-oss-20b` (from the Hub, or
+the local Hugging Face cache), and says so. `check_tokenizer_source` checks that choice in about a second, without
+transformers, so that the scripts stop at start-up with one line saying what to do (SourceError), never at the first
+decode; `load_tokenizer` runs it too. Every tokenizer loaded here is checked once against the token ids below, so a
+tokenizer that is not gpt-oss's fails at load with the ids it has, never later as a silent misreading of
+completions.
 
 Prompts are rendered by the tokenizer's own chat template (`render_harmony_prompt`), with the "Current date:" line
 pinned so outputs are reproducible; OpenAI's `openai-harmony` renders the same conversation (tests/test_harmony.py
@@ -21,6 +24,7 @@ import sys
 from datetime import date as _date
 from pathlib import Path
 
+from tes_grpo.run.sources import SourceError, check_source, hub_problem
 from tes_grpo.task.tes_env import N_ACTIONS
 
 HUB_ID = "openai/gpt-oss-20b"
@@ -57,14 +61,47 @@ _TEMPLATE_DATE_CALL = 'strftime_now("%Y-%m-%d")'
 # ---------------------------------------------------------------------------------------------------------------
 
 def tokenizer_source() -> str:
-    """Local folder or hub id of the gpt-oss tokenizer (see module docstring)."""
+    """Local folder or hub id of the gpt-oss tokenizer (see module docstring), unchecked."""
     env = os.environ.get("GPT_OSS_TOKENIZER")
     if env:
         return env
     if SHARED_TOKENIZER.is_dir():
         return str(SHARED_TOKENIZER)
-    print(f"note: no local tokenizer at {SHARED_TOKENIZER} and GPT_OSS_TOKENIZER unset; "
-          f"using the hub id {HUB_ID}", file=sys.stderr)
+    return HUB_ID
+
+
+# what to do when there is no tokenizer: the one remedy every message about it ends with
+GET_A_TOKENIZER = (f"set GPT_OSS_TOKENIZER to a folder with gpt-oss's tokenizer.json (AutoTokenizer.from_pretrained("
+                   f"'{HUB_ID}').save_pretrained(FOLDER) writes one where the Hub can be reached)")
+_said: set[str] = set()
+
+
+def _say_once(say, line: str) -> None:
+    if line not in _said:
+        _said.add(line)
+        say(line)
+
+
+def check_tokenizer_source(source: str | None = None, say=print) -> str:
+    """The tokenizer's folder or hub id (default: tokenizer_source()) once it is known to be there: a folder with a
+    tokenizer.json, or a hub id in the local cache or on a Hub that answers (sources.check_source). SourceError
+    otherwise, one line naming GPT_OSS_TOKENIZER (or the source given) and what to do. Imports no transformers."""
+    if source is not None:
+        return check_source(source, "tokenizer", "tokenizer.json", GET_A_TOKENIZER, known=(HUB_ID,), say=say)
+    env = os.environ.get("GPT_OSS_TOKENIZER")
+    if env:
+        return check_source(env, "GPT_OSS_TOKENIZER", "tokenizer.json",
+                            f"{GET_A_TOKENIZER}, or unset it to use {SHARED_TOKENIZER} or else the Hub's {HUB_ID}",
+                            known=(HUB_ID,), say=say)
+    if SHARED_TOKENIZER.is_dir():
+        return check_source(str(SHARED_TOKENIZER), "the shared tokenizer folder", "tokenizer.json", GET_A_TOKENIZER,
+                            say=say)
+    problem = hub_problem(HUB_ID, "tokenizer.json", say)
+    if problem:
+        raise SourceError(f"no gpt-oss tokenizer: GPT_OSS_TOKENIZER is unset, there is no folder {SHARED_TOKENIZER}, "
+                          f"and the Hub's {HUB_ID} {problem}; {GET_A_TOKENIZER}")
+    _say_once(say, f"note: tokenizer: the Hub's {HUB_ID} (GPT_OSS_TOKENIZER is unset and there is no folder "
+                   f"{SHARED_TOKENIZER})")
     return HUB_ID
 
 
@@ -79,11 +116,16 @@ def check_token_ids(tokenizer, source: str = "the tokenizer") -> None:
 
 @functools.lru_cache(maxsize=4)
 def load_tokenizer(source: str | None = None):
-    """The tokenizer from `source` (default tokenizer_source()), its special token ids checked."""
+    """The tokenizer from `source` (default tokenizer_source()), checked first (check_tokenizer_source: SourceError,
+    one line, before transformers is asked), its special token ids checked after."""
+    source = check_tokenizer_source(source or None, say=lambda line: print(line, file=sys.stderr))
     from transformers import AutoTokenizer  # here: scripts import harmony at the top, --help needs no transformers
 
-    source = source or tokenizer_source()
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except OSError as err:  # a folder with a broken tokenizer.json, a download cut short
+        said = " ".join(str(err).split()) or type(err).__name__
+        raise SourceError(f"tokenizer {source}: cannot load it ({said[:300]}); {GET_A_TOKENIZER}") from None
     check_token_ids(tokenizer, source)
     return tokenizer
 
@@ -256,7 +298,8 @@ def is_truncated(ids: list[int] | None) -> bool:
 __all__ = [
     "ANSWER_END_IDS", "BOS_ID", "CALL_ID", "DATASET_DATE", "DATASET_REASONING_EFFORT", "END_MARKERS", "FINAL_HEADER",
     "GENERATION_PROMPT", "HARMONY_GLOB", "HARMONY_SUFFIX", "PAD_ID", "REASONING_EFFORTS", "RETURN_ID",
-    "STOP_TOKEN_IDS", "TOKEN_IDS", "check_date", "check_reasoning_effort", "check_token_ids", "final_message",
+    "STOP_TOKEN_IDS", "TOKEN_IDS", "SourceError", "check_date", "check_reasoning_effort", "check_token_ids",
+    "check_tokenizer_source", "final_message",
     "harmony_csv_files", "harmony_encoding", "harmony_output_path", "is_harmony", "is_truncated", "load_tokenizer",
     "parse_action", "pinned_date_template", "prompt_problem", "render_harmony_prompt", "set_reasoning_effort",
     "tokenizer_source",
