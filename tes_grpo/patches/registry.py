@@ -173,7 +173,10 @@ PATCHED = (  # patch, library, target, ((version, fingerprint), ...)
             (("5.24.0", "831c88d8dbb9"), ("5.17.0", "831c88d8dbb9"))),
     Patched("sampling.decode_math.flex_decode_kernel", "torch",
             "torch._inductor.kernel.flex.flex_decoding:create_flex_decoding_kernel",  # reads kernel_options' SPLIT_KV
-            (("2.13.0", "902acda62e3e"),)),
+            (("2.13.0", "902acda62e3e"), ("2.11.0", "656ea953f00c"))),
+    Patched("sampling.decode_cache.keep_generator_registered", "torch",
+            "torch.cuda.graphs:CUDAGraph.capture_begin",  # the capture whose generator registration it serves
+            (("2.13.0", "269358b8d153"), ("2.11.0", "6ff7da3ad50c"))),
     Patched("sampling.decode_cache.StaticCache.fill", "transformers",
             "transformers.cache_utils:DynamicLayer.update",  # .keys / .values, the whole prompt
             (("5.24.0", "a7e8d331ff4f"), ("5.17.0", "a7e8d331ff4f"))),
@@ -302,7 +305,7 @@ PATCHED = (  # patch, library, target, ((version, fingerprint), ...)
             (("5.24.0", "715f1749627b"), ("5.17.0", "9c1959109fa6"))),
     Patched("experts.mxfp4_experts.ResidentMxfp4Experts", "torch",
             "torch.nn.modules.module:Module._apply",  # overridden: a private method, fn applied to each tensor
-            (("2.13.0", "e5f2a605a906"),)),
+            (("2.13.0", "e5f2a605a906"), ("2.11.0", "e5f2a605a906"))),
     Patched("experts.mxfp4_decode.moe_forward", "transformers",
             _GPT_OSS + "GptOssMLP.forward",
             (("5.24.0", "831c88d8dbb9"), ("5.17.0", "831c88d8dbb9"))),
