@@ -110,6 +110,9 @@ PATCHED = (  # patch, library, target, ((version, fingerprint), ...)
     Patched("training.trainer.GptOssGRPOTrainer._get_per_token_logps_and_entropies", "trl",
             "trl.trainer.grpo_trainer:GRPOTrainer._get_per_token_logps_and_entropies",
             (("1.16.0", "90405f3bc44e"),)),
+    Patched("training.trainer.GptOssGRPOTrainer.prediction_step", "trl",  # evaluation without TRL's loss forward
+            "trl.trainer.grpo_trainer:GRPOTrainer.prediction_step",
+            (("1.16.0", "b4cf95fc8c3b"),)),
 )
 
 
