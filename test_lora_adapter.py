@@ -29,6 +29,7 @@ import math
 import sys
 from pathlib import Path
 
+from tes_grpo.run.evaluation import evenly_spaced  # the rows train_grpo.py's evaluation takes, spread the same way
 from tes_grpo.task import tes_env
 
 ADAPTER_PATH = "runs/grpo-gpt-oss-20b"  # LoRA adapter folder: train_grpo.py's OUT or one of its checkpoint-* folders
@@ -60,31 +61,11 @@ _SUMMARY_COLUMNS = ("model", "completions", "prompts", "valid_rate", "optimal_sh
 # Prompts
 # ---------------------------------------------------------------------------------------------------------------
 
-def check_q_columns(raw, path) -> dict[str, list[float]]:
-    """The q_action_0..3 columns as floats; InputError naming file, row (first data row = 1), column and value."""
-    from tes_grpo.run.fileio import InputError, parse_finite
-
-    missing = [c for c in _Q_COLUMNS if c not in raw.columns]
-    if missing:
-        raise InputError(path, f"missing column(s) {', '.join(missing)} (the exact Q-values of make_q_dataset.py)")
-    return {column: [parse_finite(path, row, column, value, what="Q-value")
-                     for row, value in enumerate(raw[column], start=1)] for column in _Q_COLUMNS}
-
-
-def evenly_spaced(count: int, limit: int) -> list[int]:
-    """`limit` indices spread evenly over range(count), first and last included (all when limit is 0 or >= count)."""
-    if limit <= 0 or limit >= count:
-        return list(range(count))
-    if limit == 1:
-        return [0]
-    return sorted({round(i * (count - 1) / (limit - 1)) for i in range(limit)})
-
-
 def load_eval_prompts(path: str | Path, max_prompts: int = 0, reasoning_effort: str = ""):
     """Checked rows of the Harmony CSVs: source, row, prompt, optimal_action, reward_action_0..3, q_action_0..3."""
     import pandas as pd
 
-    from data_reward import check_frame
+    from data_reward import check_frame, check_q_columns
     from tes_grpo.model.llm_policy import prompt_files
     from tes_grpo.run.fileio import InputError, read_csv_table
     from tes_grpo.task.harmony import set_reasoning_effort
