@@ -2,6 +2,7 @@
 
     python test_lora_adapter.py                                          # adapter in runs/grpo-gpt-oss-20b
     python test_lora_adapter.py --ADAPTER_PATH=runs/grpo-tiny --MAX_PROMPTS=10 --SAMPLES_PER_PROMPT=2
+    python test_lora_adapter.py --ADAPTER_PATH=runs/grpo-tiny/best       # the checkpoint that evaluated best
     python test_lora_adapter_quantized.py --ADAPTER_PATH=...   # the same with the MXFP4 experts kept quantized
 
 For every prompt of PROMPT_PATH (the `*_q_dataset_harmony.csv` files of the evaluation split) it samples
@@ -32,7 +33,7 @@ from pathlib import Path
 from tes_grpo.run.evaluation import evenly_spaced  # the rows train_grpo.py's evaluation takes, spread the same way
 from tes_grpo.task import tes_env
 
-ADAPTER_PATH = "runs/grpo-gpt-oss-20b"  # LoRA adapter folder: train_grpo.py's OUT or one of its checkpoint-* folders
+ADAPTER_PATH = "runs/grpo-gpt-oss-20b"  # LoRA adapter: a run folder, one of its checkpoint-* folders, or <run>/best
 PROMPT_PATH = "data/eval"  # a *_harmony.csv or a folder of them (default: the evaluation split)
 BASE_MODEL_ID = ""  # base model folder or hub id; "" = the adapter's base_model_name_or_path
 SAMPLES_PER_PROMPT = 4  # completions per prompt and model
@@ -163,8 +164,14 @@ def run_adapter_test(s):
 
     from tes_grpo.model.llm_policy import generate, load_policy_model
     from tes_grpo.run.fileio import write_csv_atomic
-    from tes_grpo.run.run_folder import checked_training_settings, from_training_run, lora_adapter_config
+    from tes_grpo.run.run_folder import (
+        checked_training_settings,
+        from_training_run,
+        lora_adapter_config,
+        resolve_adapter_path,
+    )
 
+    s = s.replace(ADAPTER_PATH=resolve_adapter_path(s.ADAPTER_PATH, print))  # <run>/best: the best checkpoint
     lora_adapter_config(s.ADAPTER_PATH)  # a missing or unusable adapter fails before anything is read or loaded
     sampling = checked_training_settings(s, ("MAX_COMPLETION_LEN", "TEMPERATURE"), s.ADAPTER_PATH)
     effort, origin = from_training_run("REASONING_EFFORT", s.REASONING_EFFORT, s.ADAPTER_PATH, "")
