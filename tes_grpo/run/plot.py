@@ -4,9 +4,9 @@
 
 Three panels over the optimizer step: mean reward, valid share and optimal share. Each step's training value is a
 faint point (16-64 completions a step make it noisy) and a rolling mean a line; the held-out evaluations
-(run/evaluation.py) are the larger connected markers, and the best checkpoint is a dashed line with a star. The
-training reward is the reward function's action/mean_reward (an invalid answer counts 0, as in the evaluation),
-TRL's reward where a log has none. matplotlib (Agg) is imported only when a plot is drawn.
+(run/evaluation.py) are the larger connected markers with their values, and the best checkpoint is a dashed line
+with a star. The training reward is the reward function's action/mean_reward (an invalid answer counts 0, as in the
+evaluation), TRL's reward where a log has none. matplotlib (Agg) is imported only when a plot is drawn.
 """
 
 from __future__ import annotations
@@ -83,6 +83,11 @@ def write_training_plot(out, records: list[dict], best_step: int | None = None, 
             steps, values = zip(*evaluated, strict=True)
             axis.plot(steps, values, "o-", color=EVAL_COLOR, markersize=6, linewidth=1.5,
                       label="evaluation (held-out prompts)")
+            for step, value in evaluated:  # the numbers a reader compares, beside their points (below near the top)
+                axis.annotate(f"{value:.2f}", (step, value), textcoords="offset points",
+                              xytext=(0, -14 if value > 0.85 else 8), ha="center", va="center", fontsize=8,
+                              color=EVAL_COLOR, bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none"},
+                              zorder=6)
             if best_step is not None and best_step in steps:
                 axis.plot([best_step], [values[steps.index(best_step)]], "*", color=BEST_COLOR, markersize=16,
                           zorder=5)
