@@ -57,7 +57,7 @@ from tes_grpo.task.harmony import REASONING_EFFORTS as _EFFORTS
 MODEL_ID = "openai/gpt-oss-20b"  # hub id or local folder of an MXFP4 gpt-oss checkpoint; "tiny" = embedded tiny model
 OUT_DIR = "runs/grpo-gpt-oss-20b"  # run folder: adapter, checkpoints, train_config.json, metrics.jsonl, completions.csv
 DATA_DIR = "data"  # training CSVs: every *_harmony.csv below it, EVAL_DIR left out
-EVAL_DIR = "data/eval"  # evaluation split, never trained on
+EVAL_DIR = "data/eval"  # evaluation split: never trained on, evaluated every EVAL_STEPS
 REASONING_EFFORT = "medium"  # each prompt's "Reasoning:" line: low, medium (as shipped), high; "" keeps the CSV's
 MAX_PROMPT_LEN = 2048  # tokens; longer prompts fail at load or are skipped (PROMPT_TOO_LONG), never cut
 PROMPT_TOO_LONG = "error"  # "error": stop naming file and row; "skip": drop them and print how many
