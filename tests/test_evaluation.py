@@ -98,7 +98,8 @@ EVAL_BATCHES = [
     (True, {"EVAL_PROMPTS": 16, "EVAL_SAMPLES": 4}, 64, 16),  # at most 4 distinct prompts a batch, as training
     (True, {"EVAL_PROMPTS": 2}, 64, 32),  # fewer prompts than a batch holds
     (True, {"GENERATION_STEPS": 2, "EVAL_PROMPTS": 16}, 128, 128),  # a bigger generation batch: 8 prompts
-    (False, {"EVAL_PROMPTS": 64, "EVAL_SAMPLES": 1}, 16, 64),  # CPU: no plan, everything at once
+    (False, {"EVAL_PROMPTS": 64, "EVAL_SAMPLES": 1}, 16, 16),  # CPU: the sequences of one generation batch
+    (False, {"EVAL_PROMPTS": 3, "EVAL_SAMPLES": 8}, 16, 16),  # whole prompts only: 2 of 3
 ]
 
 

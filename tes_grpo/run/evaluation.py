@@ -15,7 +15,8 @@ training name) to metrics.jsonl and every tracker:
   (INVALID_REWARD for an invalid answer); eval_runtime: the evaluation's seconds.
 
 These are test_lora_adapter.py's definitions; TRL averages each over the evaluation's generation batches, which is
-the plain mean when the evaluation is one batch (the defaults) and the mean of batch means otherwise.
+the plain mean when they are of one size (the defaults), except for the regret, a mean over each batch's valid
+answers.
 
 Where TRL's loop does not fit, the trainer (training/trainer.py) differs: an evaluation computes no loss (the GRPO
 loss of on-policy samples says nothing about the policy, and its forward over the whole evaluation batch would
@@ -100,13 +101,13 @@ def eval_dataset(frame, columns):
 
 
 def eval_batch_size(s, layout: dict, cuda: bool) -> int:
-    """Completions an evaluation generates at once per process. On a GPU: at most as many prompts as a training
-    generation batch holds (its sequences / NUM_GENERATIONS; EVAL_SAMPLES <= NUM_GENERATIONS), so a generate call
-    never holds more sequences, nor prefills more distinct prompts, than the memory plan let training (the recipe's
-    4 x 16 is one batch, the shape of training's). On the CPU (no memory plan, and a decode step of the tiny model
-    costs about the same for 16 rows as for 64): all of them at once."""
-    fits = max(1, layout["generation_batch"] // s.NUM_GENERATIONS) if cuda else s.EVAL_PROMPTS
-    return min(s.EVAL_PROMPTS, fits) * s.EVAL_SAMPLES
+    """Completions an evaluation generates at once per process: whole prompts, never more sequences than a training
+    generation batch (the recipe's 4 x 16 is one batch of training's shape). On a GPU also never more distinct
+    prompts than one (its sequences / NUM_GENERATIONS), so a generate call prefills no more than the memory plan let
+    training. On the CPU the tiny preset's 64 prompts x 1 then go in 4 calls of 16, which took 11 s where one call
+    of 64 took 18 s (2 cores, 2026-11-29)."""
+    fits = layout["generation_batch"] // (s.NUM_GENERATIONS if cuda else s.EVAL_SAMPLES)
+    return min(s.EVAL_PROMPTS, max(1, fits)) * s.EVAL_SAMPLES
 
 
 def grpo_config_kwargs(s, layout: dict, cuda: bool, first_run: bool = True) -> dict:

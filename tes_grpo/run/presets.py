@@ -13,8 +13,8 @@ minutes on a 2-core CPU and still shows GRPO learning: fewer, shorter completion
 learning rate and rank 16 because the tiny model has to move within 30 steps; no gradient checkpointing because
 memory is no issue; no KL term, as INVALID_REWARD=0 keeps the answer format. BENCHMARKS.md ("The tiny run's preset")
 has the runs behind these choices. Its evaluation (run/evaluation.py) runs at steps 0, 10, 20 and 30 (EVAL_STEPS=auto
-follows SAVE_STEPS) on 64 prompts of the split x 1 completion, generated as one batch (on the CPU a decode step of
-64 rows costs about what one of 16 does): the spread between prompts, not within one, makes most of the noise.
+follows SAVE_STEPS) on 64 prompts of the split x 1 completion (4 generate calls of 16, about 11 s on 2 cores): the
+spread between prompts, not within one, makes most of the noise.
 """
 
 from __future__ import annotations
