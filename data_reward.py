@@ -10,16 +10,19 @@ Imported by train_grpo.py (and run on its own to re-score a completion log with 
   `eval_dir`, columns checked (errors name file, row, column and value).
 - `check_prompt_lengths(...)`: prompts longer than the token limit fail (naming file and row) or are skipped
   with a printed count; never cut, which would drop the Harmony header. Adds each prompt's token count.
+- `load_eval_frame(eval_dir)`: the evaluation split's rows, checked the same way, with their exact Q-values; the
+  rows train_grpo.py evaluates during training (run/evaluation.py).
 - `reward_fn(completions, reward_action_0, ..., reward_action_3, *, invalid_reward, **kwargs)`: TRL reward
   function; the row's `reward_action_<k>` for the action k parsed from the final channel (harmony.parse_action),
   `invalid_reward` when the completion has no valid final answer or was cut at the length limit. train_grpo.py
   binds `invalid_reward=INVALID_REWARD` and its `CompletionLog` with `bind_reward` (a partial, as open-r1 binds
-  reward parameters).
+  reward parameters). It also logs test_lora_adapter.py's quantities, which TRL names eval_... in evaluation.
 
 Completion log (`CompletionLog`, written by the bound reward function while training): columns step, micro_step,
 prompt, completion, action, reward, truncated, target_action, rank (the process that generated the row; 0 on one
-GPU). On several processes every rank's rows are gathered to rank 0, which alone writes; rows are appended (a
-resumed run continues the file) and the file is closed after every batch.
+GPU). Evaluation completions (rows marked by run/evaluation.py) are left out: the log holds training steps only.
+On several processes every rank's rows are gathered to rank 0, which alone writes; rows are appended (a resumed run
+continues the file) and the file is closed after every batch.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from tes_grpo.run.evaluation import EVAL_SPLIT, SPLIT_COLUMN
 from tes_grpo.run.fileio import InputError, parse_finite, parse_whole, read_csv_table
 from tes_grpo.run.processes import gather_on_main, process_rank, say
 from tes_grpo.task.harmony import (
@@ -47,11 +51,12 @@ from tes_grpo.task.harmony import (
     set_reasoning_effort,
 )
 from tes_grpo.task.tes_env import N_ACTIONS as NUM_ACTIONS  # the plant decides how many actions there are
-from tes_grpo.task.tes_env import REWARD_COLUMNS, reward_problems
+from tes_grpo.task.tes_env import Q_COLUMNS, REWARD_COLUMNS, reward_problems
 
 # The columns training reads from a dataset row, which StepStream hands to TRL; TRL passes every column but `prompt`
 # to reward_fn as a keyword list.
 RECORD_COLUMNS = ["prompt", "optimal_action", *REWARD_COLUMNS]
+EVAL_RECORD_COLUMNS = [*RECORD_COLUMNS, *Q_COLUMNS]  # an evaluation row also has the exact Q-values (the regret)
 LOG_COLUMNS = ["step", "micro_step", "prompt", "completion", "action", "reward", "truncated", "target_action", "rank"]
 
 
@@ -111,6 +116,33 @@ def load_training_frames(data_dir: str | os.PathLike, eval_dir: str | os.PathLik
         raise InputError(data_dir, f"no training files matching {HARMONY_GLOB} (outside {eval_dir}); "
                          "build the datasets with the data pipeline first")
     return pd.concat([check_frame(read_csv_table(path), path) for path in paths], ignore_index=True)
+
+
+def check_q_columns(raw: pd.DataFrame, path) -> dict[str, list[float]]:
+    """The q_action_0..3 columns as floats; InputError naming file, row (first data row = 1), column and value."""
+    missing = [column for column in Q_COLUMNS if column not in raw.columns]
+    if missing:
+        raise InputError(path, f"missing column(s) {', '.join(missing)} (the exact Q-values of make_q_dataset.py)")
+    return {column: [parse_finite(path, row, column, value, what="Q-value")
+                     for row, value in enumerate(raw[column], start=1)] for column in Q_COLUMNS}
+
+
+def load_eval_frame(eval_dir: str | os.PathLike) -> pd.DataFrame:
+    """The evaluation split's rows (every `*_harmony.csv` under eval_dir), checked as training rows are, with the
+    exact Q-values q_action_0..3. InputError naming EVAL_DIR when it is missing or holds no such file."""
+    folder = Path(eval_dir)
+    if not folder.is_dir():
+        raise InputError(folder, "EVAL_DIR does not exist (the evaluation split, evaluated every EVAL_STEPS); build "
+                         "the datasets with the data pipeline, point EVAL_DIR at the split, or set EVAL_STEPS=0")
+    paths = harmony_csv_files(folder)
+    if not paths:
+        raise InputError(folder, f"EVAL_DIR has no {HARMONY_GLOB} files (the evaluation split, evaluated every "
+                         "EVAL_STEPS); build the datasets with the data pipeline, or set EVAL_STEPS=0")
+    frames = []
+    for path in paths:
+        raw = read_csv_table(path)
+        frames.append(check_frame(raw, path).assign(**check_q_columns(raw, path)))
+    return pd.concat(frames, ignore_index=True)
 
 
 def apply_reasoning_effort(frame: pd.DataFrame, effort: str) -> pd.DataFrame:
@@ -219,9 +251,12 @@ def reward_fn(completions, reward_action_0, reward_action_1, reward_action_2, re
     in effect); NaN leaves them out as TRL 1.x does ("unscorable": advantage 0, no gradient). TRL 1.16 passes
     `completions` decoded with skip_special_tokens=True (the channel markers are gone), so when `completion_ids` is
     given the text is decoded again with the markers kept. Row i's rewards come from the i-th entries of the
-    reward_action_<k> lists, which TRL takes from the same dataset row as prompt i. Logs action/valid_fraction,
-    action/truncated_fraction and action/optimal_fraction through TRL's log_metric, and the rows to completion_log
-    when one is bound.
+    reward_action_<k> lists, which TRL takes from the same dataset row as prompt i. Logs through TRL's log_metric
+    (which TRL prefixes eval_ in evaluation) test_lora_adapter.py's quantities: action/valid_fraction,
+    action/truncated_fraction, action/optimal_fraction, action/mean_reward (an invalid answer counts 0, whatever
+    invalid_reward is) and, for rows with Q-values (the evaluation's), action/mean_regret_q over the valid answers
+    (NaN, which TRL logs as None, when none is valid). Writes the rows to completion_log when one is bound, except
+    evaluation rows (marked in the column run/evaluation.SPLIT_COLUMN).
     """
     reward_lists = (reward_action_0, reward_action_1, reward_action_2, reward_action_3)
     ids_list = completion_ids if completion_ids is not None else [None] * len(completions)
@@ -239,7 +274,15 @@ def reward_fn(completions, reward_action_0, reward_action_1, reward_action_2, re
         if optimal_action is not None:
             hits = sum(a is not None and a == int(t) for a, t in zip(actions, optimal_action, strict=True))
             log_metric("action/optimal_fraction", hits / len(actions))
-    if completion_log is not None:
+        chosen = [float(reward_lists[a][i]) for i, a in enumerate(actions) if a is not None]
+        log_metric("action/mean_reward", sum(chosen) / len(actions))
+        q_lists = [kwargs.get(column) for column in Q_COLUMNS]
+        if all(q is not None for q in q_lists):
+            regrets = [max(float(q[i]) for q in q_lists) - float(q_lists[a][i]) for i, a in enumerate(actions)
+                       if a is not None]
+            log_metric("action/mean_regret_q", sum(regrets) / len(regrets) if regrets else math.nan)
+    evaluation = (kwargs.get(SPLIT_COLUMN) or [None])[0] == EVAL_SPLIT
+    if completion_log is not None and not evaluation:
         completion_log.write(log_rows(prompts, texts, actions, rewards, truncated, optimal_action, reward_lists,
                                       trainer_state, completion_log.rows_per_slot))
     return rewards

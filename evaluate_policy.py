@@ -3,6 +3,7 @@
     python evaluate_policy.py                                              # DP optimum, rule policies, random
     python evaluate_policy.py --ADAPTER_PATH=runs/grpo-gpt-oss-20b         # + the fine-tuned LLM
     python evaluate_policy.py --ADAPTER_PATH=runs/grpo-gpt-oss-20b --ALSO_BASE --VOTES=5
+    python evaluate_policy.py --ADAPTER_PATH=runs/grpo-gpt-oss-20b/best    # the checkpoint that evaluated best
     python evaluate_policy.py --BASE_MODEL_ID=openai/gpt-oss-20b --MAX_COMPLETION_LEN=4000 --TEMPERATURE=1
                                                             # the base model alone (no training run to follow)
     python evaluate_policy.py data/series/tes_2024-06-15.csv               # other windows (series CSVs)
@@ -41,7 +42,7 @@ SERIES: list = []  # series CSVs to run (positional); empty = the windows of EVA
 EVAL_DIR = "data/eval"  # evaluation split; its <window>_q_dataset_harmony.csv files name the default windows
 SERIES_DIR = "data/series"  # where <window>.csv lives
 POLICIES = ["optimal", "follow_load", "storage_first", "low_co2_charging", "always_full", "random"]  # non-LLM policies
-ADAPTER_PATH = ""  # LoRA adapter folder; "" (and no BASE_MODEL_ID) = no LLM policy
+ADAPTER_PATH = ""  # LoRA adapter folder (<run>/best: its best checkpoint); "" (and no BASE_MODEL_ID) = no LLM policy
 BASE_MODEL_ID = ""  # base model folder or hub id; "" = the adapter's base. Without ADAPTER_PATH: the base is the LLM
 ALSO_BASE = False  # with ADAPTER_PATH: also run the base model alone (same weights, adapter disabled, same seeds)
 VOTES = 1  # completions sampled per LLM decision; the most frequent valid action is taken
@@ -411,10 +412,12 @@ def build_llm_deciders(s) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     from tes_grpo.run.fileio import InputError
+    from tes_grpo.run.run_folder import resolve_adapter_path
     from tes_grpo.run.script_config import resolve, save_config
 
     s = resolve(globals(), argv, positional="SERIES")
     try:
+        s = s.replace(ADAPTER_PATH=resolve_adapter_path(s.ADAPTER_PATH, print))  # <run>/best: the best checkpoint
         series_paths = list(s.SERIES) or eval_windows(s.EVAL_DIR, s.SERIES_DIR)
         series_list = [tes_env.load_series(path) for path in series_paths]  # bad input fails before the model loads
         check_policy_names(s.POLICIES)

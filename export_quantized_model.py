@@ -1,6 +1,7 @@
 """Merge a GRPO LoRA adapter into gpt-oss and write a real MXFP4 checkpoint (OpenAI's layout), ready to serve.
 
     python export_quantized_model.py --ADAPTER_PATH=runs/grpo-gpt-oss-20b --OUT_DIR=runs/export/gpt-oss-tes-mxfp4
+    python export_quantized_model.py --ADAPTER_PATH=runs/grpo-gpt-oss-20b/best   # the checkpoint that evaluated best
     python export_quantized_model.py --CHECK            # also reload the export and compare weights and logits
     export HF_TOKEN=hf_...; export HF_REPO_ID=you/gpt-oss-20b-tes; python export_quantized_model.py   # + private upload
 
@@ -38,7 +39,7 @@ from tes_grpo.run.sources import SourceError, check_model_id
 if typing.TYPE_CHECKING:  # annotations only; the module is imported where it is used
     from tes_grpo.experts.mxfp4_checkpoint import SafetensorsCheckpoint
 
-ADAPTER_PATH = "runs/grpo-gpt-oss-20b"  # PEFT LoRA folder (adapter_config.json + adapter_model.safetensors)
+ADAPTER_PATH = "runs/grpo-gpt-oss-20b"  # PEFT LoRA folder (adapter_config.json + safetensors); <run>/best: its best
 BASE_MODEL_ID = ""  # base checkpoint (hub id or folder); "" = the adapter's base_model_name_or_path
 ALLOW_OTHER_BASE = False  # merge even when BASE_MODEL_ID differs from the base the adapter names (shapes still checked)
 OUT_DIR = "runs/export/gpt-oss-tes-mxfp4"  # export folder (the Modelfile's FROM points here)
@@ -403,8 +404,8 @@ def verify_export(out_dir: Path, merged, touched: set[str], check_text: str, log
 
 def run_export(settings) -> dict:
     """The whole export for a script's `settings`; returns a summary dict (the check report under "check")."""
-    adapter = Path(settings.ADAPTER_PATH)
     try:
+        adapter = Path(run_folder.resolve_adapter_path(settings.ADAPTER_PATH, print))  # <run>/best: the best one
         named_base = run_folder.lora_adapter_config(adapter).get("base_model_name_or_path")
     except InputError as err:
         raise ExportError(str(err)) from None

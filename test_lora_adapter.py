@@ -2,6 +2,7 @@
 
     python test_lora_adapter.py                                          # adapter in runs/grpo-gpt-oss-20b
     python test_lora_adapter.py --ADAPTER_PATH=runs/grpo-tiny --MAX_PROMPTS=10 --SAMPLES_PER_PROMPT=2
+    python test_lora_adapter.py --ADAPTER_PATH=runs/grpo-tiny/best       # the checkpoint that evaluated best
     python test_lora_adapter_quantized.py --ADAPTER_PATH=...   # the same with the MXFP4 experts kept quantized
 
 For every prompt of PROMPT_PATH (the `*_q_dataset_harmony.csv` files of the evaluation split) it samples
@@ -29,9 +30,10 @@ import math
 import sys
 from pathlib import Path
 
+from tes_grpo.run.evaluation import evenly_spaced  # the rows train_grpo.py's evaluation takes, spread the same way
 from tes_grpo.task import tes_env
 
-ADAPTER_PATH = "runs/grpo-gpt-oss-20b"  # LoRA adapter folder: train_grpo.py's OUT or one of its checkpoint-* folders
+ADAPTER_PATH = "runs/grpo-gpt-oss-20b"  # LoRA adapter: a run folder, one of its checkpoint-* folders, or <run>/best
 PROMPT_PATH = "data/eval"  # a *_harmony.csv or a folder of them (default: the evaluation split)
 BASE_MODEL_ID = ""  # base model folder or hub id; "" = the adapter's base_model_name_or_path
 SAMPLES_PER_PROMPT = 4  # completions per prompt and model
@@ -60,31 +62,11 @@ _SUMMARY_COLUMNS = ("model", "completions", "prompts", "valid_rate", "optimal_sh
 # Prompts
 # ---------------------------------------------------------------------------------------------------------------
 
-def check_q_columns(raw, path) -> dict[str, list[float]]:
-    """The q_action_0..3 columns as floats; InputError naming file, row (first data row = 1), column and value."""
-    from tes_grpo.run.fileio import InputError, parse_finite
-
-    missing = [c for c in _Q_COLUMNS if c not in raw.columns]
-    if missing:
-        raise InputError(path, f"missing column(s) {', '.join(missing)} (the exact Q-values of make_q_dataset.py)")
-    return {column: [parse_finite(path, row, column, value, what="Q-value")
-                     for row, value in enumerate(raw[column], start=1)] for column in _Q_COLUMNS}
-
-
-def evenly_spaced(count: int, limit: int) -> list[int]:
-    """`limit` indices spread evenly over range(count), first and last included (all when limit is 0 or >= count)."""
-    if limit <= 0 or limit >= count:
-        return list(range(count))
-    if limit == 1:
-        return [0]
-    return sorted({round(i * (count - 1) / (limit - 1)) for i in range(limit)})
-
-
 def load_eval_prompts(path: str | Path, max_prompts: int = 0, reasoning_effort: str = ""):
     """Checked rows of the Harmony CSVs: source, row, prompt, optimal_action, reward_action_0..3, q_action_0..3."""
     import pandas as pd
 
-    from data_reward import check_frame
+    from data_reward import check_frame, check_q_columns
     from tes_grpo.model.llm_policy import prompt_files
     from tes_grpo.run.fileio import InputError, read_csv_table
     from tes_grpo.task.harmony import set_reasoning_effort
@@ -182,8 +164,14 @@ def run_adapter_test(s):
 
     from tes_grpo.model.llm_policy import generate, load_policy_model
     from tes_grpo.run.fileio import write_csv_atomic
-    from tes_grpo.run.run_folder import checked_training_settings, from_training_run, lora_adapter_config
+    from tes_grpo.run.run_folder import (
+        checked_training_settings,
+        from_training_run,
+        lora_adapter_config,
+        resolve_adapter_path,
+    )
 
+    s = s.replace(ADAPTER_PATH=resolve_adapter_path(s.ADAPTER_PATH, print))  # <run>/best: the best checkpoint
     lora_adapter_config(s.ADAPTER_PATH)  # a missing or unusable adapter fails before anything is read or loaded
     sampling = checked_training_settings(s, ("MAX_COMPLETION_LEN", "TEMPERATURE"), s.ADAPTER_PATH)
     effort, origin = from_training_run("REASONING_EFFORT", s.REASONING_EFFORT, s.ADAPTER_PATH, "")

@@ -23,10 +23,15 @@ GRPO_COMPLETION_LOG_PATH=file.csv writes it elsewhere, GRPO_STEPS_PER_GENERATION
 instead of once per optimizer step (GENERATION_STEPS left at 1), GPT_OSS_TOKENIZER names the tokenizer folder
 (unset: ../shared/gpt-oss-tokenizer beside the repo, else the Hub's openai/gpt-oss-20b; checked at start-up).
 
-Written to OUT_DIR (tes_grpo/run/run_folder.py says what each file is): train_config.json, metrics.jsonl,
-completions.csv, tensorboard/, checkpoint-000020-style folders every SAVE_STEPS, and at the end the adapter with its
-tokenizer, trainer_state.json and training_args.bin. Ctrl-C or running out of memory says the step and how the run
-goes on.
+Evaluation (tes_grpo/run/evaluation.py): every EVAL_STEPS the policy answers EVAL_PROMPTS held-out prompts of
+EVAL_DIR (EVAL_SAMPLES completions each) with the training sampler; the quantities of test_lora_adapter.py's report
+are logged as eval_*, and BEST_METRIC picks the best checkpoint (`--ADAPTER_PATH=OUT_DIR/best` elsewhere).
+
+Written to OUT_DIR (tes_grpo/run/run_folder.py says what each file is): train_config.json, metrics.jsonl (training
+and evaluation rows), completions.csv (training only), best_checkpoint.json, training.png (reward, valid and optimal
+share per step and at each evaluation), tensorboard/, checkpoint-000020-style folders every SAVE_STEPS and at each
+evaluation, and at the end the adapter with its tokenizer, trainer_state.json and training_args.bin. Ctrl-C or
+running out of memory says the step and how the run goes on.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ from tes_grpo.task.harmony import REASONING_EFFORTS as _EFFORTS
 MODEL_ID = "openai/gpt-oss-20b"  # hub id or local folder of an MXFP4 gpt-oss checkpoint; "tiny" = embedded tiny model
 OUT_DIR = "runs/grpo-gpt-oss-20b"  # run folder: adapter, checkpoints, train_config.json, metrics.jsonl, completions.csv
 DATA_DIR = "data"  # training CSVs: every *_harmony.csv below it, EVAL_DIR left out
-EVAL_DIR = "data/eval"  # evaluation split, never trained on
+EVAL_DIR = "data/eval"  # evaluation split: never trained on, evaluated every EVAL_STEPS
 REASONING_EFFORT = "medium"  # each prompt's "Reasoning:" line: low, medium (as shipped), high; "" keeps the CSV's
 MAX_PROMPT_LEN = 2048  # tokens; longer prompts fail at load or are skipped (PROMPT_TOO_LONG), never cut
 PROMPT_TOO_LONG = "error"  # "error": stop naming file and row; "skip": drop them and print how many
@@ -62,6 +67,11 @@ MEMORY_BUDGET_GB = 0.0  # GiB the run may hold on the GPU, weights included (24 
 TOTAL_STEPS = 200  # optimizer steps (the stream is endless, so this sets the run length)
 SAVE_STEPS = 20  # optimizer steps between checkpoints
 KEEP_CHECKPOINTS = 0  # newest checkpoints kept in OUT_DIR (older ones deleted); 0 = keep all (r=4 adapters are small)
+EVAL_STEPS = "auto"  # optimizer steps between evaluations (each also saves a checkpoint); auto = SAVE_STEPS; 0 = off
+EVAL_PROMPTS = 4  # prompts of EVAL_DIR an evaluation samples (spread evenly over the split, the same every time)
+EVAL_SAMPLES = 16  # completions per evaluation prompt (4 x 16: the shape and cost of one training generation batch)
+EVAL_AT_START = True  # also evaluate the base model at step 0, so the curve starts from it
+BEST_METRIC = "eval_action/mean_reward"  # evaluation quantity that picks the best checkpoint (best_checkpoint.json)
 LR = 5e-5  # AdamW learning rate for the LoRA weights
 LR_SCHEDULER = "linear"  # transformers scheduler: linear (decays to 0 at TOTAL_STEPS), constant, cosine, ...
 WARMUP_RATIO = 0.0  # fraction of TOTAL_STEPS with linear learning-rate warm-up
@@ -107,6 +117,7 @@ CHOICES = {
     "REASONING_EFFORT": ("", *_EFFORTS),
     "IMPORTANCE_SAMPLING": choices.IS_MODES,
     "EXPERTS": choices.EXPERTS_CHOICES,
+    "BEST_METRIC": tuple(choices.BEST_METRICS),
     **choices.FAST_PATHS,
 }
 
@@ -164,6 +175,19 @@ def load_training_data(s, tokenizer, frame=None):
     return check_prompt_lengths(frame, tokenizer, s.MAX_PROMPT_LEN, s.PROMPT_TOO_LONG)
 
 
+def load_eval_data(s, tokenizer):
+    """The evaluation rows (data_reward.load_eval_frame), EVAL_PROMPTS of them spread over the split, prepared as
+    the training rows are; None when evaluation is off (EVAL_STEPS=0)."""
+    from data_reward import apply_reasoning_effort, check_prompt_lengths, load_eval_frame
+    from tes_grpo.run.evaluation import eval_subset, evaluating
+
+    if not evaluating(s):
+        return None
+    frame = eval_subset(load_eval_frame(s.EVAL_DIR), s.EVAL_PROMPTS, s.EVAL_DIR, say)
+    frame = apply_reasoning_effort(frame, s.REASONING_EFFORT)
+    return check_prompt_lengths(frame, tokenizer, s.MAX_PROMPT_LEN, s.PROMPT_TOO_LONG)
+
+
 def build_stream(frame, s, processes: int | None = None):
     """StepStream over the rows, one draw of distinct prompts per generation batch across all processes: one
     optimizer step, or GENERATION_STEPS of them (every process builds the same stream; accelerate hands each a
@@ -192,10 +216,12 @@ def build_lora_config(r: int, alpha: float, expert_layer_ids=()):
                       target_modules="all-linear", target_parameters=target_parameters or None)
 
 
-def build_grpo_config(s, layout: dict, cuda: bool):
-    """TRL 1.16 GRPOConfig for the settings and batch layout."""
+def build_grpo_config(s, layout: dict, cuda: bool, evaluate: bool = False, first_run: bool = True):
+    """TRL 1.16 GRPOConfig for the settings and batch layout; evaluate: with the evaluation settings (the trainer
+    gets the evaluation rows), first_run: not resumed (step 0 is evaluated)."""
     from trl import GRPOConfig
 
+    from tes_grpo.run import evaluation
     from tes_grpo.run.trackers import report_to
 
     vllm = {}
@@ -229,30 +255,32 @@ def build_grpo_config(s, layout: dict, cuda: bool):
         save_strategy="steps", save_steps=s.SAVE_STEPS, save_total_limit=s.KEEP_CHECKPOINTS or None,
         disable_tqdm=True,  # ProgressLineCallback prints one line per step instead
         log_completions=False,  # the bound reward function writes the full completion log
+        **(evaluation.grpo_config_kwargs(s, layout, cuda, first_run) if evaluate else {"eval_strategy": "no"}),
         **vllm,
     )
 
 
 def build_trainer(s, model, tokenizer, train_dataset, layout: dict, completion_log=None, callbacks=(),
-                  resume_step: int | None = None, measure_gap: bool = True):
+                  resume_step: int | None = None, measure_gap: bool = True, eval_dataset=None):
     """The recipe's trainer (training/trainer.py's GptOssGRPOTrainer) for settings `s`: the bound reward, LoRA, the
-    stream, the run folder's callbacks, and the trainer's own sampler, fast paths and fixes. `model`: a loaded
-    gpt-oss, not yet LoRA-wrapped (loading stays outside, so a benchmark can pass any gpt-oss-shaped model)."""
+    stream, the held-out rows (evaluation.py; None = no evaluation), the run folder's callbacks, and the trainer's
+    own sampler, fast paths and fixes. `model`: a loaded gpt-oss, not yet LoRA-wrapped (loading stays outside, so a
+    benchmark can pass any gpt-oss-shaped model)."""
     from transformers.trainer_callback import PrinterCallback
 
     from data_reward import bind_reward
     from tes_grpo.model.model_loading import cuda_available
-    from tes_grpo.run.callbacks import JsonlMetricsCallback, ProgressLineCallback, ZeroPaddedCheckpointNames
+    from tes_grpo.run.callbacks import run_callbacks
     from tes_grpo.training.trainer import GptOssGRPOTrainer
 
     out = Path(s.OUT_DIR)
     out.mkdir(parents=True, exist_ok=True)
     trainer = GptOssGRPOTrainer(
-        model=model, reward_funcs=bind_reward(s.INVALID_REWARD, completion_log),
-        args=build_grpo_config(s, layout, cuda_available()), train_dataset=train_dataset, processing_class=tokenizer,
+        model=model, reward_funcs=bind_reward(s.INVALID_REWARD, completion_log), processing_class=tokenizer,
+        args=build_grpo_config(s, layout, cuda_available(), eval_dataset is not None, first_run=resume_step is None),
+        train_dataset=train_dataset, eval_dataset=eval_dataset,
         peft_config=build_lora_config(s.LORA_R, s.LORA_ALPHA, expert_layers(s)),
-        callbacks=[JsonlMetricsCallback(out / "metrics.jsonl"), ProgressLineCallback(), ZeroPaddedCheckpointNames(),
-                   *callbacks],
+        callbacks=[*run_callbacks(out, s.BEST_METRIC if eval_dataset is not None else None, say), *callbacks],
         settings=s, generation_sequences=layout["generation_sequences"], tensorboard_dir=out / "tensorboard",
         resume_step=resume_step, measure_gap=measure_gap, say=say)
     trainer.remove_callback(PrinterCallback)  # ProgressLineCallback prints a compact line instead of the raw dict
@@ -326,14 +354,17 @@ def train(s, environ=None, callbacks=(), start: dict | None = None) -> Path:
         return out
     from transformers import AutoConfig
 
-    from data_reward import CompletionLog
+    from data_reward import EVAL_RECORD_COLUMNS, CompletionLog
     from tes_grpo.model.model_loading import (
         check_machine,
+        cuda_available,
         load_tokenizer_for,
         load_training_model,
         resolve_experts,
         resolve_model_path,
     )
+    from tes_grpo.run.evaluation import describe as describe_evaluation
+    from tes_grpo.run.evaluation import eval_dataset
     from tes_grpo.run.processes import start_process_group
     from tes_grpo.run.run_folder import drop_log_rows_after, run_summary
     from tes_grpo.task.harmony import load_tokenizer
@@ -358,7 +389,8 @@ def train(s, environ=None, callbacks=(), start: dict | None = None) -> Path:
         raise SettingsError(f"MODEL_ID={s.MODEL_ID}: cannot load it: {' '.join(str(err).split())}") from None
     load_tokenizer()  # the reward's (harmony's): loaded and checked now, not at the first step's scoring
     frame = load_training_data(s, tokenizer, start["frame"])
-    longest = int(frame["prompt_tokens"].max())
+    eval_frame = load_eval_data(s, tokenizer)
+    longest = int(max(frame["prompt_tokens"].max(), 0 if eval_frame is None else eval_frame["prompt_tokens"].max()))
     if str(s.TRAIN_BATCH_SIZE) != "auto":  # auto's size comes from the memory plan, after loading
         batch_layout(s, longest, env["steps_per_generation"])  # a fixed size that cannot split the step stops here
     dataset = build_stream(frame, s).to_iterable_dataset()
@@ -374,12 +406,16 @@ def train(s, environ=None, callbacks=(), start: dict | None = None) -> Path:
     layout = batch_layout(s, longest, env["steps_per_generation"], plan)
     slot = s.PROMPTS_PER_STEP * s.NUM_GENERATIONS  # completions of one gradient-accumulation slot
     completion_log = CompletionLog(start["log_path"], slot) if env["log_completions"] else None
+    held_out = None if eval_frame is None else eval_dataset(eval_frame, EVAL_RECORD_COLUMNS)
     trainer = build_trainer(s, model, tokenizer, dataset, layout, completion_log, callbacks,
-                            resume_step=step if checkpoint else None)
+                            resume_step=step if checkpoint else None, eval_dataset=held_out)
     describe_run(s, layout, trainer, completion_log)
+    eval_prompts = 0 if held_out is None else len(held_out)
+    say(describe_evaluation(s, eval_prompts, layout, cuda_available(), first_run=checkpoint is None))
     if is_main_process():
         extra = {"attn_implementation": model.config._attn_implementation, "dtype": str(model.dtype),
-                 "train_prompts": len(frame), "completion_log": str(start["log_path"]) if completion_log else ""}
+                 "train_prompts": len(frame), "completion_log": str(start["log_path"]) if completion_log else "",
+                 "eval_prompts": eval_prompts}
         save_config(run_summary(s, layout, extra, process_count()), out / "train_config.json")
 
     # Train and save

@@ -159,4 +159,4 @@ def test_truncated_completion_gets_the_invalid_reward_and_is_counted(tokenizer):
     [reward] = bind_reward(0.0, None)([""], **{f"reward_action_{k}": [ROW[k]] for k in range(4)},
                                       completion_ids=[ids], log_metric=logged.__setitem__)
     assert reward == 0.0
-    assert logged == {"action/valid_fraction": 0.0, "action/truncated_fraction": 1.0}
+    assert logged == {"action/valid_fraction": 0.0, "action/truncated_fraction": 1.0, "action/mean_reward": 0.0}

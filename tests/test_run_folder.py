@@ -199,7 +199,7 @@ def test_zero_padded_checkpoint_rename(tmp_path):
     from tes_grpo.run.callbacks import ZeroPaddedCheckpointNames
 
     make_checkpoint(tmp_path, 30, padded=False)
-    state = SimpleNamespace(global_step=30, is_world_process_zero=True)
+    state = SimpleNamespace(global_step=30, is_world_process_zero=True, best_model_checkpoint=None)
     ZeroPaddedCheckpointNames().on_save(SimpleNamespace(output_dir=str(tmp_path)), state, None)
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-000030"]
     rename_checkpoint(tmp_path, 30)  # already padded: nothing to do

@@ -434,7 +434,8 @@ def test_two_optimizer_steps_from_one_generation(tmp_path, tokenizer, monkeypatc
     monkeypatch.delenv("GRPO_STEPS_PER_GENERATION", raising=False)
     data, out, lora = write_fixture_data(tmp_path, tokenizer), tmp_path / "run", LoraPerStep()
     argv = ["--MODEL_ID=tiny", f"--DATA_DIR={data}", f"--EVAL_DIR={data / 'eval'}", f"--OUT_DIR={out}",
-            "--GRADIENT_ACCUMULATION_STEPS=1", "--SAVE_STEPS=2", "--GENERATION_STEPS=2"]
+            "--GRADIENT_ACCUMULATION_STEPS=1", "--SAVE_STEPS=2", "--GENERATION_STEPS=2",
+            "--EVAL_STEPS=0"]  # an evaluation would generate too
     assert train_grpo.main([*argv, "--TOTAL_STEPS=2"], callbacks=[lora]) == 0
     assert generated_at == [0]  # one generation, before step 1
     assert [step for step, _, _ in trained] == [1, 2]  # one pass a step (8 completions), both steps

@@ -330,6 +330,9 @@ PATCHED = (  # patch, library, target, ((version, fingerprint), ...)
     Patched("model.gpt_oss_shapes._build_resident", "transformers",
             _GPT_OSS + "GptOssPreTrainedModel._init_weights",
             (("5.24.0", "ca07aa34136c"), ("5.17.0", "eaa1ffd5ee30"))),
+    Patched("training.trainer.GptOssGRPOTrainer.prediction_step", "trl",  # evaluation without TRL's loss forward
+            "trl.trainer.grpo_trainer:GRPOTrainer.prediction_step",
+            (("1.16.0", "b4cf95fc8c3b"),)),
 )
 
 

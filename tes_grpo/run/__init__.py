@@ -5,11 +5,15 @@ import time).
 - presets: the MODEL_ID=tiny preset train_grpo.py and step_stream.py share
 - choices: the training settings' fixed value sets
 - fileio: the one CSV reader, atomic writes, input errors that name file, row, column and value
-- run_folder: checkpoints, resume (torn files included), log trimming, how a stopped run goes on; the adapter check
-  and the training run's settings that evaluation and export follow
+- run_folder: checkpoints, resume (torn files included), log trimming, how a stopped run goes on, the best
+  checkpoint's record and `<run>/best`; the adapter check and the training run's settings that evaluation and export
+  follow
 - sources: where a model or tokenizer comes from (a folder, tiny, the Hub or its cache), checked in a second
 - train_settings: train_grpo.py's settings rules that need no library, and the environment it reads
-- callbacks: metrics.jsonl, one progress line per step, zero-padded checkpoint names
+- callbacks: metrics.jsonl, one progress line per step, zero-padded checkpoint names, evaluation's checkpoint,
+  best record and plot
+- evaluation: evaluation during training: the held-out rows, the schedule, TRL's evaluation arguments
+- plot: training.png, the run's reward, valid and optimal share per step and at each evaluation
 - processes: rank-aware helpers for accelerate launch, and saying a thing once
 - trackers: where the metrics go besides metrics.jsonl (REPORT_TO)
 - oom: a run out of GPU memory: one message naming the step, the setting to lower and where --RESUME=1 continues

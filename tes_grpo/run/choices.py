@@ -17,3 +17,10 @@ FAST_PATHS = {
 EXPERTS_CHOICES = ("auto", "mxfp4", "bf16")
 # sampling_fidelity.py: IMPORTANCE_SAMPLING, TRL's vllm_importance_sampling_mode names
 IS_MODES = ("off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+# evaluation.py: BEST_METRIC, the evaluation quantities a best checkpoint can be chosen by (TRL's eval_ naming of the
+# metrics data_reward.reward_fn logs), each with whether greater is better
+BEST_METRICS = {
+    "eval_action/mean_reward": True,  # invalid answers count as reward 0 (test_lora_adapter.py's mean_reward)
+    "eval_action/optimal_fraction": True,  # completions whose action is the row's optimal action
+    "eval_action/valid_fraction": True,  # completions with a valid, uncut answer
+}

@@ -12,7 +12,9 @@ What the tiny run's values are for: a run on the embedded tiny gpt-oss (tiny_mod
 minutes on a 2-core CPU and still shows GRPO learning: fewer, shorter completions and steps; a higher, constant
 learning rate and rank 16 because the tiny model has to move within 30 steps; no gradient checkpointing because
 memory is no issue; no KL term, as INVALID_REWARD=0 keeps the answer format. BENCHMARKS.md ("The tiny run's preset")
-has the runs behind these choices.
+has the runs behind these choices. Its evaluation (run/evaluation.py) runs at steps 0, 10, 20 and 30 (EVAL_STEPS=auto
+follows SAVE_STEPS) on 64 prompts of the split x 1 completion (4 generate calls of 16, about 11 s on 2 cores): the
+spread between prompts, not within one, makes most of the noise.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ TINY_MODEL_ID = "tiny"  # MODEL_ID that builds and uses the embedded tiny gpt-os
 TINY_RUN = {
     "OUT_DIR": "runs/grpo-tiny", "NUM_GENERATIONS": 8, "GRADIENT_ACCUMULATION_STEPS": 2, "MAX_COMPLETION_LEN": 48,
     "TOTAL_STEPS": 30, "SAVE_STEPS": 10, "LR": 2e-3, "LR_SCHEDULER": "constant", "LORA_R": 16, "LORA_ALPHA": 32,
-    "GRADIENT_CHECKPOINTING": False,
+    "GRADIENT_CHECKPOINTING": False, "EVAL_PROMPTS": 64, "EVAL_SAMPLES": 1,
 }
 
 TRAINING_PRESETS = {"MODEL_ID": {TINY_MODEL_ID: TINY_RUN}}  # {setting: {its value: {setting: preset value}}}

@@ -3,16 +3,23 @@ folder says about its adapter and settings.
 
 What a run leaves there:
 - train_config.json: the resolved settings and what was derived from them (batch layout, versions, preset);
-- metrics.jsonl: one JSON line per logged step (appended), then one summary line of the Trainer's (train_runtime,
-  train_loss, ...) at the end of each run or resumed run;
-- completions.csv: every completion with its reward (appended; data_reward.CompletionLog);
+- metrics.jsonl: one JSON line per logged step and per evaluation (appended), then one summary line of the
+  Trainer's (train_runtime, train_loss, ...) at the end of each run or resumed run;
+- completions.csv: every training completion with its reward (appended; data_reward.CompletionLog);
+- best_checkpoint.json: which checkpoint evaluated best (BEST_METRIC), and training.png (plot.py);
 - tensorboard/: the same metrics for TensorBoard (REPORT_TO);
-- checkpoint-000020-style folders (zero-padded so they sort by name) every SAVE_STEPS: the adapter and tokenizer
-  as below, plus optimizer.pt, scheduler.pt, rng_state*.pth, trainer_state.json and training_args.bin;
+- checkpoint-000020-style folders (zero-padded so they sort by name) every SAVE_STEPS and at each evaluation: the
+  adapter and tokenizer as below, plus optimizer.pt, scheduler.pt, rng_state*.pth, trainer_state.json and
+  training_args.bin;
 - at the end: the adapter (adapter_config.json, adapter_model.safetensors), the tokenizer (tokenizer.json,
   tokenizer_config.json, chat_template.jinja), PEFT's model card README.md, trainer_state.json and
   training_args.bin (the Trainer's arguments, pickled by transformers).
 Everything here runs before the (slow) model load, so a bad folder fails in seconds.
+
+The best checkpoint: `best_record` says which one from a trainer state (HF Trainer's best_model_checkpoint, chosen
+by BEST_METRIC at each evaluation), `write_best_record` puts it in best_checkpoint.json, and `resolve_adapter_path`
+turns `<run folder>/best` into that checkpoint for the evaluation scripts and the exporter. A resumed run rewrites
+the record from the checkpoint it resumes (the evaluations after it will be redone).
 
 Provenance (train, evaluation and export): `lora_adapter_config` is the one check of an adapter folder that
 evaluation (llm_policy.py, test_lora_adapter.py) and both exporters run before anything slow; `adapter_base_model`
@@ -45,6 +52,8 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # PEFT's default format; the only one the exporters read
 TRAIN_CONFIG = "train_config.json"  # train_grpo.py's resolved settings, in the run folder (a checkpoint's parent)
 AUTO = "auto"  # an evaluation setting that follows the training run (from_training_run)
+BEST_RECORD = "best_checkpoint.json"  # the checkpoint that evaluated best: step, folder, metric, value, evaluation
+BEST = "best"  # ADAPTER_PATH=<run folder>/best names the checkpoint BEST_RECORD names (resolve_adapter_path)
 RUN_FILES = ("metrics.jsonl", "completions.csv", ADAPTER_WEIGHTS)
 _NO = ("", "0", "false", "no", "off")
 _LAST = ("1", "true", "yes", "on", "last")
@@ -282,7 +291,94 @@ def prepare_resume(out: Path, resume: str, completion_log: Path | None, processe
     step = checkpoint_step(checkpoint)
     if trim and (total_steps is None or step < total_steps):
         drop_log_rows_after(out, step, completion_log, say)
+        refresh_best_record(out, checkpoint, say)
     return checkpoint, step
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The best checkpoint (evaluation during training; run/evaluation.py)
+# ---------------------------------------------------------------------------------------------------------------
+
+def best_record(state: dict, metric: str | None) -> dict | None:
+    """What best_checkpoint.json holds, from a trainer state (trainer_state.json's fields): the best checkpoint's
+    step and folder, the metric (BEST_METRIC) and its value, and that evaluation's logged eval_* quantities; None
+    while no evaluation has chosen a checkpoint."""
+    best = state.get("best_model_checkpoint")
+    if not best or state.get("best_metric") is None:
+        return None
+    match = re.search(r"checkpoint-(\d+)$", str(best))
+    step = state.get("best_global_step") or (int(match.group(1)) if match else None)
+    logged = [entry for entry in state.get("log_history", []) if entry.get("step") == step
+              and any(key.startswith("eval_") for key in entry)]
+    evaluation = {key: value for key, value in (logged[-1] if logged else {}).items() if key.startswith("eval_")}
+    return {"step": step, "folder": padded_checkpoint_name(step) if step is not None else Path(best).name,
+            "metric": metric, "value": state["best_metric"], "evaluation": evaluation}
+
+
+def write_best_record(out: Path, record: dict | None) -> None:
+    """best_checkpoint.json in the run folder, written atomically; no record removes it."""
+    path = Path(out) / BEST_RECORD
+    if record is None:
+        path.unlink(missing_ok=True)
+    else:
+        atomic_write_text(path, json.dumps(record, indent=2, default=float) + "\n")
+
+
+def read_best_record(out: Path) -> dict | None:
+    """best_checkpoint.json of a run folder, None when there is none; InputError when it does not read."""
+    path = Path(out) / BEST_RECORD
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InputError(path, f"does not read ({type(err).__name__}: {err})") from None
+    if not isinstance(record, dict) or not isinstance(record.get("folder"), str):
+        raise InputError(path, "names no checkpoint folder (not written by train_grpo.py)", column="folder")
+    return record
+
+
+def refresh_best_record(out: Path, checkpoint: Path, say=print) -> None:
+    """On resume: best_checkpoint.json as the resumed checkpoint's trainer state has it (a record of an evaluation
+    after the checkpoint, which will be redone, goes; the metric's name is kept from the old record)."""
+    path = Path(checkpoint) / "trainer_state.json"
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InputError(path, f"is not a complete trainer state ({type(err).__name__}: {err})") from None
+    try:
+        old = read_best_record(out)
+    except InputError as err:
+        say(f"resume: replacing {err}")
+        old = None
+    record = best_record(state, (old or {}).get("metric"))
+    if record != old:
+        write_best_record(out, record)
+        if old is not None:
+            say(f"resume: {BEST_RECORD} now names " + (record["folder"] if record else "no checkpoint")
+                + f", as {Path(checkpoint).name} recorded it (it named {old['folder']})")
+
+
+def resolve_adapter_path(path: str | Path, say=None) -> str:
+    """ADAPTER_PATH as the evaluation scripts and the exporter take it: `<run folder>/best` is the checkpoint that
+    evaluated best (best_checkpoint.json; `say` gets a line naming it), any other path itself. InputError when the
+    run has no best checkpoint yet, or the one it names is gone."""
+    given = Path(path)
+    if str(path) == "" or given.name != BEST or given.is_dir():
+        return str(path)
+    run = given.parent
+    record = read_best_record(run)
+    if record is None:
+        raise InputError(run / BEST_RECORD, f"missing: {run} has no best checkpoint yet (train_grpo.py records one at "
+                         "each evaluation, every EVAL_STEPS; EVAL_STEPS=0 runs have none); give a checkpoint folder")
+    folder = run / record["folder"]
+    if not (folder / ADAPTER_CONFIG).is_file():
+        raise InputError(run / BEST_RECORD, f"names {record['folder']}, which is not a checkpoint in {run} "
+                         "(deleted?)", column="folder", value=record["folder"])
+    if say is not None:
+        say(f"ADAPTER_PATH={path}: {folder}, the checkpoint that evaluated best ({record.get('metric')} "
+            f"{record.get('value')} at step {record.get('step')}; {run / BEST_RECORD})")
+    return str(folder)
 
 
 def run_summary(settings, layout: dict, extra: dict, processes: int) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from tes_grpo.run import evaluation
 from tes_grpo.run.script_config import ConfigError, SettingsError, check_choices, parse_bool
 from tes_grpo.run.trackers import report_to_problem
 
@@ -51,6 +52,7 @@ def check_plain_settings(s, choices) -> None:
     _need(str(s.TRAIN_BATCH_SIZE) == "auto" or str(s.TRAIN_BATCH_SIZE).isdigit() and int(s.TRAIN_BATCH_SIZE) >= 1,
           "TRAIN_BATCH_SIZE", s.TRAIN_BATCH_SIZE, "must be auto or a whole number >= 1")
     expert_layers(s)
+    evaluation.check_settings(s)
     problem = report_to_problem(s.REPORT_TO)
     if problem:
         raise SettingsError(problem)

@@ -10,7 +10,15 @@ methods with the versions they were checked on and their fingerprints, tests/tes
 - `_compute_loss` and `_get_per_token_logps_and_entropies`: each micro-batch's sampler log-probabilities are set
   beside the training forward's (sampling_fidelity.GapMeter: TRL's sampling/* metrics, every step, every path) and
   IMPORTANCE_SAMPLING's weights scale its advantages; with `full_logits` set the log-probabilities come from the whole
-  logits instead of TRL's fused LM head (lm_head.py; the memory benchmark's variant, never training's).
+  logits instead of TRL's fused LM head (lm_head.py; the memory benchmark's variant, never training's). In
+  evaluation, a forward TRL runs on the whole evaluation batch (old log-probabilities with GENERATION_STEPS > 1, the
+  reference model's with BETA > 0) goes in passes of the training's micro-batch, which the memory plan counted.
+- `prediction_step`: an evaluation generates, scores and logs (TRL's _prepare_inputs in eval mode) and computes no
+  loss: the GRPO loss of on-policy samples says nothing about the policy, and TRL's forward for it would take the
+  whole evaluation batch at once (run/evaluation.py says what is evaluated).
+- `evaluate` (HF Trainer's): every evaluation samples from the same random numbers (torch seeded with SEED), and
+  the training's random state is put back after it, so checkpoints are compared on the same draws and a run trains
+  the same with evaluation on or off.
 
 At construction, after TRL has wrapped the model in LoRA and decided on FSDP, it decides the fast paths once
 (fast_paths.choose), installs the training side of them and the library fixes, and builds the sampler.
@@ -33,7 +41,7 @@ from tes_grpo.training import fast_paths
 from tes_grpo.training.lm_head import full_logits_logps_and_entropies
 
 TRL_SERVED = "1.16"  # the TRL version whose private GRPOTrainer methods this class overrides
-OVERRIDDEN = ("_generate_single_turn", "_compute_loss", "_get_per_token_logps_and_entropies")
+OVERRIDDEN = ("_generate_single_turn", "_compute_loss", "_get_per_token_logps_and_entropies", "prediction_step")
 
 
 def sampler_problem(backend: str, use_vllm: bool, trl_correction: bool) -> str | None:
@@ -161,6 +169,8 @@ class GptOssGRPOTrainer(GRPOTrainer):
                                            compute_entropy=False, compute_aux_loss=False, **kwargs):
         """TRL 1.16's (log-probabilities, entropies, aux loss); inside _compute_loss also measures (and corrects) the
         sampler-trainer gap of the micro-batch."""
+        if batch_size is not None and not self.model.training:  # evaluation: in the training's passes
+            batch_size = min(batch_size, self.args.per_device_train_batch_size)
         if self.full_logits:
             if compute_aux_loss or any(value is not None for value in kwargs.values()):
                 raise ValueError("full_logits covers text-only batches without the MoE aux loss")
@@ -180,3 +190,17 @@ class GptOssGRPOTrainer(GRPOTrainer):
             for name, value in (totals or {}).items():
                 self._metrics[mode][name].append(value)
         return logps, entropies, aux_loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """TRL 1.16's prediction_step without its loss: generates, scores and logs the evaluation batch (TRL's
+        _prepare_inputs in eval mode); returns no loss, logits or labels."""
+        self._prepare_inputs(inputs)
+        return None, None, None
+
+    def evaluate(self, *args, **kwargs):
+        """HF Trainer's evaluate (TRL's evaluation loop) from the same random numbers every time, the training's own
+        random state restored after it."""
+        cuda = self.accelerator.device.type == "cuda"
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
+            torch.manual_seed(self.args.seed)
+            return super().evaluate(*args, **kwargs)
