@@ -84,6 +84,9 @@ IMPORTANCE_SAMPLING = "off"  # train_grpo's IMPORTANCE_SAMPLING: off, token_trun
 DECODE_LORA = "peft"  # train_grpo's DECODE_LORA: peft (the trainer's order) or merged (folded into a weight copy)
 DECODE_GLUE = "auto"  # train_grpo's DECODE_GLUE: auto, eager or compiled (the decode step's glue fused on CUDA)
 SAMPLING_METRICS = True  # False: the trainer without sampling_fidelity's measurement, to time what it costs
+EVAL_STEPS = 0  # train_grpo's EVAL_STEPS: evaluate every this many steps and time it (0 = off, the step figures alone)
+EVAL_PROMPTS = 4  # train_grpo's EVAL_PROMPTS x EVAL_SAMPLES: the held-out prompts and completions an evaluation takes
+EVAL_SAMPLES = 16
 
 
 _FILLER = " Serve the cooling load first; among the ways to serve it, prefer the one with the least CO2."
@@ -215,7 +218,9 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.decode_limit import DecodeLimit, copy_rate_line, experts_format, measure_copy_rate
     from benchmarks.grpo_timers import GenerationTimer, StepTimer, generation_cycles
     from benchmarks.log_header import header
+    from data_reward import EVAL_RECORD_COLUMNS
     from tes_grpo.model.gpt_oss_shapes import build_random_model, stack_versions
+    from tes_grpo.run.evaluation import eval_dataset
     from tes_grpo.run.oom import use_expandable_segments
     from tes_grpo.sampling.sampling_fidelity import GEN_KL, LOGP_MAX, LOGP_MEAN
     from tes_grpo.training import fast_paths
@@ -238,7 +243,9 @@ def main(argv: list[str] | None = None) -> None:
         DECODE_EXPERTS=bench.DECODE_EXPERTS, DECODE_GRAPHS=bench.DECODE_GRAPHS, TRAIN_EXPERTS=bench.TRAIN_EXPERTS,
         TRAIN_GLUE=bench.TRAIN_GLUE, TRAIN_BATCH_SIZE=bench.TRAIN_BATCH_SIZE,
         TRAIN_TOKENS_PER_PASS=bench.TRAIN_TOKENS_PER_PASS, IMPORTANCE_SAMPLING=bench.IMPORTANCE_SAMPLING,
-        MEMORY_BUDGET_GB=bench.MEMORY_BUDGET_GB, DECODE_LORA=bench.DECODE_LORA, DECODE_GLUE=bench.DECODE_GLUE)
+        MEMORY_BUDGET_GB=bench.MEMORY_BUDGET_GB, DECODE_LORA=bench.DECODE_LORA, DECODE_GLUE=bench.DECODE_GLUE,
+        EVAL_STEPS=bench.EVAL_STEPS, EVAL_AT_START=False, EVAL_PROMPTS=bench.EVAL_PROMPTS,
+        EVAL_SAMPLES=bench.EVAL_SAMPLES)
     if not bench.SAMPLING_METRICS and bench.IMPORTANCE_SAMPLING != "off":
         raise SystemExit("error: SAMPLING_METRICS=0 times the trainer without the measurement; IMPORTANCE_SAMPLING "
                          "needs it (set it off)")
@@ -267,8 +274,10 @@ def main(argv: list[str] | None = None) -> None:
     results.parent.mkdir(parents=True, exist_ok=True)
     step_timer = StepTimer(None, None, prompt_tokens, results, bench, layout, model.config)
     dataset = train_grpo.build_stream(frame, settings).to_iterable_dataset()
+    eval_frame = train_grpo.load_eval_data(settings, tokenizer)  # None when EVAL_STEPS=0
+    held_out = None if eval_frame is None else eval_dataset(eval_frame, EVAL_RECORD_COLUMNS)
     trainer = train_grpo.build_trainer(settings, model, tokenizer, dataset, layout, callbacks=[step_timer],
-                                       measure_gap=bench.SAMPLING_METRICS)
+                                       measure_gap=bench.SAMPLING_METRICS, eval_dataset=held_out)
     step_timer.fidelity = trainer.gap
     step_timer.spec_tflops = spec_tflops
     step_timer.timer = GenerationTimer(trainer.sampler)  # around the trainer's sampler, whichever it built
@@ -325,6 +334,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"mean step time over steps {steady[0]['step']}-{steady[-1]['step']}: "
           f"{sum(r['step_s'] for r in steady) / len(steady):.1f} s"
           + ("" if len(cycles) > 1 else " (one generation batch only: warm-up included)"))
+    evaluations = [r for r in trainer.state.log_history if "eval_runtime" in r]
+    for r in evaluations:  # outside the steps' times: an evaluation runs between two steps
+        warm = sum(x["step_s"] for x in steady) / len(steady)
+        share = r["eval_runtime"] / (r["eval_runtime"] + bench.EVAL_STEPS * warm)
+        print(f"evaluation after step {r['step']}: {r['eval_runtime']:.1f} s for {bench.EVAL_PROMPTS} x "
+              f"{bench.EVAL_SAMPLES} completions ({share:.1%} of an interval of EVAL_STEPS={bench.EVAL_STEPS} "
+              f"steps at the warm step above); eval valid {r.get('eval_action/valid_fraction', math.nan):.2f}, optimal "
+              f"{r.get('eval_action/optimal_fraction', math.nan):.2f}")
     from torch._dynamo.utils import get_compilation_metrics
 
     from benchmarks.timing import compilation_lines
