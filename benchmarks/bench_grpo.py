@@ -85,8 +85,8 @@ DECODE_LORA = "peft"  # train_grpo's DECODE_LORA: peft (the trainer's order) or 
 DECODE_GLUE = "auto"  # train_grpo's DECODE_GLUE: auto, eager or compiled (the decode step's glue fused on CUDA)
 SAMPLING_METRICS = True  # False: the trainer without sampling_fidelity's measurement, to time what it costs
 EVAL_STEPS = 0  # train_grpo's EVAL_STEPS: evaluate every this many steps and time it (0 = off, the step figures alone)
-EVAL_PROMPTS = 4  # train_grpo's EVAL_PROMPTS x EVAL_SAMPLES: the held-out prompts and completions an evaluation takes
-EVAL_SAMPLES = 16
+EVAL_PROMPTS = 4  # train_grpo's EVAL_PROMPTS: held-out prompts an evaluation takes
+EVAL_SAMPLES = 16  # train_grpo's EVAL_SAMPLES: completions per held-out prompt (4 x 16: one generation batch)
 
 
 _FILLER = " Serve the cooling load first; among the ways to serve it, prefer the one with the least CO2."
