@@ -99,28 +99,35 @@ def write_record(root: Path = _REPO) -> Path:
     return path
 
 
-def from_record(path: Path) -> str:
-    """The commit line's text from a .tree-record.json, with whether the files beside it still match it."""
+def from_record(path: Path) -> tuple[str, bool]:
+    """The commit line's text from a .tree-record.json, and whether the files beside it all match it."""
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
         commit, changes, written, files = record["commit"], record["changes"], record["written"], record["files"]
     except (ValueError, KeyError, TypeError) as err:
-        return f"unknown (no .git; {path.name} is not a record written by log_header.py: {err})"
+        return f"unknown (no .git; {path.name} is not a record written by log_header.py: {err})", False
     differ = [name for name, digest in files.items()
               if not (path.parent / name).is_file() or file_hash(path.parent / name) != digest]
-    where = f"from {path.name} written {written}, no .git here"
+    where = f"from {path.name} written {written}"
     if not differ:
-        return f"{describe(commit, changes)} ({where}; the {len(files)} files it lists match this tree)"
+        return f"{describe(commit, changes)} ({where}; the {len(files)} files it lists match this tree)", True
     return (f"{describe(commit, changes)} ({where}; but {len(differ)} of the {len(files)} files it lists differ "
-            f"here: {_some(differ)}: the record is older than this tree)")
+            f"here: {_some(differ)}: the record is older than this tree)"), False
 
 
 def commit_line(root: Path = _REPO) -> str:
+    """The header's commit line. A record whose files all match this tree names the commit, also over a .git: the GPU
+    machine's copy of the tree can sit on a .git of another commit (seen: the session's first commit, with every
+    change since as uncommitted), which would name the wrong one. Else git's own state, else the record as it is."""
+    record = root / _TREE_RECORD
+    text, matches = from_record(record) if record.is_file() else ("", False)
+    if matches:
+        return "commit: " + text
     state = git_state(root)
     if state is not None:
         return "commit: " + describe(*state)
-    if (root / _TREE_RECORD).is_file():
-        return "commit: " + from_record(root / _TREE_RECORD)
+    if text:
+        return "commit: " + text
     why = "git is not installed" if shutil.which("git") is None and (root / ".git").exists() else "no .git"
     return (f"commit: unknown ({why}, and no {_TREE_RECORD}: write it with `python benchmarks/log_header.py "
             "--WRITE_RECORD=1` before copying the tree)")

@@ -4,6 +4,7 @@ the tree record, and with a GPU stood in for."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 
@@ -82,10 +83,24 @@ def test_a_copy_with_the_record_names_the_commit_and_checks_the_files(checkout, 
     head = short_head(checkout)
     line = log_header.commit_line(copy)
     assert line.startswith(f"commit: {head} with uncommitted changes in 1 path(s) (M a.txt) (from .tree-record.json")
-    assert "no .git here; the 3 files it lists match this tree" in line  # .gitignore, a.txt, pkg/b.py
+    assert "; the 3 files it lists match this tree" in line  # .gitignore, a.txt, pkg/b.py
     (copy / "pkg" / "b.py").write_text("b = 2\n")  # the tree moved on after the record was written
     line = log_header.commit_line(copy)
     assert "but 1 of the 3 files it lists differ here: pkg/b.py: the record is older than this tree" in line
+
+
+def test_a_matching_record_names_the_commit_over_a_git_of_another_commit(checkout, tmp_path):
+    """The GPU machine's copy can sit on a .git of an older commit: the record written here names the right one."""
+    old = short_head(checkout)
+    (checkout / "a.txt").write_text("newer\n")
+    subprocess.run(["git", "-C", str(checkout), "commit", "-qam", "newer"], check=True)
+    log_header.write_record(checkout)
+    record = json.loads((checkout / log_header._TREE_RECORD).read_text())
+    subprocess.run(["git", "-C", str(checkout), "reset", "-q", "--soft", old], check=True)  # .git back, files not
+    line = log_header.commit_line(checkout)
+    assert line.startswith(f"commit: {record['commit']}, tree clean (from .tree-record.json") and old not in line
+    (checkout / "a.txt").write_text("moved on\n")  # the record no longer matches: git's own state is said
+    assert log_header.commit_line(checkout).startswith(f"commit: {old} with uncommitted changes")
 
 
 def test_a_broken_record_says_so(tmp_path):
