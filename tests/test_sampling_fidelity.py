@@ -259,7 +259,8 @@ def test_generate_single_turn_pads_prompts_as_trl_and_samples_through_the_sample
 
     trainer = StandInTrainer(torch.zeros(2, 4), say=lambda text: None)
     trainer.gap = trainer.gap if measure else None
-    trainer.accelerator = Accelerator(cpu=True)
+    # the process's own (a GPU machine's CUDA tests made one already, which cpu=True would refuse to change)
+    trainer.accelerator = Accelerator()
     trainer._dist = DistributedBackend(trainer.accelerator)
     model = CountingModel(small_model())
     trainer.model_wrapped = model
