@@ -318,7 +318,7 @@ def render_prompt(tokenizer, reasoning_effort: str, date: str, system: str, user
 
 def default_out_dir(adapter_path: str, base_model_id: str) -> Path:
     if adapter_path:
-        from tes_grpo.run.run_folder import adapter_run_name
+        from tes_grpo.run.adapter_folder import adapter_run_name
 
         name = adapter_run_name(adapter_path)
     elif base_model_id:
@@ -387,7 +387,7 @@ def build_llm_deciders(s) -> dict:
         return {}
     if s.VOTES < 1:
         raise ValueError("VOTES must be >= 1")
-    from tes_grpo.run.run_folder import checked_training_settings, from_training_run
+    from tes_grpo.run.adapter_folder import checked_training_settings, from_training_run
     from tes_grpo.task.harmony import DATASET_REASONING_EFFORT, check_date
 
     check_date(s.DATE)
@@ -411,8 +411,8 @@ def build_llm_deciders(s) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tes_grpo.run.adapter_folder import resolve_adapter_path
     from tes_grpo.run.fileio import InputError
-    from tes_grpo.run.run_folder import resolve_adapter_path
     from tes_grpo.run.script_config import resolve, save_config
 
     s = resolve(globals(), argv, positional="SERIES")

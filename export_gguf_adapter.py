@@ -22,7 +22,10 @@ import sys
 import typing
 from pathlib import Path
 
-from tes_grpo.run import run_folder  # the module: its UPPER_CASE names imported here would become settings
+from tes_grpo.run import (  # the module: its UPPER_CASE names imported here would become settings
+    adapter_folder,
+    run_folder,
+)
 from tes_grpo.run.fileio import InputError
 
 if typing.TYPE_CHECKING:  # annotations only; the module is imported where it is used
@@ -45,12 +48,12 @@ class GGUFExportError(RuntimeError):
 
 def lora_factors(adapter_path: Path) -> tuple[dict, dict[str, dict[str, "torch.Tensor"]]]:
     """(adapter_config, {module path: {"lora_A": tensor, "lora_B": tensor}}) read from a PEFT LoRA folder
-    (run_folder.lora_adapter_config checks it first)."""
+    (adapter_folder.lora_adapter_config checks it first)."""
     from safetensors.torch import load_file
 
     config_path, weights_path = adapter_path / run_folder.ADAPTER_CONFIG, adapter_path / run_folder.ADAPTER_WEIGHTS
     try:
-        config = run_folder.lora_adapter_config(adapter_path)
+        config = adapter_folder.lora_adapter_config(adapter_path)
     except InputError as err:
         raise GGUFExportError(str(err)) from None
     for option in ("use_dora", "lora_bias"):

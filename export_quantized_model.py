@@ -31,7 +31,10 @@ import sys
 import typing
 from pathlib import Path
 
-from tes_grpo.run import run_folder  # the module: its UPPER_CASE names imported here would become settings
+from tes_grpo.run import (  # the module: its UPPER_CASE names imported here would become settings
+    adapter_folder,
+    run_folder,
+)
 from tes_grpo.run.fileio import InputError, give_default_modes, replace_folder, temporary_folder
 from tes_grpo.run.hub_upload import HubError, check_hub_access, hub_target, push_folder_to_hub, redact
 from tes_grpo.run.sources import SourceError, check_model_id
@@ -277,9 +280,9 @@ def write_export(merged, touched: set[str], base_folder: Path, adapter_path: Pat
         (temp / "export_info.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
         if settings_record is not None:
             save_config(settings_record, temp / "export_config.json")
-        training, found = run_folder.training_config(adapter_path)
+        training, found = adapter_folder.training_config(adapter_path)
         if found is not None:  # run_exported_model.py samples as the run trained (its "auto" settings)
-            save_config(training, temp / run_folder.TRAIN_CONFIG)
+            save_config(training, temp / adapter_folder.TRAIN_CONFIG)
         give_default_modes(temp)
         replace_folder(temp, out_dir)
     except OSError as err:
@@ -405,8 +408,8 @@ def verify_export(out_dir: Path, merged, touched: set[str], check_text: str, log
 def run_export(settings) -> dict:
     """The whole export for a script's `settings`; returns a summary dict (the check report under "check")."""
     try:
-        adapter = Path(run_folder.resolve_adapter_path(settings.ADAPTER_PATH, print))  # <run>/best: the best one
-        named_base = run_folder.lora_adapter_config(adapter).get("base_model_name_or_path")
+        adapter = Path(adapter_folder.resolve_adapter_path(settings.ADAPTER_PATH, print))  # <run>/best: the best one
+        named_base = adapter_folder.lora_adapter_config(adapter).get("base_model_name_or_path")
     except InputError as err:
         raise ExportError(str(err)) from None
     base_id = settings.BASE_MODEL_ID or named_base

@@ -62,7 +62,7 @@ def load_prompts(path: str | Path, max_rows: int):
 def sampling_settings(s) -> tuple[int, float]:
     """(MAX_COMPLETION_LEN, TEMPERATURE) with "auto" taken from the training run the export records; says where each
     came from."""
-    from tes_grpo.run.run_folder import checked_training_settings
+    from tes_grpo.run.adapter_folder import checked_training_settings
 
     values = checked_training_settings(s, ("MAX_COMPLETION_LEN", "TEMPERATURE"), s.MODEL_ID)
     return values["MAX_COMPLETION_LEN"], values["TEMPERATURE"]

@@ -152,7 +152,7 @@ def format_summary(summary) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 def default_out_dir(adapter_path: str, quantized: bool) -> Path:
-    from tes_grpo.run.run_folder import adapter_run_name
+    from tes_grpo.run.adapter_folder import adapter_run_name
 
     return Path("runs") / f"adapter-test-{adapter_run_name(adapter_path)}{'-mxfp4' if quantized else ''}"
 
@@ -163,13 +163,13 @@ def run_adapter_test(s):
     import pandas as pd
 
     from tes_grpo.model.llm_policy import generate, load_policy_model
-    from tes_grpo.run.fileio import write_csv_atomic
-    from tes_grpo.run.run_folder import (
+    from tes_grpo.run.adapter_folder import (
         checked_training_settings,
         from_training_run,
         lora_adapter_config,
         resolve_adapter_path,
     )
+    from tes_grpo.run.fileio import write_csv_atomic
 
     s = s.replace(ADAPTER_PATH=resolve_adapter_path(s.ADAPTER_PATH, print))  # <run>/best: the best checkpoint
     lora_adapter_config(s.ADAPTER_PATH)  # a missing or unusable adapter fails before anything is read or loaded

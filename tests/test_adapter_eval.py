@@ -15,8 +15,8 @@ import test_lora_adapter as adapter_test
 import test_lora_adapter_quantized
 from tes_grpo.model import llm_policy
 from tes_grpo.model.llm_policy import Completion
+from tes_grpo.run.adapter_folder import checked_training_settings, from_training_run
 from tes_grpo.run.fileio import InputError
-from tes_grpo.run.run_folder import checked_training_settings, from_training_run
 
 REPO = Path(__file__).resolve().parents[1]
 EVAL_DIR = REPO / "data" / "eval"
@@ -331,7 +331,7 @@ EXPERT_LAYER_CASES = [
 
 @pytest.mark.parametrize("targets, layers", EXPERT_LAYER_CASES)
 def test_adapter_expert_layers(tmp_path, targets, layers):
-    from tes_grpo.run.run_folder import adapter_expert_layers
+    from tes_grpo.run.adapter_folder import adapter_expert_layers
 
     (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "target_parameters": targets}))
     assert adapter_expert_layers(tmp_path) == layers

@@ -12,17 +12,11 @@ import pytest
 from transformers import TrainerControl, TrainerState
 from transformers.trainer_utils import rotate_checkpoints
 
+from tes_grpo.run.adapter_folder import resolve_adapter_path
 from tes_grpo.run.callbacks import EvaluationCallback, ProgressLineCallback, ZeroPaddedCheckpointNames
 from tes_grpo.run.fileio import InputError
 from tes_grpo.run.plot import PLOT, best_text, rolling_mean, series, smoothing_window, write_training_plot
-from tes_grpo.run.run_folder import (
-    BEST_RECORD,
-    best_record,
-    prepare_resume,
-    read_best_record,
-    resolve_adapter_path,
-    write_best_record,
-)
+from tes_grpo.run.run_folder import BEST_RECORD, best_record, prepare_resume, read_best_record, write_best_record
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -18,7 +18,7 @@ README_MAX_LINES = 300
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")  # [text](target); images are not used
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 ISSUE = re.compile(r"\bissues?\s+#?\d+|\(#\d+\)|\bissue\s+\d+", re.I)
-# work dated by a session ("the third session", "this session", "a later session"); pytest's session objects are not
+# work dated by a session: an ordinal or "this", "next", "a later" before the word; pytest's session objects are not
 SESSION = re.compile(r"\b(first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|thirteenth"
                      r"|fourteenth|fifteenth|\d+(st|nd|rd|th)|this|that|next|last|previous|earlier|later)"
                      r"(\s+\w+)?\s+sessions?\b", re.I)
@@ -105,7 +105,7 @@ def tracked(*patterns: str) -> list[Path]:
 
 
 def test_nothing_is_dated_by_session():
-    """"The third session" names nothing a reader can find; a date and a commit, or the change itself, do."""
+    """A session named by its number names nothing a reader can find; a date and a commit, or the change, do."""
     found = []
     for path in tracked("*.md", "*.py"):
         if path == Path(__file__).resolve():

@@ -16,12 +16,10 @@ import pytest
 import train_grpo
 from data_reward import LOG_COLUMNS, CompletionLog, load_eval_frame, reward_fn
 from tes_grpo.run import evaluation
+from tes_grpo.run.adapter_folder import resolve_adapter_path
 from tes_grpo.run.fileio import InputError
 from tes_grpo.run.plot import PLOT
-from tes_grpo.run.run_folder import (
-    read_best_record,
-    resolve_adapter_path,
-)
+from tes_grpo.run.run_folder import read_best_record
 from tes_grpo.training.batch_layout import batch_layout
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

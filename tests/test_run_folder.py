@@ -270,7 +270,7 @@ def bad_adapter(tmp_path: Path, case: str) -> Path:
 
 @pytest.mark.parametrize("case, message, file", BAD_ADAPTERS)
 def test_lora_adapter_config_names_the_file_and_the_problem(tmp_path, case, message, file):
-    from tes_grpo.run.run_folder import lora_adapter_config
+    from tes_grpo.run.adapter_folder import lora_adapter_config
 
     folder = bad_adapter(tmp_path, case)
     with pytest.raises(InputError) as caught:
@@ -280,7 +280,7 @@ def test_lora_adapter_config_names_the_file_and_the_problem(tmp_path, case, mess
 
 
 def test_lora_adapter_config_returns_the_config_of_a_good_folder(tmp_path):
-    from tes_grpo.run.run_folder import adapter_base_model, lora_adapter_config
+    from tes_grpo.run.adapter_folder import adapter_base_model, lora_adapter_config
 
     folder = make_adapter(tmp_path / "adapter", LORA)
     assert lora_adapter_config(folder) == LORA
@@ -293,7 +293,7 @@ def test_evaluation_and_both_exporters_refuse_a_bad_adapter_with_the_same_words(
     import export_gguf_adapter
     import export_quantized_model
     from tes_grpo.model import llm_policy
-    from tes_grpo.run.run_folder import lora_adapter_config
+    from tes_grpo.run.adapter_folder import lora_adapter_config
     from tes_grpo.run.script_config import settings_from
 
     folder = bad_adapter(tmp_path, case)

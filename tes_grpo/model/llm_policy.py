@@ -43,8 +43,8 @@ from tes_grpo.patches.transformers_patches import (
     grouped_mm_experts_for_decode,
     quiet_gradient_checkpointing_deprecation,
 )
+from tes_grpo.run.adapter_folder import adapter_base_model, adapter_expert_layers, lora_adapter_config
 from tes_grpo.run.fileio import InputError
-from tes_grpo.run.run_folder import adapter_base_model, adapter_expert_layers, lora_adapter_config
 from tes_grpo.run.sources import check_model_id
 from tes_grpo.task.harmony import HARMONY_GLOB, STOP_TOKEN_IDS, harmony_csv_files, parse_action
 

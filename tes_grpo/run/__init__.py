@@ -6,8 +6,9 @@ import time).
 - choices: the training settings' fixed value sets
 - fileio: the one CSV reader, atomic writes, input errors that name file, row, column and value
 - run_folder: checkpoints, resume (torn files included), log trimming, how a stopped run goes on, the best
-  checkpoint's record and `<run>/best`; the adapter check and the training run's settings that evaluation and export
-  follow
+  checkpoint's record
+- adapter_folder: what an adapter folder says: the one check evaluation and export run, its base model, the training
+  run's settings that evaluation follows, `<run>/best`
 - sources: where a model or tokenizer comes from (a folder, tiny, the Hub or its cache), checked in a second
 - train_settings: train_grpo.py's settings rules that need no library, and the environment it reads
 - callbacks: metrics.jsonl, one progress line per step, zero-padded checkpoint names, evaluation's checkpoint,

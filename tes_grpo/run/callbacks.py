@@ -14,12 +14,7 @@ from transformers import TrainerCallback
 from tes_grpo.run.fileio import OutputError, atomic_write_text
 from tes_grpo.run.plot import PLOT, write_training_plot
 from tes_grpo.run.processes import wait_for_everyone
-from tes_grpo.run.run_folder import (
-    best_record,
-    padded_checkpoint_name,
-    rename_checkpoint,
-    write_best_record,
-)
+from tes_grpo.run.run_folder import best_record, padded_checkpoint_name, rename_checkpoint, write_best_record
 
 
 class JsonlMetricsCallback(TrainerCallback):
