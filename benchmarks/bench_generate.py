@@ -23,8 +23,9 @@ DECODE_GLUE=auto does; an `_eagerglue` suffix runs it kernel by kernel (DECODE_G
 run (`--VARIANTS=graphs_mxfp4,graphs_mxfp4_eagerglue`). graph_decode variants attend with decode_attention.py's
 kernel on CUDA; a `_flexattn` suffix with flex attention's decoding kernel, which decoded before, to time the two in
 one run; and compute the attention projections with decode_linear.py's kernel on CUDA, a `_cublasproj` suffix with
-cuBLAS's products, which computed them before. graph_decode variants run under AUTOCAST, as train_grpo's generate
-runs them (the trainer's autocast).
+cuBLAS's products, which computed them before; and draw each token with draw_kernel.py's kernels on CUDA, a
+`_torchdraw` suffix with torch's softmax and multinomial, which drew before. graph_decode variants run under
+AUTOCAST, as train_grpo's generate runs them (the trainer's autocast).
 
 NUM_PROMPTS > 0 makes the batch GRPO-shaped, as TRL passes it to generate(): NUM_PROMPTS distinct prompts, each
 repeated NUM_SEQS / NUM_PROMPTS times in a row, real lengths up to PROMPT_LEN_SPREAD tokens shorter than PROMPT_LEN
@@ -96,12 +97,12 @@ def variant_generate_kwargs(variant: str) -> dict:
 
 _TRANSFORMERS_VARIANTS = ("default", "grouped_mm", "grouped_mm_graphs")
 # static|graphs followed by any of these, joined by _
-_GRAPH_DECODE_FLAGS = ("unshared", "mxfp4", "merged", "eagerglue", "flexattn", "cublasproj")
+_GRAPH_DECODE_FLAGS = ("unshared", "mxfp4", "merged", "eagerglue", "flexattn", "cublasproj", "torchdraw")
 
 
 def variant_flags(variant: str) -> set[str] | None:
     """The flags of a graph_decode variant (static|graphs followed by _unshared, _mxfp4, _merged, _eagerglue,
-    _flexattn, _cublasproj in any order), or None for a variant that is not graph_decode's."""
+    _flexattn, _cublasproj, _torchdraw in any order), or None for a variant that is not graph_decode's."""
     base, *flags = variant.split("_")
     if base not in ("static", "graphs") or not set(flags) <= set(_GRAPH_DECODE_FLAGS) or len(set(flags)) < len(flags):
         return None
@@ -169,7 +170,8 @@ def run_generate(model, input_ids, attention_mask, new_tokens: int, variant: str
                                      lora="merged" if "merged" in flags else "peft", autocast=autocast,
                                      glue="eager" if "eagerglue" in flags else "compiled",
                                      attention_kernel="flex" if "flexattn" in flags else "triton",
-                                     projection_kernel="cublas" if "cublasproj" in flags else "triton")
+                                     projection_kernel="cublas" if "cublasproj" in flags else "triton",
+                                     draw_kernel="torch" if "torchdraw" in flags else "triton")
     return model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
                           min_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_p=1.0, use_cache=True,
                           pad_token_id=token_ids(model)[1], **extra)

@@ -289,6 +289,28 @@ def test_decode_linear_rounds_as_peft_and_no_further_from_exact_than_cublas_on_c
     assert off <= 0.005 and off <= cublas_off + 0.002, (off, cublas_off)
 
 
+@pytest.mark.parametrize("seed", [5, 6, 7])
+def test_the_draw_kernel_draws_torchs_tokens_from_torchs_random_numbers_on_cuda(seed):
+    """draw_kernel.py on gpt-oss's vocabulary at GRPO's 64 rows (a top-k warper's -inf in one row): the tokens
+    torch.multinomial draws from the same seed (a near tie could flip one, about once in millions of draws), the
+    generator left where torch.multinomial leaves it, and log_softmax's log-probabilities to float32 sums."""
+    from tes_grpo.sampling import token_sampling
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    scores = torch.randn(64, 201088, device="cuda", generator=g) * 3
+    scores[1, ::3] = float("-inf")
+    results = {}
+    for kernel in token_sampling.DRAW_KERNELS:
+        torch.manual_seed(seed)
+        chosen, logprob = token_sampling.draw(scores, True, True, kernel=kernel)
+        results[kernel] = chosen, logprob, torch.cuda.get_rng_state()
+    (ours, our_logprob, our_state), (theirs, their_logprob, their_state) = results["triton"], results["torch"]
+    assert torch.equal(ours, theirs)
+    assert torch.equal(our_state, their_state)
+    assert (our_logprob - their_logprob).abs().max() < 1e-4
+    assert ours[1] % 3 != 0
+
+
 @pytest.mark.parametrize("experts", ["model", "mxfp4"])
 def test_graph_decode_replays_its_steps_as_cuda_graphs_from_the_models_best_first_token(experts):
     """The captured steps must give the tokens the same steps give eagerly for the first 10 tokens of every row (a

@@ -215,15 +215,20 @@ def test_the_decoding_line_says_what_becomes_of_decode_glue(monkeypatch, glue, c
 def test_the_decoding_line_says_a_cpu_attends_eagerly():
     paths = fast_paths.choose(settings(DECODE_GRAPHS="on"), fake_trainer(small_model()), False)
     assert any(line.startswith("decoding: graph_decode")
-               and line.endswith("; attention: eager (no GPU); projections: F.linear (no GPU))")
+               and line.endswith("; attention: eager (no GPU); projections: F.linear (no GPU); "
+                                 "draws: torch.multinomial (no GPU))")
                for line in paths.reasons), paths.reasons
 
 
+DRAWS = "; draws: draw_kernel.py's kernels (GPU))"  # the decoding line's end on a GPU
+KERNEL = "decode_linear.py's kernel (GPU; each layer whose weights and adapter are bf16)"
+
+
 @pytest.mark.parametrize("lora, precision, words", [
-    ("peft", "bf16", "projections: decode_linear.py's kernel (GPU; each layer whose weights and adapter are bf16))"),
-    ("peft", "no", "projections: decode_linear.py's kernel (GPU; each layer whose weights and adapter are bf16))"),
-    ("peft", "fp16", "projections: F.linear (autocast torch.float16, not bf16))"),  # the kernel is bf16's: said
-    ("merged", "bf16", "projections: F.linear (merged weights))"),
+    ("peft", "bf16", "projections: " + KERNEL + DRAWS),
+    ("peft", "no", "projections: " + KERNEL + DRAWS),
+    ("peft", "fp16", "projections: F.linear (autocast torch.float16, not bf16)" + DRAWS),  # the kernel is bf16's: said
+    ("merged", "bf16", "projections: F.linear (merged weights)" + DRAWS),
 ])
 def test_the_decoding_line_says_how_a_gpu_computes_the_projections(monkeypatch, lora, precision, words):
     monkeypatch.setattr(fast_paths, "_triton", lambda: True)

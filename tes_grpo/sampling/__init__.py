@@ -7,5 +7,6 @@
 - decode_attention: the decode step's one-query attention over the KV cache as one Triton kernel
 - decode_linear: the decode step's attention projections, the adapter's output added in PEFT's order (Triton)
 - token_sampling: one sampling step as transformers' generate takes it, and the recorder of its log-probabilities
+- draw_kernel: a sampling step's draw and log-probability in three Triton launches, from torch.multinomial's numbers
 - sampling_fidelity: the sampler-trainer gap measured every step, and IMPORTANCE_SAMPLING
 """

@@ -6,7 +6,8 @@ arithmetic: the GRPO sampler's fast backend (sampler.py calls it when fast_paths
 `generate` takes the place of transformers' generate() for the options TRL sets (temperature, top-k, top-p, min-p
 with transformers' own warpers; end tokens; pad after the end): the prompt is prefilled into a static cache
 (decode_cache.py), each new token is one decode step (decode_math.py; a CUDA graph replay on GPUs), and each
-token is drawn as generate() draws it (token_sampling.py), so the random numbers drawn are generate()'s.
+token is drawn as generate() draws it (token_sampling.py; on GPUs by draw_kernel.py's kernels from the same random
+numbers), so the random numbers drawn are generate()'s.
 sampler.py calls it (`generate_in_calls`) for the calls it supports and transformers' generate for the rest
 (`unsupported_options` names why). `auto_decode_graphs` is the one check of whether a model can take this path at
 all (`model_blockers`, `state_blockers`, `graph_blockers`).
@@ -68,7 +69,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
              graphs: bool | None = None, share_prompts: bool | None = None, prefill_bucket: int | None = None,
              experts: str = "model", say=print, lora: str = "peft", autocast: torch.dtype | None = None,
              logprobs: bool = False, glue: str = "eager", attention_kernel: str = "triton",
-             projection_kernel: str = "triton"):
+             projection_kernel: str = "triton", draw_kernel: str = "triton"):
     """Prompt + sampled completion ids [B, prompt + n], as transformers' generate() returns them (n <= max_new_tokens;
     finished rows padded with pad_token_id; stops when every row has emitted an end token). logprobs=True: also the
     log-probability [B, n] (float32) of each sampled token under the distribution it was drawn from (log_softmax of
@@ -83,8 +84,9 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     CUDA: decode_glue.glue_for; how it runs is said once through `say`). attention_kernel: the GPU's attention kernel,
     "triton" (decode_attention.py) or "flex" (flex attention's, to time against it; decode_math.attention_function).
     projection_kernel: the GPU's attention projections, "triton" (decode_linear.py) or "cublas" (cuBLAS's products,
-    to time against it; decode_math.projection_linear).
-    The random numbers drawn are generate()'s: one torch.multinomial over all rows per step, nothing in the prefill.
+    to time against it; decode_math.projection_linear). draw_kernel: how the GPU draws each token, "triton"
+    (draw_kernel.py) or "torch" (torch's ops, to time against it; token_sampling.draw).
+    The random numbers drawn are generate()'s: one torch.multinomial's over all rows per step, nothing in the prefill.
     The loop is transformers 5.17-5.24's GenerationMixin._sample: warpers, draw, pad after a row's end, stop when every
     row has ended.
     """
@@ -107,7 +109,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     new_tokens, new_logprobs = [], []
     for n in range(max_new):
         before_draw = random_state(device)
-        chosen, picked = draw(warpers(input_ids, logits), g.do_sample, logprobs)
+        chosen, picked = draw(warpers(input_ids, logits), g.do_sample, logprobs, draw_kernel)
         if n > 0 and ends.ended(n - 1):
             # every row had ended at the token before: this draw and the step before it ran ahead of the check,
             # so drop the token and give back its random numbers, as if the loop had stopped there

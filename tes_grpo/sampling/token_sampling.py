@@ -39,11 +39,24 @@ def logits_warpers(generation_config):
     return warpers
 
 
-def draw(scores: torch.Tensor, do_sample: bool, logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+DRAW_KERNELS = ("triton", "torch")  # draw's kernels on CUDA: draw_kernel.py's three launches, or torch's ops
+
+
+def draw(scores: torch.Tensor, do_sample: bool, logprobs: bool,
+         kernel: str = "triton") -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each row's next token from warped scores [B, vocab] (one torch.multinomial over all rows when sampling, as
     transformers 5.17-5.24's GenerationMixin._sample draws; argmax otherwise) and, when `logprobs`, its
     log-probability under the distribution it was drawn from (log_softmax of the scores at the chosen token), else
-    None."""
+    None. kernel: how a sampling draw runs on CUDA, "triton" (draw_kernel.draw: the same random numbers and
+    distribution in three launches; its docstring says where a token can differ) or "torch" (these ops, to time
+    against it); elsewhere torch's ops, whatever `kernel` says."""
+    if kernel not in DRAW_KERNELS:
+        raise ValueError(f"token_sampling.draw: kernel must be one of {DRAW_KERNELS}, got {kernel!r}")
+    if do_sample and kernel == "triton" and scores.is_cuda:
+        from tes_grpo.sampling import draw_kernel  # Triton: only where a GPU samples
+
+        chosen, picked = draw_kernel.draw(scores)
+        return chosen, (picked if logprobs else None)
     if do_sample:
         chosen = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
     else:

@@ -30,10 +30,12 @@ sampler `paths.sampler` names (sampling/sampler.py). The settings:
 
 graph_decode attends with decode_attention.py's Triton kernel on a GPU and eagerly elsewhere, and computes the
 attention projections (with the adapter's output in PEFT's order) with decode_linear.py's Triton kernel on a GPU
-where they are bf16 and with F.linear elsewhere (both said on the decoding line; no setting: each computes the
-training forward's arithmetic). Besides these, `install` writes flex attention's padded masks as each row's bounds,
-keeps transformers from switching the experts for decoding, and on a CPU has TRL score completion positions only:
-library patches (tes_grpo/patches/) that only buy speed, so they are chosen here too.
+where they are bf16 and with F.linear elsewhere, and draws each token with draw_kernel.py's Triton kernels on a GPU
+(torch.multinomial's random numbers and distribution) and with torch.multinomial elsewhere (all said on the decoding
+line; no setting: each computes the training forward's arithmetic, or torch's draw). Besides these, `install`
+writes flex attention's padded masks as each row's bounds, keeps transformers from switching the experts for
+decoding, and on a CPU has TRL score completion positions only: library patches (tes_grpo/patches/) that only buy
+speed, so they are chosen here too.
 """
 
 from __future__ import annotations
@@ -186,6 +188,7 @@ def choose(s, trainer, cuda: bool, generation_sequences: int | None = None) -> F
                       + ("F.linear (merged weights)" if s.DECODE_LORA == "merged"
                          else f"F.linear ({blocker})" if blocker is not None
                          else "decode_linear.py's kernel (GPU; each layer whose weights and adapter are bf16)")
+                      + "; draws: " + ("draw_kernel.py's kernels (GPU)" if cuda else "torch.multinomial (no GPU)")
                       if graphs else "; DECODE_GLUE=compiled unused: it is graph_decode's"
                       if s.DECODE_GLUE == "compiled" else "")
                    + (f"; {generation_sequences} of the {batch} sequences a call, as memory allows" if split else "")
