@@ -5,7 +5,7 @@ if both took the scaling wrong. Small integers, so every float32 sum is exact an
 
 import pytest
 import torch
-from triton_interpreter import interpreted
+from triton_interpreter import interpreted, runtime_loops
 
 pytest.importorskip("triton", reason="requirements-test.txt installs triton (its interpreter runs these on CPU)")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -14,6 +14,10 @@ BF16 = torch.bfloat16
 SIZES = (40, 24, 24)  # q, k and v in small, read from the same rows
 K = 200  # not a whole number of BLOCK_K blocks
 SMALL_TILES = (16, 64, 4, 1)  # (BLOCK_N, BLOCK_K, warps, stages): small tiles keep the interpreter quick
+# the kernel's `range(0, K, BLOCK_K)`: where Triton's interpreter cannot run it (the GPU machine's Triton 3.6 under
+# NumPy 2.5), CI's stack (Triton 3.9) checks the unfolded scaling; on CUDA only the recipe's folded one is checked
+runs_kernel = runtime_loops("CI's stack (Triton 3.9) runs this check; on CUDA tests/gpu_cuda_test.py checks the "
+                            "compiled kernel at the recipe's scaling (2, folded into B)")
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +54,7 @@ def peft_projections(rank: int, alpha: float, rslora: bool, seed: int = 0):
     return model.eval()
 
 
+@runs_kernel
 @pytest.mark.parametrize("rank, alpha, rslora, scaling", [
     (4, 6, False, 1.5),  # alpha / r
     (4, 5, True, 2.5),  # rsLoRA: alpha / sqrt(r)
