@@ -6,16 +6,17 @@ torch.multinomial(softmax(s), 1) draws one sample as argmax_i p_i / q_i with q ~
 checks it on the torch at hand). Here q comes from that same call on the scores' shape, so the random numbers drawn
 and the generator's state after are torch.multinomial's, and generate()'s. The kernels then read the scores twice
 and q once, where torch's path (softmax, the multinomial's checks, exponential, division, argmax, and the recorded
-log-probability's logsumexp and gather) launches ~15 kernels and reads the vocabulary ~10 times (BENCHMARKS.md):
+log-probability's logsumexp and gather) launches a kernel for each operation and reads the vocabulary in most of
+them (BENCHMARKS.md times both):
 - max_kernel: each (row, chunk) program's largest score;
 - pick_kernel: with the row's maximum m from those, its chunk's sum of e_i = exp(s_i - m) and its first largest
   e_i / q_i (p_i / q_i times the row's constant sum, so the same argmax);
 - finish_kernel: per row, the chunk with the largest quotient (the first of equal ones), the token, and its
   log-probability s_c - m - log(sum e), the log_softmax that torch.logsumexp gives.
 The token is torch's unless two candidates' quotients lie within a few float32 roundings of each other (the
-exponentials and the sum are computed in another order and with Triton's exp): the same distribution, a draw that
-differs from torch's about once in millions. The scores must be finite or -inf (what the warpers mask): torch's
-multinomial stops on NaN or +inf; these kernels do not check.
+exponentials and the sum are computed in another order and with Triton's exp): the same distribution, and a draw
+that differs from torch's only at such a near tie (none in the draws tests/gpu_cuda_test.py compares). The scores
+must be finite or -inf (what the warpers mask): torch's multinomial stops on NaN or +inf; these kernels do not check.
 
 On the CPU the same kernels run under Triton's interpreter (TRITON_INTERPRET=1 when this module is imported), which
 is how the tests check them. The kernels call only triton.language's builtins (tl.reduce with this module's combine
