@@ -40,7 +40,7 @@ def torchs_pick(scores, noise):
 # (rows, vocabulary, chunks, masked: every other column -inf in row 0 as a top-k warper leaves it, dtype)
 CASES = [
     (3, 5000, 1, False, torch.float32),  # one chunk, the last block part vocabulary, part padding
-    (3, 5000, 4, False, torch.float32),  # chunks of 2 blocks, the last one part padding
+    (3, 5000, 4, False, torch.float32),  # chunks of 1 block: the third part padding, the fourth empty
     (2, 9000, 2, True, torch.float32),  # masked scores (-inf) are never drawn and add nothing to the sum
     (1, 2048, 1, False, torch.float32),  # one row, one whole block
     (2, 6000, 3, False, torch.bfloat16),  # bf16 scores, widened; 3 chunks (not a power of two)
@@ -71,14 +71,35 @@ def test_a_sharp_distribution_draws_its_favourite():
     assert chosen.tolist() == [4321, 4321] and logprob.abs().max() < 1e-6
 
 
-def test_equal_quotients_in_two_chunks_give_the_first_column():
-    # torch's argmax takes the first of equal maxima: so must the lanes, the chunk and the chunks
-    scores = torch.zeros(1, 5000)
-    noise = torch.full((1, 5000), 4.0)
-    for column in (70, 2500, 4999):  # in chunks 0, 1 and 2 (of 4): equal quotients, the first must win
-        noise[0, column] = 0.5
-    chosen, _ = dk.draw(scores, noise, chunks=4)
-    assert chosen.tolist() == [70]
+# (vocabulary, block, chunks, columns of equal quotients, the column drawn): torch's argmax takes the first of equal
+# maxima, so must each lane over its loop steps, the lanes of a chunk and the chunks
+TIES = [
+    (64, 16, 1, (3, 19), 3),  # one lane (3), loop steps 0 and 1: the lane keeps its first
+    (64, 16, 1, (12, 5), 5),  # one loop step, lanes 12 and 5: the chunk takes the lower column
+    (5000, 2048, 4, (70, 2500, 4999), 70),  # chunks 0, 1 and 2 of 4: the first chunk's
+]
+
+
+@pytest.mark.parametrize("vocab, block, chunks, tied, expected", TIES)
+def test_equal_quotients_give_the_first_column(vocab, block, chunks, tied, expected):
+    scores = torch.zeros(1, vocab)
+    noise = torch.full((1, vocab), 4.0)
+    noise[0, list(tied)] = 0.5
+    chosen, _ = dk.draw(scores, noise, chunks=chunks, block=block)
+    assert chosen.tolist() == [expected]
+
+
+def test_large_scores_are_taken_relative_to_the_rows_largest():
+    # exp of a score above ~88 overflows float32: the kernels subtract each row's largest score (from every block of
+    # every chunk) first. Row 0: one score of 150 in the third block of its chunk, drawn with log-probability ~0;
+    # row 1: every score shifted up by 120, the same token and log-probability as unshifted
+    scores, noise = scores_and_noise(2, 5000)
+    scores[0, 4500] = 150.0
+    scores[1] += 120.0
+    chosen, logprob = dk.draw(scores, noise, chunks=1)
+    expected, expected_logprob = torchs_pick(scores, noise)
+    assert torch.equal(chosen, expected) and chosen[0] == 4500
+    assert (logprob.double() - expected_logprob).abs().max() < 1e-4  # float32 scores near 120 keep ~1e-5
 
 
 def test_many_draws_follow_the_distribution():
@@ -121,6 +142,20 @@ def test_torchs_multinomial_draws_as_argmax_over_exponential_numbers():
     torch.manual_seed(5)
     assert torch.equal(drawn, (probs / torch.empty_like(probs).exponential_()).argmax(-1))
     assert torch.equal(after, torch.get_rng_state())
+
+
+def test_cuda_scores_go_to_the_kernels_unless_torch_is_asked(monkeypatch):
+    # token_sampling.draw's choice, without a GPU: scores that say they are on CUDA reach draw_kernel.draw,
+    # kernel="torch" keeps torch's ops
+    calls = []
+    monkeypatch.setattr(dk, "draw", lambda scores: calls.append(scores) or (torch.tensor([1]), torch.tensor([-0.5])))
+    on_cuda = type("CudaScores", (), {"is_cuda": True})()
+    chosen, logprob = token_sampling.draw(on_cuda, True, True)
+    assert calls == [on_cuda] and chosen.tolist() == [1] and logprob.tolist() == [-0.5]
+    assert token_sampling.draw(on_cuda, True, False)[1] is None  # no log-probability asked: none returned
+    token_sampling.draw(torch.zeros(2, 8), True, True, kernel="torch")
+    token_sampling.draw(torch.zeros(2, 8), True, True)  # CPU scores: torch's ops whatever the kernel
+    assert len(calls) == 2
 
 
 def test_draw_refuses_an_unknown_kernel():

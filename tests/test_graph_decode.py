@@ -115,6 +115,17 @@ def test_sampled_tokens_equal_transformers_with_the_same_seed(model, changes):
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("kernel", [None, "torch"])
+def test_generate_passes_its_draw_kernel_to_every_draw(model, monkeypatch, kernel):
+    # on a GPU "triton" draws with draw_kernel.py, "torch" (bench_generate.py's _torchdraw) with torch's ops
+    real, seen = graph_decode.draw, []
+    monkeypatch.setattr(graph_decode, "draw", lambda *args: seen.append(args[3]) or real(*args))
+    ids, mask = left_padded_prompts()
+    options = {} if kernel is None else {"draw_kernel": kernel}
+    graph_decode.generate(model, ids, mask, trl_config(max_new_tokens=4, eos_token_id=[10_000]), **options)
+    assert seen == [kernel or "triton"] * 4
+
+
 def test_sampling_stops_with_every_row_ended_and_leaves_the_random_state_as_transformers_does(model):
     # the loop reads "every row ended" one token late (no GPU wait a token): the token drawn past the end is
     # dropped and its random numbers given back, so the next draw of the caller (the next GRPO step) is the same

@@ -138,9 +138,9 @@ def test_fused_head_matches_full_logits(tiny_lora, monkeypatch, one_torch_thread
         scale = full[name].abs().max()
         assert scale > 0, name
         # float32 sums in another order: an element that cancels to ~1e-3 of the gradient's largest can differ by
-        # ~2e-4 of that largest (torch 2.11's CPU kernels, the GPU machine's: 1.7e-4 in 1 of 256); a wrong head
-        # (a chunk dropped, the temperature missed) differs by the gradient's own size
-        torch.testing.assert_close(fused[name], full[name], rtol=1e-4, atol=1e-3 * scale.item(),
+        # ~2e-4 of that largest (torch 2.11's CPU kernels, the GPU machine's: 1.7e-4 in 1 of 256; 5e-4 leaves 3x);
+        # a wrong head (a chunk dropped, the temperature missed) differs by the gradient's own size
+        torch.testing.assert_close(fused[name], full[name], rtol=1e-4, atol=5e-4 * scale.item(),
                                    msg=lambda detail, name=name: f"{name}: {detail}")
 
 

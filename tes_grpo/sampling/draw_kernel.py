@@ -126,19 +126,21 @@ def _processors(device_index: int) -> int:
 
 def chunks_for(rows: int, vocab: int, processors: int) -> int:
     """Chunks a row's vocabulary is cut into: enough that rows x chunks reach PROGRAMS_PER_PROCESSOR programs a
-    multiprocessor, a power of two, at most MAX_CHUNKS and no more than BLOCK-sized pieces of the vocabulary
-    (64 rows on an H100 or H200: 16 chunks of ~12,600 of gpt-oss's 201,088 tokens)."""
+    multiprocessor, a power of two, at most MAX_CHUNKS and at most the power of two at or above the vocabulary's
+    BLOCK-sized pieces. draw gives each chunk a whole number of blocks, so the last chunks can be short or empty (64
+    rows on an H100 or H200: 16 chunks of 14,336 of gpt-oss's 201,088 tokens, the 15th 384, the 16th empty)."""
     wanted = -(-PROGRAMS_PER_PROCESSOR * processors // max(rows, 1))
     return max(1, min(triton.next_power_of_2(wanted), MAX_CHUNKS, triton.next_power_of_2(-(-vocab // BLOCK))))
 
 
 def draw(scores: torch.Tensor, noise: torch.Tensor | None = None, chunks: int | None = None,
          block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """(each row's token [B] int64, its log-probability [B] float32) for scores [B, vocab] (float32 or bf16, the
-    last dimension contiguous), as token_sampling.draw's torch.multinomial(softmax(scores), 1) and log_softmax give
-    them. noise: q [B, vocab] float32 (default: drawn here as torch.multinomial draws it, from the default generator
-    of the scores' device; the tests pass their own). chunks: see chunks_for (None: chunks_for this GPU). block: scores
-    a program reads per loop step, a power of two (the tests shrink it for tiny vocabularies)."""
+    """(each row's token [B] int64, its log-probability [B] float32) for scores [B, vocab] float32, the last
+    dimension contiguous, as token_sampling.draw's torch.multinomial(softmax(scores), 1) and log_softmax give them
+    (bf16 scores are widened, with float32 noise where torch would draw bf16 noise for them). noise: q [B, vocab]
+    float32 (default: drawn here as torch.multinomial draws it, from the default generator of the scores' device; the
+    tests pass their own). chunks: see chunks_for (None: chunks_for this GPU). block: scores a program reads per loop
+    step, a power of two (the tests shrink it for tiny vocabularies)."""
     rows, vocab = scores.shape
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
     if noise is None:
