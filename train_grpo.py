@@ -44,7 +44,7 @@ from pathlib import Path
 from tes_grpo.run import choices
 from tes_grpo.run.fileio import InputError
 from tes_grpo.run.presets import presets_for
-from tes_grpo.run.processes import is_main_process, process_count, say
+from tes_grpo.run.processes import interrupts_held, is_main_process, process_count, say
 from tes_grpo.run.script_config import ConfigError, Settings, SettingsError, resolve, save_config
 from tes_grpo.run.train_settings import check_plain_settings, expert_layers, read_environment
 from tes_grpo.task.harmony import REASONING_EFFORTS as _EFFORTS
@@ -437,7 +437,8 @@ def main(argv: list[str] | None = None, callbacks=()) -> int:
         start = preflight(settings)  # no torch yet: a bad folder, data file or model stops within a second or two
         if start["finished"]:
             return 0
-        import torch
+        with interrupts_held():  # a Ctrl-C inside torch's C++ start-up would abort the process
+            import torch
 
         from tes_grpo.run.oom import StepWatch, out_of_memory_message, use_expandable_segments
         from tes_grpo.training.memory_plan import no_plan_reason

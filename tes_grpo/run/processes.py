@@ -9,12 +9,16 @@ LOCAL_RANK and WORLD_SIZE come from the environment, and:
 - `gather_on_main(items)` collects a list from every rank on rank 0 (in rank order), so a log is written once
   with every process's rows;
 - `wait_for_everyone()` is a barrier (for example before renaming a folder other ranks were writing into);
-- `uses_fsdp()` says whether accelerate shards the weights (FSDP), which changes how a model is loaded.
+- `uses_fsdp()` says whether accelerate shards the weights (FSDP), which changes how a model is loaded;
+- `interrupts_held()` holds a Ctrl-C until a block (the import of torch) ends, then raises it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
 
 
 def process_count() -> int:
@@ -110,3 +114,23 @@ def gather_on_main(items: list) -> list | None:
 
 __all__ = ["SayOnce", "gather_on_main", "is_main_process", "local_rank", "process_count", "process_rank", "say",
            "start_process_group", "uses_fsdp", "wait_for_everyone"]
+
+
+@contextlib.contextmanager
+def interrupts_held():
+    """Holds a Ctrl-C (SIGINT) that arrives inside the block and raises it as KeyboardInterrupt when the block ends.
+    For `import torch`: its C++ initialisation runs Python code through pybind11, and a KeyboardInterrupt raised in
+    there can abort the process (torch 2.13: "terminate called after throwing an instance of
+    'pybind11::error_already_set'", exit -6) instead of unwinding to the caller's Ctrl-C message. Outside the main
+    thread, where Python cannot set a signal handler, the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        raise KeyboardInterrupt
