@@ -120,8 +120,9 @@ __all__ = ["SayOnce", "gather_on_main", "is_main_process", "local_rank", "proces
 def interrupts_held():
     """Holds a Ctrl-C (SIGINT) that arrives inside the block and raises it as KeyboardInterrupt when the block ends.
     For `import torch`: its C++ initialisation runs Python code through pybind11, and a KeyboardInterrupt raised in
-    there can abort the process (torch 2.13: "terminate called after throwing an instance of
-    'pybind11::error_already_set'", exit -6) instead of unwinding to the caller's Ctrl-C message. Outside the main
+    there can abort the process ("terminate called after throwing an instance of 'pybind11::error_already_set'",
+    exit -6; seen on the CPU about once in 20 Ctrl-Cs 0.2 s into the import) instead of unwinding to the caller's
+    Ctrl-C message. Outside the main
     thread, where Python cannot set a signal handler, the block runs as it is."""
     if threading.current_thread() is not threading.main_thread():
         yield
